@@ -1,0 +1,35 @@
+# The two commands of the README: `make run` (the embedded pipeline) and `make test`.
+# Both create .venv with the project installed when it is missing or pyproject.toml changed.
+# On a machine without an NVIDIA GPU torch comes in as torch==2.13.0, the CPU build; with
+# one, the normal (CUDA) torch. Pass pipeline options with ARGS="--only dedup --force".
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+ARGS ?=
+PYTEST_ARGS ?=
+
+.PHONY: run test install clean
+
+run: $(STAMP)
+	$(PY) pipelines/full.py $(ARGS)
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then \
+		$(PY) -m pip install --quiet torch; \
+	else \
+		$(PY) -m pip install --quiet torch==2.13.0; \
+	fi
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $(STAMP)
+
+clean:
+	rm -rf $(VENV) work data .pytest_cache

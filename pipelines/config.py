@@ -1,0 +1,427 @@
+"""Pipeline configuration: YAML in, typed dataclasses out, every bad key named.
+
+A config is data (torchtitan style): one dataclass per section, defaults that are the embedded
+laptop run, and one generic validator that walks the type hints. Anything a user can get wrong
+(an unknown key, a wrong type, a value out of range, a path that matches nothing) raises
+`ConfigError` with the dotted key and what was expected, which the CLI turns into exit code 2.
+`--set a.b=c` overrides go through the same validator, typed by the field they target.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import glob
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A bad config value; str() is the one line the user sees."""
+
+    def __init__(self, key: str, message: str):
+        self.key = key
+        super().__init__(f"config key '{key}': {message}" if key else message)
+
+
+# --------------------------------------------------------------------------- sections
+
+
+@dataclass
+class SourceConfig:
+    """One raw source; `format` picks the reader (see design.md, Sources in a config)."""
+
+    name: str
+    format: Literal["pile", "pushshift", "text", "jsonl"]
+    paths: list[str]
+    text_field: str = "text"
+    id_field: str | None = None
+
+    def validate(self, key: str) -> None:
+        if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
+            raise ConfigError(f"{key}.name", f"expected a short name of letters, digits, '-' or '_', got {self.name!r}")
+        if not self.paths:
+            raise ConfigError(f"{key}.paths", "expected at least one path or glob")
+
+
+@dataclass
+class RayConfig:
+    """How Ray starts when RAY_ADDRESS is not set (with it set, the cluster decides)."""
+
+    num_cpus: int | None = None  # None: all cores of this machine
+    progress_bars: bool = True  # forced off under pytest
+
+    def validate(self, key: str) -> None:
+        if self.num_cpus is not None and self.num_cpus < 1:
+            raise ConfigError(f"{key}.num_cpus", f"expected an integer >= 1 or null, got {self.num_cpus}")
+
+
+@dataclass
+class MlflowConfig:
+    tracking_uri: str | None = None  # None: sqlite:///<workdir>/mlflow.db
+    experiment: str | None = None  # None: the config file's name (local, opt-175b, ...)
+
+
+@dataclass
+class NormalizeConfig:
+    ftfy: bool = True  # ftfy.fix_text: mojibake, HTML entities, bad unicode
+    whitespace: bool = True  # OPT's "ad-hoc whitespace normalization"
+    strip_boilerplate: bool = True  # Gutenberg licence, "Chapter One" lines
+    min_chars: int = 1  # shorter documents are dropped, with the reason written down
+
+    def validate(self, key: str) -> None:
+        if self.min_chars < 0:
+            raise ConfigError(f"{key}.min_chars", f"expected an integer >= 0, got {self.min_chars}")
+
+
+@dataclass
+class DedupConfig:
+    threshold: float = 0.95  # OPT: drop documents with Jaccard >= 0.95 to another one
+    ngram: int = 5  # word n-gram shingles
+    lowercase: bool = True
+    num_perm: int = 128
+    seed: int = 1234
+
+    def validate(self, key: str) -> None:
+        if not 0.0 < self.threshold <= 1.0:
+            raise ConfigError(f"{key}.threshold", f"expected a Jaccard similarity in (0, 1], got {self.threshold}")
+        if self.ngram < 1:
+            raise ConfigError(f"{key}.ngram", f"expected an integer >= 1, got {self.ngram}")
+        if self.num_perm < 1:
+            raise ConfigError(f"{key}.num_perm", f"expected an integer >= 1, got {self.num_perm}")
+
+
+@dataclass
+class ScreenConfig:
+    enabled: bool = True
+    proxy_model: str = "tiny"  # OPT screened at 1.3B
+    steps: int = 50
+    seeds: int = 2
+
+    def validate(self, key: str) -> None:
+        if self.steps < 1:
+            raise ConfigError(f"{key}.steps", f"expected an integer >= 1, got {self.steps}")
+        if self.seeds < 1:
+            raise ConfigError(f"{key}.seeds", f"expected an integer >= 1, got {self.seeds}")
+
+
+@dataclass
+class TokenizerConfig:
+    kind: Literal["train", "gpt2"] = "train"  # train: byte-level BPE trained on the corpus (offline default)
+    vocab_size: int = 50272  # OPT's vocabulary, padded to a multiple of 8
+    vocab: str | None = None  # gpt2: GPT-2's vocab.json
+    merges: str | None = None  # gpt2: GPT-2's merges.txt
+
+    def validate(self, key: str) -> None:
+        if self.vocab_size < 260:
+            raise ConfigError(f"{key}.vocab_size", f"expected an integer >= 260 (bytes + specials), got {self.vocab_size}")
+        if self.kind == "gpt2":
+            for name in ("vocab", "merges"):
+                if getattr(self, name) is None:
+                    raise ConfigError(f"{key}.{name}", "required when kind is 'gpt2' (GPT-2's BPE files)")
+
+
+@dataclass
+class TokenizeConfig:
+    seq_len: int = 2048  # OPT; blocks are seq_len + 1 tokens (input and shifted target)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    seed: int = 0
+    validation_fraction: float = 0.0025  # OPT: ~200 MB of ~800 GB
+
+    def validate(self, key: str) -> None:
+        if self.seq_len < 1:
+            raise ConfigError(f"{key}.seq_len", f"expected an integer >= 1, got {self.seq_len}")
+        if not 0.0 <= self.validation_fraction < 1.0:
+            raise ConfigError(f"{key}.validation_fraction", f"expected a fraction in [0, 1), got {self.validation_fraction}")
+
+
+@dataclass
+class TrainConfig:
+    model: str = "tiny"  # a name from model.configs: tiny, 125m, ..., 175b
+    workers: int = 2  # Ray Train workers
+    gpus_per_worker: int = 0
+    cpus_per_worker: float = 0.5  # fractional locally, so Ray Data can still schedule
+    zero_stage: int = 2
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    micro_batch_size: int = 4  # sequences per worker per step
+    global_batch_tokens: int | None = None  # None: the model's batch from OPT's Table 1
+    lr: float | None = None  # None: the model's peak LR from OPT's Table 1
+    warmup_tokens: int = 375_000_000
+    total_tokens: int = 300_000_000_000
+    max_steps: int | None = None
+    grad_clip: float = 1.0
+    activation_checkpointing: bool = False
+    checkpoint_every: int = 100
+    seed: int = 0
+
+    def validate(self, key: str) -> None:
+        for name in ("workers", "micro_batch_size", "checkpoint_every"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{key}.{name}", f"expected an integer >= 1, got {getattr(self, name)}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"{key}.zero_stage", f"expected 0, 1, 2 or 3, got {self.zero_stage}")
+        if self.gpus_per_worker < 0 or self.cpus_per_worker <= 0:
+            raise ConfigError(f"{key}.cpus_per_worker", "expected cpus_per_worker > 0 and gpus_per_worker >= 0")
+        if self.grad_clip <= 0:
+            raise ConfigError(f"{key}.grad_clip", f"expected a positive number, got {self.grad_clip}")
+
+
+@dataclass
+class PipelineConfig:
+    """The whole pipeline. `local.yaml` is these defaults plus the sample corpus."""
+
+    sources: list[SourceConfig]
+    workdir: str = "work"
+    sample_corpus: str | None = None  # when set and missing: generate the sample corpus here
+    ray: RayConfig = field(default_factory=RayConfig)
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    normalize: NormalizeConfig = field(default_factory=NormalizeConfig)
+    dedup: DedupConfig = field(default_factory=DedupConfig)
+    screen: ScreenConfig = field(default_factory=ScreenConfig)
+    tokenize: TokenizeConfig = field(default_factory=TokenizeConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    name: str = "pipeline"  # set from the config file's name at load
+
+    def validate(self, key: str) -> None:
+        names = [s.name for s in self.sources]
+        for i, n in enumerate(names):
+            if n in names[:i]:
+                raise ConfigError(f"sources[{i}].name", f"duplicate source name {n!r}")
+        if not self.sources:
+            raise ConfigError("sources", "expected at least one source")
+
+
+# --------------------------------------------------------------------------- loading
+
+
+def load_config(path: str | os.PathLike | None, overrides: list[str] = (), workdir: str | None = None) -> PipelineConfig:
+    """Read YAML, apply `--set key=value` overrides and `--workdir`, validate, resolve paths.
+
+    Relative paths (workdir, sample_corpus, source globs) are resolved against the current
+    directory, which is the job's working directory under `ray job submit`.
+    """
+    path = Path(path) if path is not None else default_config_path()
+    if not path.is_file():
+        raise ConfigError("", f"config file {str(path)!r} does not exist")
+    try:
+        raw = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as exc:
+        raise ConfigError("", f"config file {str(path)!r} is not valid YAML: {' '.join(str(exc).split())}") from exc
+    if not isinstance(raw, dict):
+        raise ConfigError("", f"config file {str(path)!r} must be a mapping of sections, got {type(raw).__name__}")
+    raw.setdefault("name", path.stem)
+    for item in overrides:
+        apply_override(raw, item)
+    if workdir is not None:
+        raw["workdir"] = workdir
+    config = from_dict(PipelineConfig, raw, "")
+    return _resolve_paths(config)
+
+
+def default_config_path() -> Path:
+    return Path(__file__).resolve().parents[1] / "configs" / "local.yaml"
+
+
+def apply_override(raw: dict, item: str) -> None:
+    """`a.b.c=value` (or `sources.0.paths=[...]`): value typed by the field it targets."""
+    key, sep, text = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+        raise ConfigError("", f"--set expects dotted.key=value, got {item!r}")
+    parts = key.split(".")
+    target_type = _type_at(PipelineConfig, parts, key)
+    if _is_str_type(target_type):
+        value: Any = text  # verbatim: `--set mlflow.experiment=2024` stays a string
+    else:
+        try:
+            value = yaml.safe_load(text)
+        except yaml.YAMLError:
+            raise ConfigError(key, f"--set value {text!r} is not a valid YAML value") from None
+    node: Any = raw
+    for depth, part in enumerate(parts[:-1]):
+        here = ".".join(parts[: depth + 1])
+        if isinstance(node, list):
+            node = node[_list_index(part, node, here)]
+            continue
+        if node.get(part) is None:
+            node[part] = {}
+        node = node[part]
+        if not isinstance(node, (dict, list)):
+            raise ConfigError(here, f"expected a mapping, got {_describe(node)}")
+    last = parts[-1]
+    if isinstance(node, list):
+        node[_list_index(last, node, key)] = value
+    else:
+        node[last] = value
+
+
+def _list_index(part: str, node: list, key: str) -> int:
+    if not part.isdigit() or int(part) >= len(node):
+        raise ConfigError(key, f"expected a list index below {len(node)}, got {part!r}")
+    return int(part)
+
+
+def _type_at(cls: type, parts: list[str], key: str) -> Any:
+    """The declared type at a dotted path, so that unknown keys fail before anything is set."""
+    tp: Any = cls
+    for depth, part in enumerate(parts):
+        here = ".".join(parts[: depth + 1])
+        tp = _strip_optional(tp)
+        if dataclasses.is_dataclass(tp):
+            hints = typing.get_type_hints(tp)
+            if part not in hints:
+                raise ConfigError(here, f"unknown key; expected one of: {', '.join(hints)}")
+            tp = hints[part]
+        elif typing.get_origin(tp) is list:
+            if not part.isdigit():
+                raise ConfigError(here, "expected a list index")
+            tp = typing.get_args(tp)[0]
+        else:
+            raise ConfigError(here, f"cannot set a key inside a value of type {_type_name(tp)}")
+    return tp
+
+
+def _strip_optional(tp: Any) -> Any:
+    args = typing.get_args(tp)
+    if _is_union(tp) and type(None) in args:
+        rest = [a for a in args if a is not type(None)]
+        if len(rest) == 1:
+            return rest[0]
+    return tp
+
+
+def _is_union(tp: Any) -> bool:
+    return typing.get_origin(tp) in (typing.Union, types.UnionType)
+
+
+def _is_str_type(tp: Any) -> bool:
+    return _strip_optional(tp) is str
+
+
+def _type_name(tp: Any) -> str:
+    if _is_union(tp):
+        return " or ".join("null" if a is type(None) else _type_name(a) for a in typing.get_args(tp))
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        return "one of " + ", ".join(repr(a) for a in typing.get_args(tp))
+    if origin is list:
+        return f"a list of {_type_name(typing.get_args(tp)[0])}"
+    if dataclasses.is_dataclass(tp):
+        return "a mapping"
+    return {int: "an integer", float: "a number", bool: "true or false", str: "a string"}.get(tp, getattr(tp, "__name__", str(tp)))
+
+
+def from_dict(tp: Any, value: Any, key: str) -> Any:
+    """Build `tp` from YAML data, checking every type; errors name the dotted key."""
+    if _is_union(tp):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return from_dict(arg, value, key)
+            except ConfigError as exc:
+                errors.append(exc)
+        if len(errors) == 1:
+            raise errors[0]
+        raise ConfigError(key, f"expected {_type_name(tp)}, got {_describe(value)}")
+    origin = typing.get_origin(tp)
+    if origin is Literal:
+        if value not in typing.get_args(tp):
+            raise ConfigError(key, f"expected {_type_name(tp)}, got {_describe(value)}")
+        return value
+    if origin is list:
+        if not isinstance(value, list):
+            raise ConfigError(key, f"expected {_type_name(tp)}, got {_describe(value)}")
+        (item_tp,) = typing.get_args(tp)
+        return [from_dict(item_tp, v, f"{key}[{i}]") for i, v in enumerate(value)]
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(key, f"expected a mapping, got {_describe(value)}")
+        hints = typing.get_type_hints(tp)
+        for k in value:
+            if k not in hints:
+                raise ConfigError(_join(key, str(k)), f"unknown key; expected one of: {', '.join(hints)}")
+        kwargs = {}
+        for f in dataclasses.fields(tp):
+            if f.name in value:
+                kwargs[f.name] = from_dict(hints[f.name], value[f.name], _join(key, f.name))
+            elif f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+                raise ConfigError(_join(key, f.name), f"missing; expected {_type_name(hints[f.name])}")
+        obj = tp(**kwargs)
+        if hasattr(obj, "validate"):
+            obj.validate(key)
+        return obj
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp in (str, bool):
+        if isinstance(value, tp):
+            return value
+    else:  # pragma: no cover - a type this loader does not know is a bug in the dataclasses
+        raise TypeError(f"unsupported config type {tp!r} at {key}")
+    raise ConfigError(key, f"expected {_type_name(tp)}, got {_describe(value)}")
+
+
+def _join(key: str, name: str) -> str:
+    return f"{key}.{name}" if key else name
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    if len(text) > 60:
+        text = text[:57] + "..."
+    return f"{text} ({'null' if value is None else type(value).__name__})"
+
+
+def _resolve_paths(config: PipelineConfig) -> PipelineConfig:
+    config.workdir = os.path.abspath(config.workdir)
+    if config.mlflow.tracking_uri is None:
+        config.mlflow.tracking_uri = f"sqlite:///{os.path.join(config.workdir, 'mlflow.db')}"
+    if config.mlflow.experiment is None:
+        config.mlflow.experiment = config.name
+    if config.sample_corpus is not None:
+        config.sample_corpus = os.path.abspath(config.sample_corpus)
+    for source in config.sources:
+        source.paths = [os.path.abspath(os.path.expanduser(p)) for p in source.paths]
+    tok = config.tokenize.tokenizer
+    tok.vocab = os.path.abspath(tok.vocab) if tok.vocab else None
+    tok.merges = os.path.abspath(tok.merges) if tok.merges else None
+    return config
+
+
+def check_inputs_exist(config: PipelineConfig) -> None:
+    """Every input file named in the config must exist: checked before any stage starts."""
+    tok = config.tokenize.tokenizer
+    for name in ("vocab", "merges"):
+        path = getattr(tok, name)
+        if path is not None and not os.path.isfile(path):
+            raise ConfigError(f"tokenize.tokenizer.{name}", f"file {path!r} does not exist")
+    for i, source in enumerate(config.sources):
+        for j, pattern in enumerate(source.paths):
+            if not any(os.path.isfile(p) for p in glob.glob(pattern)):
+                raise ConfigError(f"sources[{i}].paths[{j}]", f"no file matches {pattern!r}")
+
+
+def source_files(source: SourceConfig) -> list[str]:
+    """The files a source reads, sorted, each once."""
+    return sorted({p for pattern in source.paths for p in glob.glob(pattern) if os.path.isfile(p)})
+
+
+def section_dict(config: PipelineConfig, section: str) -> Any:
+    """A config section as plain data (what fingerprints and MLflow params are made of)."""
+    value = getattr(config, section)
+    if isinstance(value, list):
+        return [dataclasses.asdict(v) for v in value]
+    return dataclasses.asdict(value)

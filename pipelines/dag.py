@@ -1,0 +1,433 @@
+"""The DAG runner: which stages run, which are cache hits, and outputs that are complete or absent.
+
+A stage is data (`Stage`): a name, the stages it reads, the config section it depends on, the
+modules that are its code, and a function that fills a fresh folder. Its fingerprint is a hash
+of its config section, its code and its inputs' fingerprints (plus, for stages that read
+outside the workdir, the files they read), so an unchanged stage is found in the cache and a
+changed one reruns together with everything downstream of it.
+
+Workdir layout (design.md's contract, plus one folder per completed fingerprint so that
+switching an ablation back and forth is a cache hit, not a recompute):
+
+    WORKDIR/<stage>/manifest.json             the current completed output (a copy of one below)
+    WORKDIR/<stage>/<fp16>/manifest.json      a completed output
+    WORKDIR/<stage>/<fp16>/output/            its data
+    WORKDIR/<stage>/<fp16>/<reason>/          rows set aside (rejects/, dropped/, duplicates/...)
+    WORKDIR/<stage>/<fp16>/stage.log          what the stage logged
+    WORKDIR/<stage>/.partial-<fp16>-<time>/   a stage being written, or one that failed
+
+A stage writes into `.partial-*`; its manifest is written last and the folder is renamed into
+place only then, and the current manifest is replaced atomically after that. A crash at any
+point leaves either the previous current output or the new complete one, never a half output
+that looks done.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import logging
+import os
+import shutil
+import time
+import traceback
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Callable, Iterator, Protocol
+
+from pipelines.config import PipelineConfig, section_dict
+
+log = logging.getLogger("pipelines")
+
+
+class UsageError(ValueError):
+    """A stage selection that cannot be run as asked (exit code 2)."""
+
+
+class StageFailed(RuntimeError):
+    """A stage raised; the previous good output stays current (exit code 1)."""
+
+    def __init__(self, stage: str, reason: str, partial: Path, log_path: Path):
+        self.stage, self.reason, self.partial, self.log_path = stage, reason, partial, log_path
+        super().__init__(
+            f"stage '{stage}' failed: {reason}\n"
+            f"  partial output (not used by later runs): {partial}\n"
+            f"  log: {log_path}"
+        )
+
+
+@dataclass
+class StageResult:
+    """What a stage reports: rows_in must equal rows_out plus every row set aside."""
+
+    rows_in: int
+    rows_out: int
+    set_aside: dict[str, int] = field(default_factory=dict)  # reason -> rows written beside the output
+    metrics: dict[str, float] = field(default_factory=dict)  # anything else worth a number in MLflow
+
+    def counts(self) -> dict[str, int]:
+        return {"rows_in": self.rows_in, "rows_out": self.rows_out, **self.set_aside}
+
+
+@dataclass
+class StageContext:
+    """Everything a stage may touch: its config, its inputs' manifests, and a fresh folder."""
+
+    stage: str
+    config: PipelineConfig
+    section: Any  # the stage's typed config section (config.dedup for dedup, ...)
+    inputs: dict[str, dict]  # input stage -> its manifest
+    folder: Path  # the stage's fresh run folder
+    log: logging.Logger
+    mlflow_run_id: str  # log step metrics here (with config.mlflow.tracking_uri), from any process
+
+    @property
+    def output(self) -> Path:
+        """Where the stage's data goes (documents, shards, checkpoints)."""
+        path = self.folder / "output"
+        path.mkdir(exist_ok=True)
+        return path
+
+    def aside(self, reason: str) -> Path:
+        """Where rows that leave the stage for `reason` are written (beside the output)."""
+        path = self.folder / reason
+        path.mkdir(exist_ok=True)
+        return path
+
+    def input_output(self, stage: str) -> Path:
+        return Path(self.inputs[stage]["output"])
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    inputs: tuple[str, ...]
+    section: str  # the config section whose values are part of the fingerprint
+    run: Callable[[StageContext], StageResult] | None  # None: not built yet
+    code: tuple[str, ...] = ()  # modules whose source text is the stage's code version
+    external: Callable[[PipelineConfig], Any] | None = None  # identity of files read from outside the workdir
+    issue: int | None = None  # the issue that builds it, while run is None
+
+
+class Tracker(Protocol):
+    """What the runner needs from experiment tracking (pipelines.tracking.MlflowTracker)."""
+
+    def stage(self, name: str, params: dict, tags: dict) -> Any: ...
+    def log_metrics(self, metrics: dict[str, float]) -> None: ...
+    def set_tags(self, tags: dict[str, str]) -> None: ...
+
+
+@dataclass
+class Plan:
+    actions: dict[str, str]  # stage -> run | cached | not built | not selected
+    fingerprints: dict[str, str]
+
+
+@dataclass
+class StageOutcome:
+    stage: str
+    status: str  # ran | cached | not built | not selected | blocked
+    fingerprint: str
+    manifest: dict | None = None
+    note: str = ""
+
+
+def code_version(modules: tuple[str, ...]) -> str:
+    """Hash of the source of the modules a stage names: editing the stage's code reruns it."""
+    digest = hashlib.sha256()
+    for name in sorted(modules):
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.origin is None:
+            raise RuntimeError(f"stage code module {name!r} cannot be found")
+        digest.update(name.encode() + b"\0" + Path(spec.origin).read_bytes() + b"\0")
+    return digest.hexdigest()[:16]
+
+
+def fingerprints(config: PipelineConfig, stages: list[Stage]) -> dict[str, str]:
+    """Every stage's fingerprint, in DAG order (each depends on its inputs' fingerprints)."""
+    prints: dict[str, str] = {}
+    for stage in stages:
+        body = {
+            "stage": stage.name,
+            "config": section_dict(config, stage.section),
+            "code": code_version(stage.code),
+            "inputs": {name: prints[name] for name in stage.inputs},
+            "external": stage.external(config) if stage.external else None,
+        }
+        prints[stage.name] = hashlib.sha256(json.dumps(body, sort_keys=True, default=str).encode()).hexdigest()
+    return prints
+
+
+def check_dag(stages: list[Stage]) -> None:
+    seen: set[str] = set()
+    for stage in stages:
+        missing = [i for i in stage.inputs if i not in seen]
+        if missing:
+            raise ValueError(f"stage {stage.name!r} reads {missing} which are not declared before it")
+        if stage.name in seen:
+            raise ValueError(f"stage {stage.name!r} is declared twice")
+        seen.add(stage.name)
+
+
+def select(stages: list[Stage], only: list[str] | None, from_: str | None) -> tuple[list[str], bool]:
+    """The stages asked for, and whether they were named explicitly (--only/--from)."""
+    names = [s.name for s in stages]
+    if only and from_:
+        raise UsageError("--only and --from cannot be used together")
+    for name in list(only or []) + ([from_] if from_ else []):
+        if name not in names:
+            raise UsageError(f"unknown stage {name!r}; stages are: {', '.join(names)}")
+    if only:
+        return [n for n in names if n in only], True
+    if from_:
+        return names[names.index(from_):], True
+    return names, False
+
+
+class Workdir:
+    """The on-disk contract of one workdir: completed outputs, the current one, partials."""
+
+    def __init__(self, root: str | os.PathLike):
+        self.root = Path(root)
+
+    def stage_dir(self, stage: str) -> Path:
+        return self.root / stage
+
+    def completed(self, stage: str, fingerprint: str) -> dict | None:
+        """The manifest of a completed output with this fingerprint, or None."""
+        path = self.stage_dir(stage) / fingerprint[:16] / "manifest.json"
+        try:
+            manifest = json.loads(path.read_text())
+        except (FileNotFoundError, json.JSONDecodeError):
+            return None
+        return manifest if manifest.get("fingerprint") == fingerprint else None
+
+    def current(self, stage: str) -> dict | None:
+        try:
+            return json.loads((self.stage_dir(stage) / "manifest.json").read_text())
+        except FileNotFoundError:
+            return None
+
+    def make_current(self, manifest: dict) -> None:
+        _write_json_atomic(self.stage_dir(manifest["stage"]) / "manifest.json", manifest)
+
+    def new_partial(self, stage: str, fingerprint: str) -> Path:
+        """A fresh folder for a stage to write into; earlier partials of the stage are removed."""
+        stage_dir = self.stage_dir(stage)
+        stage_dir.mkdir(parents=True, exist_ok=True)
+        for old in stage_dir.glob(".partial-*"):
+            shutil.rmtree(old, ignore_errors=True)
+        stamp = datetime.now(timezone.utc).strftime("%Y%m%dT%H%M%S%f")
+        path = stage_dir / f".partial-{fingerprint[:16]}-{stamp}"
+        path.mkdir()
+        return path
+
+    def commit(self, partial: Path, manifest: dict) -> dict:
+        """Manifest last, then the rename into place, then the switch of the current manifest."""
+        final = self.stage_dir(manifest["stage"]) / manifest["fingerprint"][:16]
+        manifest = {**manifest, "output": str(final / "output")}
+        _write_json_atomic(partial / "manifest.json", manifest)
+        if final.exists():  # --force over a completed output with the same fingerprint
+            doomed = final.with_name(f".replaced-{final.name}-{time.time_ns()}")
+            final.rename(doomed)
+            partial.rename(final)
+            shutil.rmtree(doomed, ignore_errors=True)
+        else:
+            partial.rename(final)
+        self.make_current(manifest)
+        return manifest
+
+
+def _write_json_atomic(path: Path, data: dict) -> None:
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+class Runner:
+    """Runs a DAG of stages over one workdir, with caching, tracking and accounting."""
+
+    def __init__(
+        self,
+        config: PipelineConfig,
+        stages: list[Stage],
+        tracker: Tracker,
+        start_engines: Callable[[], None] = lambda: None,
+        say: Callable[[str], None] = print,
+    ):
+        check_dag(stages)
+        self.config = config
+        self.stages = stages
+        self.tracker = tracker
+        self.start_engines = start_engines  # Ray is started only when a stage actually runs
+        self.say = say
+        self.workdir = Workdir(config.workdir)
+
+    def plan(self, only: list[str] | None = None, from_: str | None = None, force: bool = False) -> Plan:
+        """What each stage will do; raises UsageError for a selection that cannot run. No side effects."""
+        selected, explicit = select(self.stages, only, from_)
+        by_name = {s.name: s for s in self.stages}
+        if explicit:
+            unbuilt = [n for n in selected if by_name[n].run is None]
+            if unbuilt:
+                raise UsageError(", ".join(f"stage '{n}' is not built yet (issue #{by_name[n].issue})" for n in unbuilt))
+        prints = fingerprints(self.config, self.stages)
+        actions: dict[str, str] = {}
+        for stage in self.stages:
+            if stage.name not in selected:
+                actions[stage.name] = "not selected"
+            elif stage.run is None:
+                actions[stage.name] = "not built"
+            elif not force and self.workdir.completed(stage.name, prints[stage.name]) is not None:
+                actions[stage.name] = "cached"
+            else:
+                actions[stage.name] = "run"
+        # A selected stage whose input is neither selected nor already built cannot run.
+        for stage in self.stages:
+            if actions[stage.name] in ("run", "cached"):
+                for name in stage.inputs:
+                    if actions[name] == "not selected" and self.workdir.completed(name, prints[name]) is None:
+                        raise UsageError(
+                            f"stage '{stage.name}' needs the output of '{name}' for the current config "
+                            f"(fingerprint {prints[name][:12]}), which has not been built; "
+                            f"run without --only, or with --from {name}"
+                        )
+        return Plan(actions, prints)
+
+    def execute(self, plan: Plan) -> list[StageOutcome]:
+        outcomes: list[StageOutcome] = []
+        available: dict[str, dict] = {}  # stage -> manifest usable as an input in this run
+        for stage in self.stages:
+            fp = plan.fingerprints[stage.name]
+            action = plan.actions[stage.name]
+            if action == "not selected":
+                manifest = self.workdir.completed(stage.name, fp)
+                if manifest is not None:
+                    available[stage.name] = manifest
+                continue
+            if action == "not built":
+                outcomes.append(StageOutcome(stage.name, "not built", fp, note=f"issue #{stage.issue}"))
+                continue
+            blocked = [i for i in stage.inputs if i not in available]
+            if blocked:
+                outcomes.append(StageOutcome(stage.name, "blocked", fp, note=f"needs {', '.join(blocked)}"))
+                continue
+            inputs = {i: available[i] for i in stage.inputs}
+            if action == "cached":
+                manifest = self.workdir.completed(stage.name, fp)
+                self.workdir.make_current(manifest)
+                self._track_cache_hit(stage, manifest)
+                self.say(f"[{stage.name}] cache hit ({fp[:12]}): {manifest['output']}")
+                outcomes.append(StageOutcome(stage.name, "cached", fp, manifest))
+            else:
+                manifest = self._execute(stage, fp, inputs)
+                outcomes.append(StageOutcome(stage.name, "ran", fp, manifest))
+            available[stage.name] = manifest
+        return outcomes
+
+    def run(self, only: list[str] | None = None, from_: str | None = None, force: bool = False) -> list[StageOutcome]:
+        return self.execute(self.plan(only, from_, force))
+
+    def _execute(self, stage: Stage, fp: str, inputs: dict[str, dict]) -> dict:
+        self.start_engines()
+        folder = self.workdir.new_partial(stage.name, fp)
+        log_path = folder / "stage.log"
+        handler = logging.FileHandler(log_path)
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        stage_log = logging.getLogger(f"pipelines.stage.{stage.name}")
+        root = logging.getLogger()
+        root.addHandler(handler)
+        previous_level = root.level
+        root.setLevel(min(previous_level, logging.INFO))
+        config_section = section_dict(self.config, stage.section)
+        started, t0 = _now(), time.perf_counter()
+        self.say(f"[{stage.name}] running ({fp[:12]}) in {folder}")
+        try:
+            with self.tracker.stage(
+                stage.name,
+                params=config_section,
+                tags={"stage": stage.name, "fingerprint": fp, "cache_hit": "false"},
+            ) as run_id:
+                try:
+                    section = getattr(self.config, stage.section)
+                    ctx = StageContext(stage.name, self.config, section, inputs, folder, stage_log, run_id)
+                    result = stage.run(ctx)
+                    _check_result(stage.name, result)
+                except BaseException as exc:
+                    stage_log.error("stage failed:\n%s", traceback.format_exc())
+                    reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                    raise StageFailed(stage.name, reason, folder, log_path) from exc
+                seconds = time.perf_counter() - t0
+                counts = result.counts()
+                metrics = {**counts, **result.metrics, "seconds": seconds}
+                if seconds > 0:
+                    metrics["rows_per_second"] = result.rows_in / seconds
+                self.tracker.log_metrics(metrics)
+                manifest = {
+                    "stage": stage.name,
+                    "fingerprint": fp,
+                    "inputs": {name: m["fingerprint"] for name, m in inputs.items()},
+                    "config": config_section,
+                    "code_version": code_version(stage.code),
+                    "counts": counts,
+                    "metrics": {k: v for k, v in metrics.items() if k not in counts},
+                    "started": started,
+                    "finished": _now(),
+                    "mlflow_run_id": run_id,
+                }
+                manifest = self.workdir.commit(folder, manifest)
+        finally:
+            root.removeHandler(handler)
+            root.setLevel(previous_level)
+            handler.close()
+        aside = ", ".join(f"{k}={v}" for k, v in result.set_aside.items())
+        self.say(
+            f"[{stage.name}] done in {seconds:.1f}s: rows_in={result.rows_in} rows_out={result.rows_out}"
+            + (f" {aside}" if aside else "")
+            + f" -> {manifest['output']}"
+        )
+        return manifest
+
+    def _track_cache_hit(self, stage: Stage, manifest: dict) -> None:
+        with self.tracker.stage(
+            stage.name,
+            params=manifest["config"],
+            tags={
+                "stage": stage.name,
+                "fingerprint": manifest["fingerprint"],
+                "cache_hit": "true",
+                "cached_from_run": str(manifest.get("mlflow_run_id")),
+            },
+        ):
+            self.tracker.log_metrics({**manifest["counts"], **manifest.get("metrics", {})})
+
+
+def _check_result(stage: str, result: Any) -> None:
+    if not isinstance(result, StageResult):
+        raise TypeError(f"stage {stage!r} returned {type(result).__name__}, expected StageResult")
+    counts = result.counts()
+    bad = {k: v for k, v in counts.items() if not isinstance(v, int) or isinstance(v, bool) or v < 0}
+    if bad:
+        raise ValueError(f"counts must be non-negative integers, got {bad}")
+    accounted = result.rows_out + sum(result.set_aside.values())
+    if result.rows_in != accounted:
+        raise ValueError(
+            f"counts do not add up: rows_in={result.rows_in} but rows_out + set aside = {accounted} ({counts})"
+        )
+
+
+def iter_outcomes_table(outcomes: list[StageOutcome]) -> Iterator[str]:
+    for o in outcomes:
+        where = o.manifest["output"] if o.manifest else o.note
+        counts = " ".join(f"{k}={v}" for k, v in (o.manifest or {}).get("counts", {}).items())
+        yield f"  {o.stage:<10} {o.status:<10} {counts:<40} {where}"
+

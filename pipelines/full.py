@@ -1,0 +1,108 @@
+"""The whole pipeline, one command: `python pipelines/full.py [--config ...] [options]`.
+
+With no arguments: the embedded default (configs/local.yaml): local in-process Ray, the
+generated sample corpus, a tiny model, MLflow in a sqlite file under the workdir. Under
+`ray job submit` (RAY_ADDRESS set) the same code runs on the cluster.
+
+Exit codes: 0 done; 2 bad config or arguments (one line naming the key); 1 a stage failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+if __package__ in (None, ""):  # run as a script: make the project importable without installing
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from pipelines.config import ConfigError, PipelineConfig, check_inputs_exist, load_config
+from pipelines.dag import Runner, Stage, StageFailed, UsageError, iter_outcomes_table
+from pipelines.stages import STAGES
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one line and exit 2, as for a bad config key
+        print(f"error: {message} (see --help)", file=sys.stderr)
+        raise SystemExit(2)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    p = _Parser(prog="pipelines/full.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="YAML config (default: configs/local.yaml)")
+    p.add_argument("--workdir", help="where stage outputs, manifests and the local MLflow store go")
+    p.add_argument("--only", help="run only these stages (comma-separated), from cached upstream outputs")
+    p.add_argument("--from", dest="from_", metavar="STAGE", help="run this stage and everything after it")
+    p.add_argument("--force", action="store_true", help="ignore the cache for the selected stages")
+    p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
+                   help="override a config key, e.g. --set dedup.threshold=0.9 (repeatable)")
+    return p.parse_args(argv)
+
+
+def main(argv: list[str] | None = None, stages: tuple[Stage, ...] = STAGES) -> int:
+    args = parse_args(argv)
+    only = [s.strip() for s in args.only.split(",") if s.strip()] if args.only else None
+    try:
+        config = load_config(args.config, args.overrides, args.workdir)
+        if config.sample_corpus and not os.path.isdir(config.sample_corpus):
+            from corpus.sample import write_sample
+
+            print(f"generating the sample corpus in {config.sample_corpus}")
+            write_sample(config.sample_corpus)
+        check_inputs_exist(config)
+        return run(config, args, only, list(stages))
+    except (ConfigError, UsageError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    except StageFailed as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+def run(config: PipelineConfig, args: argparse.Namespace, only: list[str] | None, stages: list[Stage]) -> int:
+    from pipelines.engines import start_ray
+    from pipelines.tracking import MlflowTracker
+
+    os.makedirs(config.workdir, exist_ok=True)
+    ray_started: list[bool] = []
+    tracker = MlflowTracker(config.mlflow.tracking_uri, config.mlflow.experiment,
+                            artifact_location=Path(config.workdir, "mlartifacts").as_uri())
+    runner = Runner(config, stages, tracker, start_engines=lambda: ray_started or ray_started.append(start_ray(config)))
+    plan = runner.plan(only, args.from_, args.force)  # a bad selection fails here, before any run
+    params = {"config": args.config or "configs/local.yaml", "workdir": config.workdir,
+              "only": args.only, "from": args.from_, "force": args.force, "set": args.overrides}
+    try:
+        with tracker.pipeline(config.name, params=params, tags=_pipeline_tags(config)) as parent:
+            outcomes = runner.execute(plan)
+    finally:
+        if any(ray_started):
+            import ray
+
+            ray.shutdown()
+    print(f"\npipeline '{config.name}' finished; workdir {config.workdir}")
+    for line in iter_outcomes_table(outcomes):
+        print(line)
+    not_built = [o.stage for o in outcomes if o.status in ("not built", "blocked")]
+    if not_built:
+        print(f"  not run (not built yet, or waiting on a stage that is not): {', '.join(not_built)}")
+    print(f"\nMLflow: experiment '{config.mlflow.experiment}', run {parent}, store {config.mlflow.tracking_uri}")
+    print(f"  look at it with: mlflow ui --backend-store-uri {config.mlflow.tracking_uri}")
+    return 0
+
+
+def _pipeline_tags(config: PipelineConfig) -> dict[str, str]:
+    tags = {"kind": "pipeline", "config": config.name, "ray": os.environ.get("RAY_ADDRESS", "local")}
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, timeout=5,
+                                cwd=Path(__file__).resolve().parents[1])
+        if commit.returncode == 0:
+            tags["git_commit"] = commit.stdout.strip()
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return tags
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

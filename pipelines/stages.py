@@ -1,0 +1,37 @@
+"""The pipeline's six stages, declared once, in DAG order (design.md's table).
+
+A stage that is not built yet has `run=None` and names the issue that builds it: the runner
+leaves it (and whatever depends on it) out of a default run and says so, and refuses it with
+exit code 2 when asked for by name.
+"""
+
+from __future__ import annotations
+
+import os
+
+from pipelines.config import PipelineConfig, source_files
+from pipelines.dag import Stage
+
+
+def raw_files_identity(config: PipelineConfig) -> list[list]:
+    """What ingest reads from outside the workdir: each source's files by path, size and mtime.
+
+    Stat, not content hashes: hashing terabytes of dumps to decide a cache hit would cost as
+    much as reading them. A file replaced in place with the same size and mtime is not seen.
+    """
+    out = []
+    for source in config.sources:
+        for path in source_files(source):
+            st = os.stat(path)
+            out.append([source.name, path, st.st_size, st.st_mtime_ns])
+    return out
+
+
+STAGES: tuple[Stage, ...] = (
+    Stage("ingest", (), "sources", run=None, external=raw_files_identity, issue=3),
+    Stage("normalize", ("ingest",), "normalize", run=None, issue=3),
+    Stage("dedup", ("normalize",), "dedup", run=None, issue=4),
+    Stage("screen", ("dedup",), "screen", run=None, issue=9),
+    Stage("tokenize", ("screen",), "tokenize", run=None, issue=5),
+    Stage("train", ("tokenize",), "train", run=None, issue=7),
+)

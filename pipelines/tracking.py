@@ -1,0 +1,104 @@
+"""MLflow tracking: one experiment per config, a parent run per invocation, a nested run per stage.
+
+Runs are addressed by id through `MlflowClient` rather than MLflow's fluent "active run" stack,
+so that code on Ray workers (training, proxy runs) can log to a stage's run given only the
+tracking URI and the run id from its StageContext.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from typing import Any, Iterator
+
+from mlflow import MlflowClient
+from mlflow.entities import Metric, Param, RunTag
+
+MAX_PARAM_LENGTH = 6000  # MLflow's limit on a param value
+BATCH = 100  # MLflow's limit on params per log_batch call
+
+
+def flatten(data: Any, prefix: str = "") -> dict[str, str]:
+    """Nested config -> {"a.b.c": "value"}: how a stage's config becomes MLflow params."""
+    if isinstance(data, dict):
+        out: dict[str, str] = {}
+        for k, v in data.items():
+            out.update(flatten(v, f"{prefix}.{k}" if prefix else str(k)))
+        return out
+    if isinstance(data, list) and any(isinstance(v, (dict, list)) for v in data):
+        out = {}
+        for i, v in enumerate(data):
+            out.update(flatten(v, f"{prefix}.{i}"))
+        return out
+    text = "null" if data is None else str(data)
+    return {prefix: text[:MAX_PARAM_LENGTH]}
+
+
+class MlflowTracker:
+    def __init__(self, tracking_uri: str, experiment: str, artifact_location: str | None = None):
+        self.tracking_uri = tracking_uri
+        self.client = MlflowClient(tracking_uri)
+        self.experiment_id = self._experiment(experiment, artifact_location)
+        self.experiment = experiment
+        self.parent_id: str | None = None
+        self._run_id: str | None = None  # the run metrics go to: the stage's, else the parent's
+
+    def _experiment(self, name: str, artifact_location: str | None) -> str:
+        found = self.client.get_experiment_by_name(name)
+        if found is not None:
+            return found.experiment_id
+        try:
+            return self.client.create_experiment(name, artifact_location=artifact_location)
+        except Exception:  # created meanwhile by a concurrent invocation
+            found = self.client.get_experiment_by_name(name)
+            if found is None:
+                raise
+            return found.experiment_id
+
+    @contextlib.contextmanager
+    def _run(self, name: str, params: dict, tags: dict) -> Iterator[str]:
+        run_tags = dict(tags)
+        if self.parent_id is not None:
+            run_tags["mlflow.parentRunId"] = self.parent_id
+        run = self.client.create_run(self.experiment_id, run_name=name, tags=run_tags)
+        run_id = run.info.run_id
+        items = [Param(k, v) for k, v in flatten(params).items()]
+        for i in range(0, len(items), BATCH):
+            self.client.log_batch(run_id, params=items[i : i + BATCH])
+        status = "FAILED"
+        try:
+            yield run_id
+            status = "FINISHED"
+        except KeyboardInterrupt:
+            status = "KILLED"
+            raise
+        finally:
+            self.client.set_terminated(run_id, status)
+
+    @contextlib.contextmanager
+    def pipeline(self, name: str, params: dict, tags: dict) -> Iterator[str]:
+        """The parent run of one invocation; stage runs opened inside it are nested under it."""
+        with self._run(name, params, tags) as run_id:
+            self.parent_id = self._run_id = run_id
+            try:
+                yield run_id
+            finally:
+                self.parent_id = self._run_id = None
+
+    @contextlib.contextmanager
+    def stage(self, name: str, params: dict, tags: dict) -> Iterator[str]:
+        with self._run(name, params, tags) as run_id:
+            outer, self._run_id = self._run_id, run_id
+            try:
+                yield run_id
+            finally:
+                self._run_id = outer
+
+    def log_metrics(self, metrics: dict[str, float], step: int = 0) -> None:
+        now = int(time.time() * 1000)
+        items = [Metric(k, float(v), now, step) for k, v in metrics.items() if v is not None]
+        for i in range(0, len(items), BATCH):
+            self.client.log_batch(self._run_id, metrics=items[i : i + BATCH])
+
+    def set_tags(self, tags: dict[str, str]) -> None:
+        self.client.log_batch(self._run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
