@@ -260,14 +260,12 @@ class Runner:
         self,
         config: PipelineConfig,
         stages: list[Stage],
-        tracker: Tracker,
         start_engines: Callable[[], None] = lambda: None,
         say: Callable[[str], None] = print,
     ):
         check_dag(stages)
         self.config = config
         self.stages = stages
-        self.tracker = tracker
         self.start_engines = start_engines  # Ray is started only when a stage actually runs
         self.say = say
         self.workdir = Workdir(config.workdir)
@@ -303,7 +301,7 @@ class Runner:
                         )
         return Plan(actions, prints)
 
-    def execute(self, plan: Plan) -> list[StageOutcome]:
+    def execute(self, plan: Plan, tracker: Tracker) -> list[StageOutcome]:
         outcomes: list[StageOutcome] = []
         available: dict[str, dict] = {}  # stage -> manifest usable as an input in this run
         for stage in self.stages:
@@ -325,19 +323,16 @@ class Runner:
             if action == "cached":
                 manifest = self.workdir.completed(stage.name, fp)
                 self.workdir.make_current(manifest)
-                self._track_cache_hit(stage, manifest)
+                self._track_cache_hit(tracker, stage, manifest)
                 self.say(f"[{stage.name}] cache hit ({fp[:12]}): {manifest['output']}")
                 outcomes.append(StageOutcome(stage.name, "cached", fp, manifest))
             else:
-                manifest = self._execute(stage, fp, inputs)
+                manifest = self._execute(tracker, stage, fp, inputs)
                 outcomes.append(StageOutcome(stage.name, "ran", fp, manifest))
             available[stage.name] = manifest
         return outcomes
 
-    def run(self, only: list[str] | None = None, from_: str | None = None, force: bool = False) -> list[StageOutcome]:
-        return self.execute(self.plan(only, from_, force))
-
-    def _execute(self, stage: Stage, fp: str, inputs: dict[str, dict]) -> dict:
+    def _execute(self, tracker: Tracker, stage: Stage, fp: str, inputs: dict[str, dict]) -> dict:
         self.start_engines()
         folder = self.workdir.new_partial(stage.name, fp)
         log_path = folder / "stage.log"
@@ -352,7 +347,7 @@ class Runner:
         started, t0 = _now(), time.perf_counter()
         self.say(f"[{stage.name}] running ({fp[:12]}) in {folder}")
         try:
-            with self.tracker.stage(
+            with tracker.stage(
                 stage.name,
                 params=config_section,
                 tags={"stage": stage.name, "fingerprint": fp, "cache_hit": "false"},
@@ -371,7 +366,7 @@ class Runner:
                 metrics = {**counts, **result.metrics, "seconds": seconds}
                 if seconds > 0:
                     metrics["rows_per_second"] = result.rows_in / seconds
-                self.tracker.log_metrics(metrics)
+                tracker.log_metrics(metrics)
                 manifest = {
                     "stage": stage.name,
                     "fingerprint": fp,
@@ -397,8 +392,8 @@ class Runner:
         )
         return manifest
 
-    def _track_cache_hit(self, stage: Stage, manifest: dict) -> None:
-        with self.tracker.stage(
+    def _track_cache_hit(self, tracker: Tracker, stage: Stage, manifest: dict) -> None:
+        with tracker.stage(
             stage.name,
             params=manifest["config"],
             tags={
@@ -408,7 +403,7 @@ class Runner:
                 "cached_from_run": str(manifest.get("mlflow_run_id")),
             },
         ):
-            self.tracker.log_metrics({**manifest["counts"], **manifest.get("metrics", {})})
+            tracker.log_metrics({**manifest["counts"], **manifest.get("metrics", {})})
 
 
 def _check_result(stage: str, result: Any) -> None:

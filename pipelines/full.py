@@ -67,15 +67,15 @@ def run(config: PipelineConfig, args: argparse.Namespace, only: list[str] | None
 
     os.makedirs(config.workdir, exist_ok=True)
     ray_started: list[bool] = []
+    runner = Runner(config, stages, start_engines=lambda: ray_started or ray_started.append(start_ray(config)))
+    plan = runner.plan(only, args.from_, args.force)  # a bad selection fails here, before any run
     tracker = MlflowTracker(config.mlflow.tracking_uri, config.mlflow.experiment,
                             artifact_location=Path(config.workdir, "mlartifacts").as_uri())
-    runner = Runner(config, stages, tracker, start_engines=lambda: ray_started or ray_started.append(start_ray(config)))
-    plan = runner.plan(only, args.from_, args.force)  # a bad selection fails here, before any run
     params = {"config": args.config or "configs/local.yaml", "workdir": config.workdir,
               "only": args.only, "from": args.from_, "force": args.force, "set": args.overrides}
     try:
         with tracker.pipeline(config.name, params=params, tags=_pipeline_tags(config)) as parent:
-            outcomes = runner.execute(plan)
+            outcomes = runner.execute(plan, tracker)
     finally:
         if any(ray_started):
             import ray

@@ -8,6 +8,7 @@ tracking URI and the run id from its StageContext.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
 from typing import Any, Iterator
 
@@ -36,6 +37,8 @@ def flatten(data: Any, prefix: str = "") -> dict[str, str]:
 
 class MlflowTracker:
     def __init__(self, tracking_uri: str, experiment: str, artifact_location: str | None = None):
+        for name in ("mlflow", "alembic"):  # "creating database tables..." on every new store
+            logging.getLogger(name).setLevel(logging.WARNING)
         self.tracking_uri = tracking_uri
         self.client = MlflowClient(tracking_uri)
         self.experiment_id = self._experiment(experiment, artifact_location)

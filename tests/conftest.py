@@ -1,0 +1,31 @@
+"""Shared fixtures: one Ray session for the whole test run (ray.init costs seconds)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(Path(__file__).parent))
+
+
+@pytest.fixture(scope="session")
+def ray_session():
+    import ray
+    import ray.cloudpickle
+
+    import minipipeline
+
+    # Test-only stage code lives in tests/, which Ray workers cannot import: ship it by value.
+    ray.cloudpickle.register_pickle_by_value(minipipeline)
+    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    yield ray
+    ray.shutdown()
+
+
+def write_config(folder: Path, text: str) -> Path:
+    path = folder / "test.yaml"
+    path.write_text(text)
+    return path

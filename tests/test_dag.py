@@ -1,0 +1,262 @@
+"""The DAG runner on a real small Ray Data pipeline: caching, reruns, failures, accounting, MLflow."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pyarrow.parquet as pq
+import pytest
+from mlflow import MlflowClient
+
+from conftest import ROOT, write_config
+from minipipeline import mini_stages, write_inputs
+from pipelines.config import load_config
+from pipelines.dag import Stage, StageResult, code_version, fingerprints
+from pipelines.full import main
+from pipelines.stages import raw_files_identity
+
+STAGES = ["ingest", "normalize", "dedup", "report"]
+
+
+@pytest.fixture
+def project(tmp_path, ray_session):
+    expected = write_inputs(tmp_path / "raw")
+    cfg = write_config(tmp_path, f"""
+sources:
+  - {{name: mini, format: jsonl, paths: ["{tmp_path}/raw/*.jsonl"]}}
+workdir: {tmp_path}/work
+""")
+
+    def run(*args: str, stages=None) -> int:
+        return main(["--config", str(cfg), *args], stages=stages or mini_stages())
+
+    run.workdir = tmp_path / "work"
+    run.expected = expected
+    run.config = cfg
+    return run
+
+
+def manifest(workdir: Path, stage: str) -> dict:
+    return json.loads((workdir / stage / "manifest.json").read_text())
+
+
+def manifest_bytes(workdir: Path) -> dict[str, bytes]:
+    return {s: (workdir / s / "manifest.json").read_bytes() for s in STAGES}
+
+
+def rows(path: str | Path) -> list[dict]:
+    files = sorted(Path(path).glob("*.parquet"))
+    return [r for f in files for r in pq.read_table(f).to_pylist()]
+
+
+def stage_runs(workdir: Path) -> list:
+    client = MlflowClient(f"sqlite:///{workdir}/mlflow.db")
+    exp = client.get_experiment_by_name("test")
+    return client.search_runs([exp.experiment_id], order_by=["attributes.start_time ASC"])
+
+
+def test_first_run_writes_complete_accounted_outputs_and_mlflow_runs(project, capsys):
+    assert project() == 0
+    wd, exp = project.workdir, project.expected
+    counts = {s: manifest(wd, s)["counts"] for s in STAGES}
+    assert counts["ingest"] == {"rows_in": exp["lines"], "rows_out": exp["lines"] - exp["rejected"], "rejected": exp["rejected"]}
+    assert counts["normalize"]["dropped"] == exp["dropped"]
+    assert counts["dedup"] == {"rows_in": exp["lines"] - exp["rejected"] - exp["dropped"], "rows_out": exp["kept"],
+                               "duplicate": exp["duplicate"]}
+    for stage in STAGES:
+        m = manifest(wd, stage)
+        assert set(m) >= {"stage", "fingerprint", "inputs", "config", "output", "counts", "started", "finished", "mlflow_run_id"}
+        assert os.path.isabs(m["output"]) and Path(m["output"]).is_dir()
+        assert Path(m["output"]).parent.name == m["fingerprint"][:16]
+    # The counts are the rows on disk, not just numbers: outputs and set-aside rows add up.
+    ingest_dir = Path(manifest(wd, "ingest")["output"]).parent
+    assert len(rows(ingest_dir / "output")) == counts["ingest"]["rows_out"]
+    assert sorted(r["reason"] for r in rows(ingest_dir / "rejects"))[0].startswith("malformed line")
+    dedup_dir = Path(manifest(wd, "dedup")["output"]).parent
+    kept = rows(dedup_dir / "output")
+    assert len(kept) == exp["kept"]
+    assert 'backslash \\ "quote"' in {r["text"] for r in kept}  # byte-exact through every stage
+    assert {r["kept_id"] for r in rows(dedup_dir / "duplicates")} <= {r["id"] for r in kept}
+    assert manifest(wd, "dedup")["inputs"] == {"normalize": manifest(wd, "normalize")["fingerprint"]}
+
+    runs = stage_runs(wd)
+    parent = [r for r in runs if r.data.tags.get("kind") == "pipeline"]
+    nested = [r for r in runs if r.data.tags.get("mlflow.parentRunId") == parent[0].info.run_id]
+    assert len(parent) == 1 and parent[0].info.status == "FINISHED"
+    assert sorted(r.data.tags["stage"] for r in nested) == sorted(STAGES)
+    dedup_run = next(r for r in nested if r.data.tags["stage"] == "dedup")
+    assert dedup_run.info.run_id == manifest(wd, "dedup")["mlflow_run_id"]
+    assert dedup_run.data.tags["cache_hit"] == "false"
+    assert dedup_run.data.tags["fingerprint"] == manifest(wd, "dedup")["fingerprint"]
+    assert dedup_run.data.params["threshold"] == "0.95"
+    assert dedup_run.data.metrics["duplicate"] == exp["duplicate"] and dedup_run.data.metrics["seconds"] > 0
+    assert "mlflow ui --backend-store-uri" in capsys.readouterr().out
+
+
+def test_second_run_is_all_cache_hits(project, capsys):
+    assert project() == 0
+    completed = {s: (Path(manifest(project.workdir, s)["output"]).parent / "manifest.json").stat().st_mtime_ns for s in STAGES}
+    capsys.readouterr()
+    assert project() == 0
+    out = capsys.readouterr().out
+    assert all(f"[{s}] cache hit" in out for s in STAGES), out
+    assert "running" not in out
+    after = {s: (Path(manifest(project.workdir, s)["output"]).parent / "manifest.json").stat().st_mtime_ns for s in STAGES}
+    assert after == completed
+    second = [r for r in stage_runs(project.workdir) if r.data.tags.get("cache_hit") == "true"]
+    assert sorted(r.data.tags["stage"] for r in second) == sorted(STAGES)
+    assert all(r.data.metrics["rows_out"] >= 0 for r in second)
+
+
+def test_only_dedup_force_reruns_dedup_alone(project, capsys):
+    assert project() == 0
+    before = manifest_bytes(project.workdir)
+    capsys.readouterr()
+    assert project("--only", "dedup", "--force") == 0
+    out = capsys.readouterr().out
+    after = manifest_bytes(project.workdir)
+    assert "[dedup] running" in out and "[normalize]" not in out and "[report]" not in out
+    assert {s for s in STAGES if before[s] != after[s]} == {"dedup"}
+    old, new = json.loads(before["dedup"]), json.loads(after["dedup"])
+    assert old["fingerprint"] == new["fingerprint"] and old["mlflow_run_id"] != new["mlflow_run_id"]
+    assert len(rows(new["output"])) == new["counts"]["rows_out"]  # the replaced output is complete
+
+
+def test_dedup_config_change_reruns_dedup_and_downstream_only(project, capsys):
+    assert project() == 0
+    before = {s: manifest(project.workdir, s)["fingerprint"] for s in STAGES}
+    capsys.readouterr()
+    assert project("--set", "dedup.threshold=0.9") == 0
+    out = capsys.readouterr().out
+    after = {s: manifest(project.workdir, s)["fingerprint"] for s in STAGES}
+    assert "[ingest] cache hit" in out and "[normalize] cache hit" in out
+    assert "[dedup] running" in out and "[report] running" in out
+    assert {s for s in STAGES if before[s] != after[s]} == {"dedup", "report"}
+    assert manifest(project.workdir, "dedup")["config"]["threshold"] == 0.9
+    # Switching the ablation back is a cache hit: completed outputs are kept per fingerprint.
+    capsys.readouterr()
+    assert project() == 0
+    out = capsys.readouterr().out
+    assert "running" not in out
+    assert {s: manifest(project.workdir, s)["fingerprint"] for s in STAGES} == before
+
+
+def test_from_reruns_that_stage_and_everything_after(project, capsys):
+    assert project() == 0
+    before = manifest_bytes(project.workdir)
+    capsys.readouterr()
+    assert project("--from", "normalize", "--force") == 0
+    after = manifest_bytes(project.workdir)
+    assert {s for s in STAGES if before[s] != after[s]} == {"normalize", "dedup", "report"}
+
+
+def test_only_without_built_inputs_is_a_usage_error(project, capsys):
+    assert project("--only", "dedup") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "needs the output of 'normalize'" in err and "--from normalize" in err
+    assert not (project.workdir / "dedup").exists()
+
+
+def test_failing_stage_keeps_previous_output_and_exits_1(project, capsys):
+    assert project() == 0
+    before = manifest_bytes(project.workdir)
+    capsys.readouterr()
+    assert project("--set", "normalize.min_chars=99999") == 1
+    err = capsys.readouterr().err
+    assert "stage 'normalize' failed: RuntimeError: planted failure" in err
+    assert manifest_bytes(project.workdir) == before  # nothing downstream ran, nothing switched
+    partial = next((project.workdir / "normalize").glob(".partial-*"))
+    assert str(partial) in err
+    assert "Traceback" in (partial / "stage.log").read_text()
+    failed = [r for r in stage_runs(project.workdir) if r.info.status == "FAILED"]
+    assert {r.data.tags.get("stage", r.data.tags.get("kind")) for r in failed} == {"normalize", "pipeline"}
+
+
+def test_counts_that_do_not_add_up_fail_the_stage(project, capsys):
+    def leaky(ctx):
+        return StageResult(rows_in=10, rows_out=7, set_aside={"dropped": 2})
+
+    stages = list(mini_stages())
+    stages[1] = Stage("normalize", ("ingest",), "normalize", leaky, code=("minipipeline",))
+    assert project(stages=tuple(stages)) == 1
+    assert "counts do not add up: rows_in=10 but rows_out + set aside = 9" in capsys.readouterr().err
+    assert not (project.workdir / "normalize" / "manifest.json").exists()
+
+
+def test_unbuilt_stage_is_refused_by_name_and_skipped_by_default(project, capsys):
+    stages = list(mini_stages())
+    stages[3] = Stage("report", ("dedup",), "tokenize", None, issue=99)
+    assert project("--only", "report", stages=tuple(stages)) == 2
+    assert "stage 'report' is not built yet (issue #99)" in capsys.readouterr().err
+    assert project(stages=tuple(stages)) == 0
+    out = capsys.readouterr().out
+    assert "[dedup] done" in out and "not run (not built yet" in out and "report" in out.split("not run")[1]
+
+
+def test_code_change_changes_fingerprint_of_the_stage_and_downstream(tmp_path, monkeypatch):
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw" / "a.jsonl").write_text('{"text": "x"}\n')
+    cfg = load_config(write_config(tmp_path, f'sources: [{{name: a, format: jsonl, paths: ["{tmp_path}/raw/*.jsonl"]}}]'))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    (tmp_path / "norm_code.py").write_text("VERSION = 1\n")
+    stages = [
+        Stage("ingest", (), "sources", None, external=raw_files_identity),
+        Stage("normalize", ("ingest",), "normalize", None, code=("norm_code",)),
+        Stage("dedup", ("normalize",), "dedup", None),
+    ]
+    before = fingerprints(cfg, stages)
+    v1 = code_version(("norm_code",))
+    (tmp_path / "norm_code.py").write_text("VERSION = 2\n")
+    assert code_version(("norm_code",)) != v1
+    after = fingerprints(cfg, stages)
+    assert before["ingest"] == after["ingest"]
+    assert before["normalize"] != after["normalize"] and before["dedup"] != after["dedup"]
+    # A new raw file changes ingest's fingerprint (and so everything's).
+    (tmp_path / "raw" / "b.jsonl").write_text('{"text": "y"}\n')
+    assert fingerprints(cfg, stages)["ingest"] != after["ingest"]
+
+
+def test_killed_mid_stage_leaves_no_half_output_taken_as_complete(project, tmp_path, capsys):
+    assert project() == 0
+    before = manifest_bytes(project.workdir)
+    script = tmp_path / "slow.py"
+    script.write_text(f"""
+import sys
+sys.path[:0] = [{str(ROOT)!r}, {str(ROOT / 'tests')!r}]
+import ray.cloudpickle, minipipeline
+ray.cloudpickle.register_pickle_by_value(minipipeline)
+from pipelines.full import main
+from pipelines.stages import raw_files_identity
+sys.exit(main(sys.argv[1:], stages=minipipeline.mini_stages(normalize_run=minipipeline.slow_normalize)))
+""")
+    proc = subprocess.Popen([sys.executable, str(script), "--config", str(project.config), "--from", "normalize",
+                             "--force", "--set", "ray.num_cpus=1"], start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    marker = project.workdir / "normalize-started"
+    try:
+        deadline = time.time() + 120
+        while not marker.exists():
+            assert proc.poll() is None, "the slow pipeline exited early"
+            assert time.time() < deadline, "the slow stage never started"
+            time.sleep(0.2)
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the driver and the Ray it started
+        proc.wait()
+    partial = Path(marker.read_text())
+    assert (partial / "output" / "part-0.parquet").exists()  # the half output is there...
+    assert manifest_bytes(project.workdir) == before  # ...and nothing points at it
+    assert not (project.workdir / "normalize" / partial.name.split("-")[1]).exists() or \
+        json.loads(before["normalize"])["fingerprint"].startswith(partial.name.split("-")[1])
+    capsys.readouterr()
+    assert project("--from", "normalize", "--force") == 0
+    now = manifest(project.workdir, "normalize")
+    assert not partial.exists()  # the stale partial is cleared when the stage runs again
+    assert all(f.read_bytes()[:4] == b"PAR1" for f in Path(now["output"]).glob("*.parquet"))
+    assert len(rows(now["output"])) == now["counts"]["rows_out"]
