@@ -161,8 +161,9 @@ def messy(rng: random.Random, text: str, kind: str) -> str:
     """Damage real dumps have: what normalize must repair without touching anything else."""
     if kind == "whitespace":
         return "  " + text.replace(". ", ".   ").replace("\n\n", " \n\t\n\n\n") + " \u00a0 \n\n"
-    if kind == "mojibake":  # UTF-8 read as cp1252, and HTML entities
-        return text.replace(" the ", " the caf\u00c3\u00a9 don\u00e2\u20ac\u2122t ", 2).replace(" and ", " &amp; ", 2)
+    if kind == "mojibake":  # UTF-8 read as cp1252, and HTML entities, after the first sentence
+        cut = text.find(". ") + 2
+        return text[:cut] + "The caf\u00c3\u00a9 don\u00e2\u20ac\u2122t close &amp; the &quot;bar&quot; opens. " + text[cut:]
     if kind == "crlf":
         return text.replace("\n", "\r\n")
     raise ValueError(kind)
@@ -252,8 +253,10 @@ def _pile(out: Path, seed: int, planted: _Planted, shared: dict) -> None:
     lines = [_json_line({"text": prose(_rng(seed, "trunc", i)), "meta": {"pile_set_name": "Pile-CC"}}) for i in range(40)]
     buf = io.BytesIO()
     with zstandard.ZstdCompressor(level=3).stream_writer(buf, closefd=False) as w:
-        for line in lines:
+        for i, line in enumerate(lines):
             w.write(line + b"\n")
+            if i % 5 == 4:  # many blocks, as in a large dump: the part before the cut decodes
+                w.flush(zstandard.FLUSH_BLOCK)
     data = buf.getvalue()
     (out / "pile" / "02.jsonl.zst").write_bytes(data[: len(data) // 2])
     planted.file("pile/02.jsonl.zst", documents=len(lines))

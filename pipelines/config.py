@@ -330,7 +330,8 @@ def from_dict(tp: Any, value: Any, key: str) -> Any:
                 return from_dict(arg, value, key)
             except ConfigError as exc:
                 errors.append(exc)
-        if len(errors) == 1:
+        nested = [e for e in errors if e.key != key]
+        if len(errors) == 1 and nested:  # Optional[section]: the error inside the section is the useful one
             raise errors[0]
         raise ConfigError(key, f"expected {_type_name(tp)}, got {_describe(value)}")
     origin = typing.get_origin(tp)

@@ -42,7 +42,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None, stages: tuple[Stage, ...] = STAGES) -> int:
-    args = parse_args(argv)
+    try:
+        args = parse_args(argv)
+    except SystemExit as exc:  # --help (0) or a bad argument (2, one line already printed)
+        return int(exc.code or 0)
     only = [s.strip() for s in args.only.split(",") if s.strip()] if args.only else None
     try:
         config = load_config(args.config, args.overrides, args.workdir)
@@ -65,10 +68,10 @@ def run(config: PipelineConfig, args: argparse.Namespace, only: list[str] | None
     from pipelines.engines import start_ray
     from pipelines.tracking import MlflowTracker
 
-    os.makedirs(config.workdir, exist_ok=True)
     ray_started: list[bool] = []
     runner = Runner(config, stages, start_engines=lambda: ray_started or ray_started.append(start_ray(config)))
     plan = runner.plan(only, args.from_, args.force)  # a bad selection fails here, before any run
+    os.makedirs(config.workdir, exist_ok=True)
     tracker = MlflowTracker(config.mlflow.tracking_uri, config.mlflow.experiment,
                             artifact_location=Path(config.workdir, "mlartifacts").as_uri())
     params = {"config": args.config or "configs/local.yaml", "workdir": config.workdir,

@@ -25,7 +25,7 @@ def ray_session():
     ray.shutdown()
 
 
-def write_config(folder: Path, text: str) -> Path:
-    path = folder / "test.yaml"
+def write_config(folder: Path, text: str, name: str = "test") -> Path:
+    path = folder / f"{name}.yaml"
     path.write_text(text)
     return path

@@ -1,0 +1,148 @@
+"""Config loading: every shipped config is valid; every kind of mistake names its key."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT, write_config
+from pipelines.config import ConfigError, check_inputs_exist, load_config
+from pipelines.full import main
+
+MINI = 'sources: [{name: a, format: jsonl, paths: ["raw/*.jsonl"]}]\n'
+
+
+@pytest.fixture
+def cfg(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "raw").mkdir()
+    (tmp_path / "raw" / "x.jsonl").write_text('{"text": "hi"}\n')
+    written = []
+
+    def write(text: str = "") -> Path:
+        written.append(text)
+        return write_config(tmp_path, MINI + text, name=f"test{len(written)}")
+
+    return write
+
+
+@pytest.mark.parametrize("name", ["local", "opt-125m", "opt-1.3b", "opt-175b"])
+def test_shipped_configs_load(name):
+    config = load_config(ROOT / "configs" / f"{name}.yaml")
+    assert config.name == name and config.mlflow.experiment == name
+    assert [s.name for s in config.sources] == ["pile", "reddit", "bookcorpus", "stories", "ccnews"]
+
+
+def test_real_run_configs_match_opt_table_1():
+    big = load_config(ROOT / "configs" / "opt-175b.yaml")
+    assert (big.train.model, big.train.zero_stage, big.train.precision, big.train.workers) == ("175b", 3, "fp16", 992)
+    assert big.train.lr == 1.2e-4 and big.train.global_batch_tokens == 2 * 1024 * 1024
+    assert big.tokenize.seq_len == 2048 and big.tokenize.tokenizer.vocab_size == 50272
+    assert load_config(ROOT / "configs" / "opt-1.3b.yaml").train.lr == 2.0e-4
+
+
+def test_defaults_and_resolved_paths(cfg, tmp_path):
+    config = load_config(cfg())
+    assert config.workdir == str(tmp_path / "work")
+    assert config.sources[0].paths == [str(tmp_path / "raw" / "*.jsonl")]
+    assert config.mlflow.tracking_uri == f"sqlite:///{tmp_path}/work/mlflow.db"
+    assert config.dedup.threshold == 0.95
+    check_inputs_exist(config)
+
+
+@pytest.mark.parametrize("text, key, expected", [
+    ("dedup: {treshold: 0.9}\n", "dedup.treshold", "unknown key; expected one of: threshold"),
+    ("dedup: {threshold: high}\n", "dedup.threshold", "expected a number, got 'high' (str)"),
+    ("dedup: {threshold: 1.5}\n", "dedup.threshold", "expected a Jaccard similarity in (0, 1]"),
+    ("dedup: {ngram: 2.5}\n", "dedup.ngram", "expected an integer, got 2.5"),
+    ("dedup: 7\n", "dedup", "expected a mapping, got 7 (int)"),
+    ("train: {precision: fp8}\n", "train.precision", "expected one of 'fp32', 'bf16', 'fp16'"),
+    ("train: {zero_stage: 4}\n", "train.zero_stage", "expected 0, 1, 2 or 3"),
+    ("train: {max_steps: yes}\n", "train.max_steps", "expected an integer or null, got True (bool)"),
+    ("ray: {progress_bars: 1}\n", "ray.progress_bars", "expected true or false"),
+    ("tokenize: {tokenizer: {kind: gpt2}}\n", "tokenize.tokenizer.vocab", "required when kind is 'gpt2'"),
+    ("colour: blue\n", "colour", "unknown key"),
+])
+def test_bad_values_name_their_key(cfg, text, key, expected):
+    with pytest.raises(ConfigError) as exc:
+        load_config(cfg(text))
+    assert exc.value.key == key
+    assert str(exc.value).startswith(f"config key '{key}': ") and expected in str(exc.value)
+    assert "\n" not in str(exc.value)
+
+
+def test_bad_source_entries(tmp_path):
+    with pytest.raises(ConfigError, match=r"'sources\[0\]\.format': expected one of 'pile'"):
+        load_config(write_config(tmp_path, 'sources: [{name: a, format: csv, paths: ["x"]}]'))
+    with pytest.raises(ConfigError, match=r"'sources\[0\]\.paths': missing"):
+        load_config(write_config(tmp_path, "sources: [{name: a, format: jsonl}]"))
+    with pytest.raises(ConfigError, match=r"'sources\[1\]\.name': duplicate source name 'a'"):
+        load_config(write_config(tmp_path, 'sources: [{name: a, format: jsonl, paths: [x]}, {name: a, format: text, paths: [y]}]'))
+    with pytest.raises(ConfigError, match=r"'sources': missing"):
+        load_config(write_config(tmp_path, "workdir: w\n"))
+    with pytest.raises(ConfigError, match="is not valid YAML"):
+        load_config(write_config(tmp_path, "sources: [unclosed\n"))
+
+
+def test_missing_input_paths_name_the_key(cfg, tmp_path):
+    config = load_config(cfg(), ["sources.0.paths=[raw/*.jsonl, nowhere/*.zst]"])
+    with pytest.raises(ConfigError, match=r"'sources\[0\]\.paths\[1\]': no file matches '.*nowhere/\*\.zst'"):
+        check_inputs_exist(config)
+    config = load_config(cfg("tokenize: {tokenizer: {kind: gpt2, vocab: v.json, merges: m.txt}}\n"))
+    with pytest.raises(ConfigError, match=r"'tokenize.tokenizer.vocab': file '.*v\.json' does not exist"):
+        check_inputs_exist(config)
+
+
+def test_set_overrides_are_typed_by_their_field(cfg):
+    config = load_config(cfg(), [
+        "dedup.threshold=0.9", "dedup.ngram=3", "ray.progress_bars=false", "train.lr=null",
+        "mlflow.experiment=2024", "sources.0.text_field=body", "tokenize.tokenizer.vocab_size=512",
+    ])
+    assert config.dedup.threshold == 0.9 and config.dedup.ngram == 3 and config.ray.progress_bars is False
+    assert config.train.lr is None
+    assert config.mlflow.experiment == "2024"  # a string field keeps the text verbatim
+    assert config.sources[0].text_field == "body" and config.tokenize.tokenizer.vocab_size == 512
+
+
+@pytest.mark.parametrize("item, message", [
+    ("dedup.treshold=0.9", "config key 'dedup.treshold': unknown key"),
+    ("dedup.threshold=abc", "config key 'dedup.threshold': expected a number, got 'abc' (str)"),
+    ("dedup.threshold", "--set expects dotted.key=value, got 'dedup.threshold'"),
+    ("sources.5.name=x", "config key 'sources.5': expected a list index below 1"),
+    ("dedup.threshold.x=1", "config key 'dedup.threshold.x': cannot set a key inside a value of type a number"),
+    ("train.lr=[1, 2", "config key 'train.lr': --set value '[1, 2' is not a valid YAML value"),
+])
+def test_bad_set_overrides(cfg, item, message):
+    with pytest.raises(ConfigError) as exc:
+        load_config(cfg(), [item])
+    assert str(exc.value).startswith(message)
+
+
+def test_cli_exits_2_with_one_line_for_each_kind_of_mistake(cfg, capsys, tmp_path):
+    cases = [
+        (["--config", str(cfg("dedup: {treshold: 0.9}\n"))], "config key 'dedup.treshold': unknown key"),
+        (["--config", str(cfg()), "--set", "train.zero_stage=five"], "config key 'train.zero_stage': expected an integer"),
+        (["--config", str(cfg()), "--set", "sources.0.paths=[gone/*.jsonl]"], "config key 'sources[0].paths[0]': no file matches"),
+        (["--config", str(tmp_path / "nope.yaml")], "does not exist"),
+        (["--config", str(cfg()), "--only", "dedupe"], "unknown stage 'dedupe'; stages are: ingest, normalize, dedup"),
+        (["--config", str(cfg()), "--only", "dedup", "--from", "ingest"], "--only and --from cannot be used together"),
+        (["--config", str(cfg()), "--only", "train"], "stage 'train' is not built yet (issue #7)"),
+        (["--bogus"], "unrecognized arguments: --bogus"),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: ") and message in err, (argv, err)
+        assert len(err.splitlines()) == 1, err
+    assert not (tmp_path / "work").exists()  # nothing ran, nothing was created
+
+
+def test_script_exit_code_and_single_line_from_a_real_process(cfg):
+    proc = subprocess.run([sys.executable, str(ROOT / "pipelines" / "full.py"), "--config", str(cfg()),
+                           "--set", "dedup.threshold=2"], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2
+    assert proc.stderr.strip().splitlines() == [
+        "error: config key 'dedup.threshold': expected a Jaccard similarity in (0, 1], got 2.0"]
