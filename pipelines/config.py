@@ -63,7 +63,7 @@ class RayConfig:
 
 @dataclass
 class MlflowConfig:
-    tracking_uri: str | None = None  # None: sqlite:///<workdir>/mlflow.db
+    tracking_uri: str | None = None  # None: $MLFLOW_TRACKING_URI (the cluster's server), else sqlite under workdir
     experiment: str | None = None  # None: the config file's name (local, opt-175b, ...)
 
 
@@ -389,7 +389,7 @@ def _describe(value: Any) -> str:
 def _resolve_paths(config: PipelineConfig) -> PipelineConfig:
     config.workdir = os.path.abspath(config.workdir)
     if config.mlflow.tracking_uri is None:
-        config.mlflow.tracking_uri = f"sqlite:///{os.path.join(config.workdir, 'mlflow.db')}"
+        config.mlflow.tracking_uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{os.path.join(config.workdir, 'mlflow.db')}"
     if config.mlflow.experiment is None:
         config.mlflow.experiment = config.name
     if config.sample_corpus is not None:

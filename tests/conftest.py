@@ -29,3 +29,10 @@ def write_config(folder: Path, text: str, name: str = "test") -> Path:
     path = folder / f"{name}.yaml"
     path.write_text(text)
     return path
+
+
+@pytest.fixture(autouse=True)
+def _no_outside_tracking_server(monkeypatch):
+    """Tests track into their own sqlite store, never a server named by the environment."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)

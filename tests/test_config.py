@@ -44,13 +44,17 @@ def test_real_run_configs_match_opt_table_1():
     assert load_config(ROOT / "configs" / "opt-1.3b.yaml").train.lr == 2.0e-4
 
 
-def test_defaults_and_resolved_paths(cfg, tmp_path):
+def test_defaults_and_resolved_paths(cfg, tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     config = load_config(cfg())
     assert config.workdir == str(tmp_path / "work")
     assert config.sources[0].paths == [str(tmp_path / "raw" / "*.jsonl")]
     assert config.mlflow.tracking_uri == f"sqlite:///{tmp_path}/work/mlflow.db"
     assert config.dedup.threshold == 0.95
     check_inputs_exist(config)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://10.0.0.5:5000")  # set on a cluster's head node
+    assert load_config(cfg()).mlflow.tracking_uri == "http://10.0.0.5:5000"
+    assert load_config(cfg("mlflow: {tracking_uri: sqlite:////x/m.db}\n")).mlflow.tracking_uri == "sqlite:////x/m.db"
 
 
 @pytest.mark.parametrize("text, key, expected", [
