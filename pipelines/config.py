@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import glob
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -30,6 +31,14 @@ class ConfigError(ValueError):
 
 
 # --------------------------------------------------------------------------- sections
+
+
+def _at_least(section: object, key: str, low: float, *names: str) -> None:
+    """Each named field of `section` must be >= low (None allowed: 'use the default')."""
+    for name in names:
+        value = getattr(section, name)
+        if value is not None and value < low:
+            raise ConfigError(f"{key}.{name}", f"expected a value >= {low}, got {value}")
 
 
 @dataclass
@@ -57,8 +66,7 @@ class RayConfig:
     progress_bars: bool = True  # forced off under pytest
 
     def validate(self, key: str) -> None:
-        if self.num_cpus is not None and self.num_cpus < 1:
-            raise ConfigError(f"{key}.num_cpus", f"expected an integer >= 1 or null, got {self.num_cpus}")
+        _at_least(self, key, 1, "num_cpus")
 
 
 @dataclass
@@ -75,8 +83,7 @@ class NormalizeConfig:
     min_chars: int = 1  # shorter documents are dropped, with the reason written down
 
     def validate(self, key: str) -> None:
-        if self.min_chars < 0:
-            raise ConfigError(f"{key}.min_chars", f"expected an integer >= 0, got {self.min_chars}")
+        _at_least(self, key, 0, "min_chars")
 
 
 @dataclass
@@ -90,10 +97,7 @@ class DedupConfig:
     def validate(self, key: str) -> None:
         if not 0.0 < self.threshold <= 1.0:
             raise ConfigError(f"{key}.threshold", f"expected a Jaccard similarity in (0, 1], got {self.threshold}")
-        if self.ngram < 1:
-            raise ConfigError(f"{key}.ngram", f"expected an integer >= 1, got {self.ngram}")
-        if self.num_perm < 1:
-            raise ConfigError(f"{key}.num_perm", f"expected an integer >= 1, got {self.num_perm}")
+        _at_least(self, key, 1, "ngram", "num_perm")
 
 
 @dataclass
@@ -104,10 +108,7 @@ class ScreenConfig:
     seeds: int = 2
 
     def validate(self, key: str) -> None:
-        if self.steps < 1:
-            raise ConfigError(f"{key}.steps", f"expected an integer >= 1, got {self.steps}")
-        if self.seeds < 1:
-            raise ConfigError(f"{key}.seeds", f"expected an integer >= 1, got {self.seeds}")
+        _at_least(self, key, 1, "steps", "seeds")
 
 
 @dataclass
@@ -118,8 +119,7 @@ class TokenizerConfig:
     merges: str | None = None  # gpt2: GPT-2's merges.txt
 
     def validate(self, key: str) -> None:
-        if self.vocab_size < 260:
-            raise ConfigError(f"{key}.vocab_size", f"expected an integer >= 260 (bytes + specials), got {self.vocab_size}")
+        _at_least(self, key, 260, "vocab_size")  # 256 bytes + 4 specials
         if self.kind == "gpt2":
             for name in ("vocab", "merges"):
                 if getattr(self, name) is None:
@@ -134,8 +134,7 @@ class TokenizeConfig:
     validation_fraction: float = 0.0025  # OPT: ~200 MB of ~800 GB
 
     def validate(self, key: str) -> None:
-        if self.seq_len < 1:
-            raise ConfigError(f"{key}.seq_len", f"expected an integer >= 1, got {self.seq_len}")
+        _at_least(self, key, 1, "seq_len")
         if not 0.0 <= self.validation_fraction < 1.0:
             raise ConfigError(f"{key}.validation_fraction", f"expected a fraction in [0, 1), got {self.validation_fraction}")
 
@@ -160,15 +159,14 @@ class TrainConfig:
     seed: int = 0
 
     def validate(self, key: str) -> None:
-        for name in ("workers", "micro_batch_size", "checkpoint_every"):
-            if getattr(self, name) < 1:
-                raise ConfigError(f"{key}.{name}", f"expected an integer >= 1, got {getattr(self, name)}")
+        _at_least(self, key, 1, "workers", "micro_batch_size", "checkpoint_every", "max_steps", "global_batch_tokens")
+        _at_least(self, key, 0, "gpus_per_worker", "warmup_tokens")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"{key}.zero_stage", f"expected 0, 1, 2 or 3, got {self.zero_stage}")
-        if self.gpus_per_worker < 0 or self.cpus_per_worker <= 0:
-            raise ConfigError(f"{key}.cpus_per_worker", "expected cpus_per_worker > 0 and gpus_per_worker >= 0")
-        if self.grad_clip <= 0:
-            raise ConfigError(f"{key}.grad_clip", f"expected a positive number, got {self.grad_clip}")
+        for name in ("cpus_per_worker", "grad_clip", "total_tokens", "lr"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ConfigError(f"{key}.{name}", f"expected a positive number, got {value}")
 
 
 @dataclass
@@ -364,6 +362,8 @@ def from_dict(tp: Any, value: Any, key: str) -> Any:
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        if isinstance(value, str) and _FLOAT.fullmatch(value.strip()):  # YAML 1.1 reads 3e-4 as a string
+            return float(value)
     elif tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
@@ -373,6 +373,9 @@ def from_dict(tp: Any, value: Any, key: str) -> Any:
     else:  # pragma: no cover - a type this loader does not know is a bug in the dataclasses
         raise TypeError(f"unsupported config type {tp!r} at {key}")
     raise ConfigError(key, f"expected {_type_name(tp)}, got {_describe(value)}")
+
+
+_FLOAT = re.compile(r"[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?")
 
 
 def _join(key: str, name: str) -> str:

@@ -104,7 +104,9 @@ def test_set_overrides_are_typed_by_their_field(cfg):
     config = load_config(cfg(), [
         "dedup.threshold=0.9", "dedup.ngram=3", "ray.progress_bars=false", "train.lr=null",
         "mlflow.experiment=2024", "sources.0.text_field=body", "tokenize.tokenizer.vocab_size=512",
+        "train.grad_clip=3e-1",
     ])
+    assert config.train.grad_clip == 0.3  # exponent notation without a dot (a string to YAML 1.1)
     assert config.dedup.threshold == 0.9 and config.dedup.ngram == 3 and config.ray.progress_bars is False
     assert config.train.lr is None
     assert config.mlflow.experiment == "2024"  # a string field keeps the text verbatim
@@ -150,3 +152,17 @@ def test_script_exit_code_and_single_line_from_a_real_process(cfg):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines() == [
         "error: config key 'dedup.threshold': expected a Jaccard similarity in (0, 1], got 2.0"]
+
+
+@pytest.mark.parametrize("item, message", [
+    ("dedup.ngram=0", "config key 'dedup.ngram': expected a value >= 1, got 0"),
+    ("train.max_steps=0", "config key 'train.max_steps': expected a value >= 1, got 0"),
+    ("train.lr=-1e-4", "config key 'train.lr': expected a positive number, got -0.0001"),
+    ("train.cpus_per_worker=0", "config key 'train.cpus_per_worker': expected a positive number, got 0.0"),
+    ("tokenize.tokenizer.vocab_size=100", "config key 'tokenize.tokenizer.vocab_size': expected a value >= 260, got 100"),
+    ("ray.num_cpus=0", "config key 'ray.num_cpus': expected a value >= 1, got 0"),
+])
+def test_out_of_range_values(cfg, item, message):
+    with pytest.raises(ConfigError) as exc:
+        load_config(cfg(), [item])
+    assert str(exc.value) == message
