@@ -77,10 +77,13 @@ class MlflowConfig:
 
 @dataclass
 class NormalizeConfig:
+    """Each rule can be switched off; corpus/normalize.py says what each does."""
+
     ftfy: bool = True  # ftfy.fix_text: mojibake, HTML entities, bad unicode
     whitespace: bool = True  # OPT's "ad-hoc whitespace normalization"
-    strip_boilerplate: bool = True  # Gutenberg licence, "Chapter One" lines
-    min_chars: int = 1  # shorter documents are dropped, with the reason written down
+    gutenberg: bool = True  # Project Gutenberg licence header and footer
+    chapter_headings: bool = True  # lone "Chapter One" lines at the start of a book
+    min_chars: int = 1  # shorter documents are dropped, with the reason (empty ones always are)
 
     def validate(self, key: str) -> None:
         _at_least(self, key, 0, "min_chars")

@@ -1,0 +1,111 @@
+"""Normalize: the text rules OPT applied to every subset, as pure functions with their own names.
+
+OPT did "ad-hoc whitespace normalization" and removed "repetitive non-informative text such as
+'Chapter One' or Project Gutenberg licence boilerplate". Ours, in order:
+
+1. `ftfy`: ftfy.fix_text: mojibake (UTF-8 read as cp1252), HTML entities, bad unicode.
+2. `whitespace`: CRLF and CR -> LF; within a line every run of other whitespace (tabs, no-break
+   spaces, U+2028 ...) -> one space; trailing spaces stripped; 3+ newlines -> 2; the document
+   stripped.
+3. `gutenberg`: the Project Gutenberg licence header (through the "*** START OF ..." line) and
+   footer (from the "*** END OF ..." line) removed, when both markers are there.
+4. `chapter_headings`: lone "Chapter One" / "CHAPTER IV." lines at the start of a book removed.
+5. minimum length: a document shorter than `min_chars` characters is dropped, with the reason.
+
+`normalize_text` is idempotent (normalize(normalize(x)) == normalize(x); the tests check it with
+hypothesis on random unicode): it repeats the rules until the text stops changing.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import ftfy
+
+from pipelines.config import NormalizeConfig
+
+RULES = ("ftfy", "whitespace", "gutenberg", "chapter_headings")
+
+_HSPACE = re.compile(r"[^\S\n]+")  # any whitespace but a newline
+_BLANK_RUNS = re.compile(r"\n{3,}")
+_GUTENBERG_START = re.compile(r"^\*\*\* ?START OF (THE|THIS) PROJECT GUTENBERG E-?BOOK.*$", re.IGNORECASE | re.MULTILINE)
+_GUTENBERG_END = re.compile(r"^\*\*\* ?END OF (THE|THIS) PROJECT GUTENBERG E-?BOOK.*$", re.IGNORECASE | re.MULTILINE)
+_NUMBER_WORDS = ("one|two|three|four|five|six|seven|eight|nine|ten|eleven|twelve|thirteen|fourteen|fifteen|"
+                 "sixteen|seventeen|eighteen|nineteen|twenty|first|second|third|fourth|fifth")
+_CHAPTER = re.compile(rf"(chapter|CHAPTER|Chapter) +(\d+|[IVXLC]+|(?i:{_NUMBER_WORDS}))\.?")
+
+
+def fix_unicode(text: str) -> str:
+    return ftfy.fix_text(text)
+
+
+def fix_whitespace(text: str) -> str:
+    text = text.replace("\r\n", "\n").replace("\r", "\n")
+    text = "\n".join(_HSPACE.sub(" ", line).rstrip(" ") for line in text.split("\n"))
+    return _BLANK_RUNS.sub("\n\n", text).strip()
+
+
+def strip_gutenberg(text: str) -> str:
+    start, end = _GUTENBERG_START.search(text), _GUTENBERG_END.search(text)
+    if not start or not end or end.start() < start.end():
+        return text
+    return text[start.end() : end.start()]
+
+
+def strip_chapter_headings(text: str) -> str:
+    """Drop heading lines (and blank lines) at the very start, until the first line of prose."""
+    lines = text.split("\n")
+    i = 0
+    while i < len(lines) and (not lines[i].strip() or _CHAPTER.fullmatch(lines[i].strip())):
+        i += 1
+    if i == 0 or not any(_CHAPTER.fullmatch(line.strip()) for line in lines[:i]):
+        return text
+    return "\n".join(lines[i:])
+
+
+@dataclass
+class Normalized:
+    text: str
+    changed_by: list[str] = field(default_factory=list)  # the rules that changed the text
+    dropped: str | None = None  # why the document is dropped, if it is
+
+
+MAX_PASSES = 5
+
+
+def normalize_text(text: str, config: NormalizeConfig) -> Normalized:
+    """The rules, repeated until the text stops changing.
+
+    One pass is not always a fixed point: ftfy's mojibake detection looks at context, and a
+    whitespace change can reveal a sequence it fixes on the next pass. A document that one
+    pass leaves unchanged (most of them) costs one pass.
+    """
+    out = Normalized(text)
+    for _ in range(MAX_PASSES):
+        before = out.text
+        _one_pass(out, config)
+        if out.text == before:
+            break
+    if len(out.text) < max(config.min_chars, 1):
+        out.dropped = "empty after normalization" if not out.text.strip() else f"shorter than {config.min_chars} characters"
+    return out
+
+
+def _one_pass(out: Normalized, config: NormalizeConfig) -> None:
+    steps = [
+        ("ftfy", config.ftfy, fix_unicode),
+        ("whitespace", config.whitespace, fix_whitespace),
+        ("gutenberg", config.gutenberg, strip_gutenberg),
+        ("chapter_headings", config.chapter_headings, strip_chapter_headings),
+    ]
+    for name, enabled, rule in steps:
+        if not enabled:
+            continue
+        fixed = rule(out.text)
+        if name in ("gutenberg", "chapter_headings") and fixed != out.text and config.whitespace:
+            fixed = fix_whitespace(fixed)  # what is left after a cut is normalized like the rest
+        if fixed != out.text:
+            if name not in out.changed_by:
+                out.changed_by.append(name)
+            out.text = fixed
