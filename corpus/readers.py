@@ -1,0 +1,205 @@
+"""Readers for the raw formats: one generator per file, documents and rejects, nothing lost.
+
+Every reader yields rows of one shape (ROW_FIELDS), a document or a reject, so that a file's
+rows are counted in one place and `rows_in == documents + rejects` per file. A reject says where
+(file, line, byte offset), why, and shows the first 200 bytes. The readable part of a cut file
+is kept: its complete lines are read, and the cut itself is one reject.
+
+Compressed input is streamed, never read whole: zstd with a window of up to 2 GiB (PushShift's
+`zstd --long=31` dumps, which pyarrow refuses), gzip, or plain. python-zstandard's stream reader
+ends quietly at a truncated frame, so frames are decoded with `decompressobj`, whose `eof`
+says whether a frame really ended.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import zlib
+from typing import Iterator
+
+import zstandard
+
+ZSTD_MAX_WINDOW = 2**31  # PushShift dumps need the full 2 GiB window
+CHUNK = 1 << 20
+HEAD_BYTES = 200
+
+ROW_FIELDS = ("id", "text", "source", "subset", "meta", "file", "line", "offset", "reason", "head")
+
+
+class Truncated(Exception):
+    """The compressed stream ended inside a frame, or the gzip stream before its end marker."""
+
+
+def _zstd_chunks(path: str) -> Iterator[bytes]:
+    dctx = zstandard.ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW)
+    dobj, in_frame = dctx.decompressobj(), False
+    with open(path, "rb") as fh:
+        while chunk := fh.read(CHUNK):
+            while chunk:
+                in_frame = True
+                yield dobj.decompress(chunk)
+                if dobj.eof:  # a frame ended; what follows is the next frame (if anything)
+                    chunk, dobj, in_frame = dobj.unused_data, dctx.decompressobj(), False
+                else:
+                    chunk = b""
+    if in_frame:
+        raise Truncated("zstd stream ends inside a frame (file cut short?)")
+
+
+def _gzip_chunks(path: str) -> Iterator[bytes]:
+    with gzip.open(path, "rb") as fh:
+        try:
+            while chunk := fh.read1(CHUNK):  # read() would drop what it decoded before a cut
+                yield chunk
+        except EOFError as exc:
+            raise Truncated(f"gzip stream ends early: {exc}") from None
+
+
+def _plain_chunks(path: str) -> Iterator[bytes]:
+    with open(path, "rb") as fh:
+        while chunk := fh.read(CHUNK):
+            yield chunk
+
+
+def byte_chunks(path: str) -> Iterator[bytes]:
+    if path.endswith(".zst"):
+        return _zstd_chunks(path)
+    if path.endswith(".gz"):
+        return _gzip_chunks(path)
+    return _plain_chunks(path)
+
+
+def read_lines(path: str) -> Iterator[tuple[int, int, bytes, str | None]]:
+    """(line number, byte offset in the decompressed stream, line without newline, problem).
+
+    `problem` is None for a complete line; the last row of a cut or corrupt file carries the
+    reason (with whatever partial line was there).
+    """
+    buf, lineno, offset = b"", 0, 0
+    try:
+        for chunk in byte_chunks(path):
+            buf += chunk
+            *lines, buf = buf.split(b"\n")
+            for line in lines:
+                lineno += 1
+                yield lineno, offset, line, None
+                offset += len(line) + 1
+    except (Truncated, zstandard.ZstdError, zlib.error, gzip.BadGzipFile, OSError) as exc:
+        yield lineno + 1, offset, buf, f"{'truncated' if isinstance(exc, Truncated) else 'corrupt'} file: {exc}"
+        return
+    if buf:  # a last line without a newline is still a line
+        yield lineno + 1, offset, buf, None
+
+
+def _reject(file: str, line: int, offset: int, reason: str, raw: bytes, source: str) -> dict:
+    return {"id": "", "text": "", "source": source, "subset": "", "meta": "", "file": file, "line": line,
+            "offset": offset, "reason": reason, "head": raw[:HEAD_BYTES].decode("utf-8", "replace")}
+
+
+def _doc(doc_id: str, text: str, source: str, subset: str, meta: dict, file: str, line: int, offset: int) -> dict:
+    return {"id": doc_id, "text": text, "source": source, "subset": subset,
+            "meta": json.dumps(meta, ensure_ascii=False, sort_keys=True), "file": file, "line": line,
+            "offset": offset, "reason": "", "head": ""}
+
+
+def _records(path: str, source: str) -> Iterator[tuple[int, int, bytes, dict | None, dict | None]]:
+    """JSON lines: (line, offset, raw, record, reject row)."""
+    empty = True
+    for lineno, offset, raw, problem in read_lines(path):
+        if problem is not None:
+            yield lineno, offset, raw, None, _reject(path, lineno, offset, problem, raw, source)
+            continue
+        empty = False
+        if not raw.strip():
+            yield lineno, offset, raw, None, _reject(path, lineno, offset, "empty line", raw, source)
+            continue
+        try:
+            record = json.loads(raw.decode("utf-8"))
+        except UnicodeDecodeError as exc:
+            yield lineno, offset, raw, None, _reject(path, lineno, offset, f"invalid UTF-8: {exc.reason} at byte {exc.start}", raw, source)
+            continue
+        except json.JSONDecodeError as exc:
+            yield lineno, offset, raw, None, _reject(path, lineno, offset, f"malformed JSON: {exc.msg}", raw, source)
+            continue
+        if not isinstance(record, dict):
+            yield lineno, offset, raw, None, _reject(path, lineno, offset, f"a JSON {type(record).__name__}, not an object", raw, source)
+            continue
+        yield lineno, offset, raw, record, None
+    if empty:
+        yield 0, 0, b"", None, _reject(path, 0, 0, "empty file", b"", source)
+
+
+def _text_of(record: dict, field: str) -> tuple[str | None, str | None]:
+    if field not in record:
+        return None, f"no '{field}' field"
+    if not isinstance(record[field], str):
+        return None, f"'{field}' is a {type(record[field]).__name__}, not a string"
+    return record[field], None
+
+
+def read_jsonl(path: str, source: str, rel: str, text_field: str = "text", id_field: str | None = None) -> Iterator[dict]:
+    """Any corpus as JSON lines; `id_field` (when given) becomes the id unchanged."""
+    for lineno, offset, raw, record, reject in _records(path, source):
+        if reject:
+            yield reject
+            continue
+        text, problem = _text_of(record, text_field)
+        if problem is None and id_field is not None:
+            if id_field not in record or not isinstance(record[id_field], (str, int)) or isinstance(record[id_field], bool):
+                problem = f"no string or integer '{id_field}' field"
+        if problem:
+            yield _reject(path, lineno, offset, problem, raw, source)
+            continue
+        doc_id = str(record[id_field]) if id_field is not None else f"{source}/{rel}:{lineno}"
+        meta = {k: v for k, v in record.items() if k not in (text_field, id_field)}
+        yield _doc(doc_id, text, source, source, meta, path, lineno, offset)
+
+
+def read_pile(path: str, source: str, rel: str) -> Iterator[dict]:
+    """The Pile: `meta.pile_set_name` is the subset (which subsets are kept is decided later)."""
+    for lineno, offset, raw, record, reject in _records(path, source):
+        if reject:
+            yield reject
+            continue
+        text, problem = _text_of(record, "text")
+        meta = record.get("meta")
+        if problem is None and (not isinstance(meta, dict) or not isinstance(meta.get("pile_set_name"), str)):
+            problem = "no meta.pile_set_name"
+        if problem:
+            yield _reject(path, lineno, offset, problem, raw, source)
+            continue
+        yield _doc(f"{source}/{rel}:{lineno}", text, source, meta["pile_set_name"], meta, path, lineno, offset)
+
+
+def read_text(path: str, source: str, rel: str) -> Iterator[dict]:
+    """One document per file (BookCorpus, CC-Stories), bytes kept exactly; must be UTF-8."""
+    data = bytearray()  # one document per file: the whole file is the document
+    try:
+        for chunk in byte_chunks(path):
+            data += chunk
+    except (Truncated, zstandard.ZstdError, zlib.error, gzip.BadGzipFile) as exc:
+        yield _reject(path, 0, len(data), f"truncated file: {exc}", bytes(data), source)
+        return
+    data = bytes(data)
+    if not data.strip():
+        yield _reject(path, 0, 0, "empty file", data, source)
+        return
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        yield _reject(path, 0, exc.start, f"invalid UTF-8: {exc.reason} at byte {exc.start}", data[exc.start:], source)
+        return
+    yield _doc(f"{source}/{rel}", text, source, source, {"file": rel}, path, 0, 0)
+
+
+READERS = {"jsonl": read_jsonl, "pile": read_pile, "text": read_text}
+
+
+def relative_names(files: list[str]) -> dict[str, str]:
+    """Each file's path below the source's common folder: the stable part of a document id."""
+    if not files:
+        return {}
+    root = os.path.commonpath([os.path.dirname(f) for f in files])
+    return {f: os.path.relpath(f, root) for f in files}

@@ -1,0 +1,122 @@
+"""Readers: documents byte-exact, every bad line a located reject with its reason, cut files kept in part."""
+
+from __future__ import annotations
+
+import collections
+import gzip
+import io
+import json
+from pathlib import Path
+
+import pytest
+import zstandard
+
+from corpus.readers import ROW_FIELDS, read_jsonl, read_lines, read_pile, read_text, relative_names
+from corpus.sample import write_sample
+
+
+@pytest.fixture(scope="module")
+def sample(tmp_path_factory):
+    out = tmp_path_factory.mktemp("r") / "sample"
+    return out, write_sample(out)
+
+
+def pile_rows(out: Path) -> list[dict]:
+    files = sorted(str(p) for p in (out / "pile").glob("*.jsonl.zst"))
+    rel = relative_names(files)
+    return [r for f in files for r in read_pile(f, "pile", rel[f])]
+
+
+def test_pile_rejects_exactly_the_planted_bad_lines(sample):
+    out, planted = sample
+    rows = pile_rows(out)
+    assert all(set(r) == set(ROW_FIELDS) for r in rows)
+    rejects = {(Path(r["file"]).relative_to(out).as_posix(), r["line"]): r["reason"] for r in rows if r["reason"]}
+    expected = {(m["file"], m["line"]): m["defect"] for m in planted["malformed"] if m["file"].startswith("pile/")}
+    words = {"truncated JSON": "malformed JSON", "not JSON": "malformed JSON", "no text field": "no 'text' field",
+             "text is not a string": "'text' is a int, not a string", "invalid UTF-8": "invalid UTF-8", "empty line": "empty line"}
+    for where, defect in expected.items():
+        assert rejects[where].startswith(words[defect]), (where, rejects.get(where))
+    other = {k: v for k, v in rejects.items() if k not in expected}
+    assert sorted(other.values()) == ["no meta.pile_set_name", "truncated file: zstd stream ends inside a frame (file cut short?)"]
+    # Every line of the complete files is a document or a reject.
+    for name in ("00.jsonl.zst", "01.jsonl.zst"):
+        assert sum(1 for r in rows if r["file"].endswith(name)) == planted["files"][f"pile/{name}"]["lines"]
+    assert {r["subset"] for r in rows if not r["reason"]} >= {"Pile-CC", "Github", "DM Mathematics"}
+
+
+def test_readable_part_of_a_truncated_file_is_kept(sample):
+    out, planted = sample
+    rows = [r for r in pile_rows(out) if r["file"].endswith("02.jsonl.zst")]
+    docs, rejects = [r for r in rows if not r["reason"]], [r for r in rows if r["reason"]]
+    assert 0 < len(docs) < planted["truncated_files"][0]["documents_before_cut"]
+    (cut,) = rejects
+    assert cut["line"] == len(docs) + 1 and cut["offset"] > 0 and cut["reason"].startswith("truncated file")
+
+
+def test_text_is_byte_exact_and_ids_are_stable(sample):
+    out, _ = sample
+    originals = {}
+    with zstandard.ZstdDecompressor().stream_reader(io.BytesIO((out / "pile" / "00.jsonl.zst").read_bytes())) as r:
+        for lineno, line in enumerate(r.read().split(b"\n"), start=1):
+            try:
+                originals[lineno] = json.loads(line)["text"]
+            except (ValueError, KeyError):
+                pass
+    docs = [r for r in pile_rows(out) if not r["reason"] and r["file"].endswith("00.jsonl.zst")]
+    assert len(docs) > 100 and all(d["text"] == originals[d["line"]] for d in docs)
+    assert any("\\" in d["text"] and '"' in d["text"] for d in pile_rows(out) if not d["reason"])
+    assert docs[0]["id"] == f"pile/00.jsonl.zst:{docs[0]['line']}"
+    assert [d["id"] for d in pile_rows(out)] == [d["id"] for d in pile_rows(out)]
+    assert len({d["id"] for d in pile_rows(out) if not d["reason"]}) == sum(1 for d in pile_rows(out) if not d["reason"])
+    book = out / "bookcorpus" / "book_001.txt"
+    (doc,) = read_text(str(book), "bookcorpus", "book_001.txt")
+    assert doc["text"].encode("utf-8") == book.read_bytes() and "\r\n" in doc["text"]  # CRLF kept: normalize's job
+
+
+def test_text_rejects_non_utf8_and_empty_files(sample, tmp_path):
+    out, _ = sample
+    (bad,) = read_text(str(out / "bookcorpus" / "book_latin1.txt"), "bookcorpus", "book_latin1.txt")
+    assert bad["reason"].startswith("invalid UTF-8") and bad["offset"] > 0 and bad["id"] == ""
+    (tmp_path / "empty.txt").write_bytes(b"  \n")
+    (empty,) = read_text(str(tmp_path / "empty.txt"), "stories", "empty.txt")
+    assert empty["reason"] == "empty file"
+
+
+def test_jsonl_ids_fields_and_compressions(tmp_path):
+    records = [{"id": "n-1", "text": "one", "url": "u1"}, {"id": 2, "text": "two"}, {"text": "no id"}, {"id": "n-4", "text": ["x"]}]
+    data = b"".join(json.dumps(r).encode() + b"\n" for r in records)
+    (tmp_path / "a.jsonl").write_bytes(data)
+    (tmp_path / "a.jsonl.gz").write_bytes(gzip.compress(data))
+    (tmp_path / "a.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(data))
+    for name in ("a.jsonl", "a.jsonl.gz", "a.jsonl.zst"):
+        rows = list(read_jsonl(str(tmp_path / name), "news", name, id_field="id"))
+        assert [r["id"] for r in rows if not r["reason"]] == ["n-1", "2"]
+        assert [r["reason"] for r in rows if r["reason"]] == ["no string or integer 'id' field", "'text' is a list, not a string"]
+        assert json.loads(rows[0]["meta"]) == {"url": "u1"}
+    rows = list(read_jsonl(str(tmp_path / "a.jsonl"), "news", "a.jsonl"))
+    assert [r["id"] for r in rows if not r["reason"]] == ["news/a.jsonl:1", "news/a.jsonl:2", "news/a.jsonl:3"]
+    (tmp_path / "empty.jsonl").write_bytes(b"")
+    assert [r["reason"] for r in read_jsonl(str(tmp_path / "empty.jsonl"), "news", "empty.jsonl")] == ["empty file"]
+
+
+def test_truncated_gzip_and_concatenated_zstd_frames(tmp_path):
+    data = b"".join(b'{"text": "line %d"}\n' % i for i in range(3000))
+    cut = gzip.compress(data)
+    (tmp_path / "cut.jsonl.gz").write_bytes(cut[: len(cut) // 2])
+    rows = list(read_jsonl(str(tmp_path / "cut.jsonl.gz"), "x", "cut.jsonl.gz"))
+    assert 0 < sum(not r["reason"] for r in rows) < 3000 and rows[-1]["reason"].startswith("truncated file: gzip")
+    half = len(data) // 2
+    cctx = zstandard.ZstdCompressor()
+    (tmp_path / "two.jsonl.zst").write_bytes(cctx.compress(data[:half]) + cctx.compress(data[half:]))
+    lines = list(read_lines(str(tmp_path / "two.jsonl.zst")))
+    assert len(lines) == 3000 and all(p is None for *_, p in lines)  # a line split across frames is whole
+
+
+def test_pushshift_lines_read_with_the_2gib_window(sample):
+    out, planted = sample
+    lines = [l for f in sorted((out / "reddit").glob("RC_*.zst")) for l in read_lines(str(f))]
+    assert all(problem is None for *_, problem in lines)
+    assert len(lines) == sum(planted["files"][f"reddit/{f.name}"]["lines"] for f in (out / "reddit").glob("RC_*.zst"))
+    counts = collections.Counter(l[2][:7] for l in lines)
+    assert counts[b'{"id": '] >= planted["reddit"]["comments"]
