@@ -13,7 +13,7 @@ import time
 from typing import Any, Iterator
 
 from mlflow import MlflowClient
-from mlflow.entities import Metric, Param, RunTag
+from mlflow.entities import Metric, Param
 
 MAX_PARAM_LENGTH = 6000  # MLflow's limit on a param value
 BATCH = 100  # MLflow's limit on params per log_batch call
@@ -39,10 +39,8 @@ class MlflowTracker:
     def __init__(self, tracking_uri: str, experiment: str, artifact_location: str | None = None):
         for name in ("mlflow", "alembic"):  # "creating database tables..." on every new store
             logging.getLogger(name).setLevel(logging.WARNING)
-        self.tracking_uri = tracking_uri
         self.client = MlflowClient(tracking_uri)
         self.experiment_id = self._experiment(experiment, artifact_location)
-        self.experiment = experiment
         self.parent_id: str | None = None
         self._run_id: str | None = None  # the run metrics go to: the stage's, else the parent's
 
@@ -102,6 +100,3 @@ class MlflowTracker:
         items = [Metric(k, float(v), now, step) for k, v in metrics.items() if v is not None]
         for i in range(0, len(items), BATCH):
             self.client.log_batch(self._run_id, metrics=items[i : i + BATCH])
-
-    def set_tags(self, tags: dict[str, str]) -> None:
-        self.client.log_batch(self._run_id, tags=[RunTag(k, str(v)) for k, v in tags.items()])
