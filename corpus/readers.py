@@ -63,6 +63,15 @@ def _plain_chunks(path: str) -> Iterator[bytes]:
             yield chunk
 
 
+# What a damaged file raises while it is streamed (gzip.BadGzipFile is an OSError).
+STREAM_ERRORS = (Truncated, zstandard.ZstdError, zlib.error, OSError)
+
+
+def stream_problem(exc: BaseException) -> str:
+    """The reject reason for a file that could not be streamed to its end."""
+    return f"{'truncated' if isinstance(exc, Truncated) else 'corrupt'} file: {exc}"
+
+
 def byte_chunks(path: str) -> Iterator[bytes]:
     if path.endswith(".zst"):
         return _zstd_chunks(path)
@@ -86,8 +95,8 @@ def read_lines(path: str) -> Iterator[tuple[int, int, bytes, str | None]]:
                 lineno += 1
                 yield lineno, offset, line, None
                 offset += len(line) + 1
-    except (Truncated, zstandard.ZstdError, zlib.error, gzip.BadGzipFile, OSError) as exc:
-        yield lineno + 1, offset, buf, f"{'truncated' if isinstance(exc, Truncated) else 'corrupt'} file: {exc}"
+    except STREAM_ERRORS as exc:
+        yield lineno + 1, offset, buf, stream_problem(exc)
         return
     if buf:  # a last line without a newline is still a line
         yield lineno + 1, offset, buf, None
@@ -179,8 +188,8 @@ def read_text(path: str, source: str, rel: str) -> Iterator[dict]:
     try:
         for chunk in byte_chunks(path):
             data += chunk
-    except (Truncated, zstandard.ZstdError, zlib.error, gzip.BadGzipFile) as exc:
-        yield _reject(path, 0, len(data), f"truncated file: {exc}", bytes(data), source)
+    except STREAM_ERRORS as exc:
+        yield _reject(path, 0, len(data), stream_problem(exc), bytes(data), source)
         return
     data = bytes(data)
     if not data.strip():

@@ -78,6 +78,13 @@ def test_text_rejects_non_utf8_and_empty_files(sample, tmp_path):
     out, _ = sample
     (bad,) = read_text(str(out / "bookcorpus" / "book_latin1.txt"), "bookcorpus", "book_latin1.txt")
     assert bad["reason"].startswith("invalid UTF-8") and bad["offset"] > 0 and bad["id"] == ""
+    whole = zstandard.ZstdCompressor().compress(b"a story " * 5000)
+    (tmp_path / "cut.txt.zst").write_bytes(whole[: len(whole) // 2])
+    (cut,) = read_text(str(tmp_path / "cut.txt.zst"), "stories", "cut.txt.zst")
+    assert cut["reason"].startswith("truncated file: zstd stream ends inside a frame")
+    (tmp_path / "junk.txt.zst").write_bytes(b"\x28\xb5\x2f\xfd" + b"\xff" * 64)  # zstd magic, then garbage
+    (junk,) = read_text(str(tmp_path / "junk.txt.zst"), "stories", "junk.txt.zst")
+    assert junk["reason"].startswith("corrupt file: ")
     (tmp_path / "empty.txt").write_bytes(b"  \n")
     (empty,) = read_text(str(tmp_path / "empty.txt"), "stories", "empty.txt")
     assert empty["reason"] == "empty file"
