@@ -18,12 +18,18 @@ hypothesis on random unicode): it repeats the rules until the text stops changin
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import re
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import ftfy
+import pyarrow as pa
 
+from corpus.parts import DOCUMENT_SCHEMA, Parts, iter_rows, parquet_files, rows_in_folder, run_tasks
 from pipelines.config import NormalizeConfig
+from pipelines.dag import StageContext, StageResult
 
 RULES = ("ftfy", "whitespace", "gutenberg", "chapter_headings")
 
@@ -109,3 +115,54 @@ def _one_pass(out: Normalized, config: NormalizeConfig) -> None:
             if name not in out.changed_by:
                 out.changed_by.append(name)
             out.text = fixed
+
+
+# --------------------------------------------------------------------------- the stage
+
+DROPPED_SCHEMA = DOCUMENT_SCHEMA.append(pa.field("reason", pa.string()))  # the text as it came in
+
+
+def normalize_task(task: dict) -> dict:
+    """One part of ingest's documents -> normalized documents and dropped ones, with counts per rule."""
+    config = NormalizeConfig(**task["config"])
+    docs = Parts(task["output"], task["stem"], DOCUMENT_SCHEMA)
+    dropped = Parts(task["dropped"], task["stem"], DROPPED_SCHEMA)
+    counts: collections.Counter = collections.Counter()
+    for row in iter_rows(task["path"]):
+        counts["rows_in"] += 1
+        counts["chars_in"] += len(row["text"])
+        out = normalize_text(row["text"], config)
+        for rule in out.changed_by:
+            counts[f"changed.{rule}"] += 1
+        if out.dropped:
+            dropped.add({**row, "reason": out.dropped}, len(row["text"]))
+            counts["dropped"] += 1
+            counts[f"dropped.{out.dropped}"] += 1
+        else:
+            docs.add({**row, "text": out.text}, len(out.text))
+            counts["rows_out"] += 1
+            counts["chars_out"] += len(out.text)
+    docs.close()
+    dropped.close()
+    return dict(counts)
+
+
+def run(ctx: StageContext) -> StageResult:
+    """Every part of ingest's output, one Ray Data task each; part names carry over."""
+    folders = {"output": str(ctx.output), "dropped": str(ctx.aside("dropped"))}
+    config = dataclasses.asdict(ctx.section)
+    tasks = [{"path": p, "stem": Path(p).stem, "config": config, **folders}
+             for p in parquet_files(ctx.input_output("ingest"))]
+    counts: collections.Counter = collections.Counter()
+    for result in run_tasks(normalize_task, tasks):
+        counts.update(result)
+    expected = ctx.inputs["ingest"]["counts"]["rows_out"]
+    if counts["rows_in"] != expected:
+        raise RuntimeError(f"read {counts['rows_in']} documents but ingest wrote {expected}")
+    for name, folder in (("rows_out", ctx.output), ("dropped", folders["dropped"])):
+        if rows_in_folder(folder) != counts[name]:
+            raise RuntimeError(f"{name}: counted {counts[name]} rows but {rows_in_folder(folder)} are written")
+    metrics = {k: v for k, v in counts.items() if k not in ("rows_in", "rows_out", "dropped")}
+    for rule in RULES:
+        metrics.setdefault(f"changed.{rule}", 0)
+    return StageResult(counts["rows_in"], counts["rows_out"], {"dropped": counts["dropped"]}, metrics)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import gzip
 import json
 import os
+import re
 import zlib
 from typing import Iterator
 
@@ -182,8 +183,12 @@ def read_pile(path: str, source: str, rel: str) -> Iterator[dict]:
         yield _doc(f"{source}/{rel}:{lineno}", text, source, meta["pile_set_name"], meta, path, lineno, offset)
 
 
-def read_text(path: str, source: str, rel: str) -> Iterator[dict]:
-    """One document per file (BookCorpus, CC-Stories), bytes kept exactly; must be UTF-8."""
+def read_text(path: str, source: str, rel: str, split: str = "file") -> Iterator[dict]:
+    """BookCorpus, CC-Stories: one document per file (or per blank-line block), bytes kept exactly.
+
+    The file must be UTF-8: a Latin-1 book is rejected, not guessed at. With `split: blank_lines`
+    each block between blank lines is a document (its id: the file and the block's first line).
+    """
     data = bytearray()  # one document per file: the whole file is the document
     try:
         for chunk in byte_chunks(path):
@@ -200,10 +205,90 @@ def read_text(path: str, source: str, rel: str) -> Iterator[dict]:
     except UnicodeDecodeError as exc:
         yield _reject(path, 0, exc.start, f"invalid UTF-8: {exc.reason} at byte {exc.start}", data[exc.start:], source)
         return
-    yield _doc(f"{source}/{rel}", text, source, source, {"file": rel}, path, 0, 0)
+    if split == "file":
+        yield _doc(f"{source}/{rel}", text, source, source, {"file": rel}, path, 0, 0)
+        return
+    for line, offset, block in _blocks(text):
+        yield _doc(f"{source}/{rel}:{line}", block, source, source, {"file": rel, "line": line}, path, line, offset)
 
 
-READERS = {"jsonl": read_jsonl, "pile": read_pile, "text": read_text}
+_BLANK_LINES = re.compile(r"\n(?:[^\S\n]*\n)+")  # a newline, then one or more blank lines
+
+
+def _blocks(text: str) -> Iterator[tuple[int, int, str]]:
+    """(first line, byte offset, block) for each block between blank lines; blank-only blocks are separators."""
+    start = 0
+    for match in [*_BLANK_LINES.finditer(text), None]:
+        end = match.start() if match else len(text)
+        block = text[start:end]
+        if block.strip():
+            yield text.count("\n", 0, start) + 1, len(text[:start].encode("utf-8")), block
+        if match:
+            start = match.end()
+
+
+# --------------------------------------------------------------------------- PushShift Reddit
+
+REDDIT_FIELDS = ("kind", "id", "link_id", "parent_id", "body", "created_utc", "subreddit", "title", "file", "line")
+_BASE36 = re.compile(r"[0-9a-z]+")
+
+
+def _utc(value: object) -> int | None:
+    """created_utc: an integer, or (older dumps) an integer as a string or float."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, str) and value.strip().isdigit():
+        return int(value)
+    return None
+
+
+def _reddit_record(record: dict) -> tuple[dict | None, str | None]:
+    """A comment (has `body`) or a submission (has `title`) as a REDDIT_FIELDS row, or why not."""
+    rid = record.get("id")
+    if not isinstance(rid, str) or not _BASE36.fullmatch(rid):
+        return None, "no base-36 'id'"
+    created = _utc(record.get("created_utc"))
+    if created is None:
+        return None, "no integer 'created_utc'"
+    subreddit = record.get("subreddit") if isinstance(record.get("subreddit"), str) else ""
+    if "body" in record or "parent_id" in record:
+        body, link, parent = record.get("body"), record.get("link_id"), record.get("parent_id")
+        if not isinstance(body, str):
+            return None, "comment without a string 'body'"
+        if not isinstance(link, str) or not link.startswith("t3_"):
+            return None, "comment without a 't3_' 'link_id'"
+        if not isinstance(parent, str) or not parent.startswith(("t1_", "t3_")):
+            return None, "comment without a 't1_'/'t3_' 'parent_id'"
+        return {"kind": "comment", "id": rid, "link_id": link, "parent_id": parent, "body": body,
+                "created_utc": created, "subreddit": subreddit, "title": ""}, None
+    if "title" in record:
+        title, selftext = record.get("title"), record.get("selftext", "")
+        if not isinstance(title, str) or not isinstance(selftext, str):
+            return None, "submission without a string 'title' and 'selftext'"
+        return {"kind": "submission", "id": rid, "link_id": f"t3_{rid}", "parent_id": "", "body": selftext,
+                "created_utc": created, "subreddit": subreddit, "title": title}, None
+    return None, "neither a comment ('body') nor a submission ('title')"
+
+
+def read_pushshift(path: str, source: str, rel: str) -> Iterator[dict]:
+    """RC_ comments and RS_ submissions: validated records (REDDIT_FIELDS), grouped into threads later."""
+    for lineno, offset, raw, record, reject in _records(path, source):
+        if reject:
+            yield reject
+            continue
+        row, problem = _reddit_record(record)
+        if problem:
+            yield _reject(path, lineno, offset, problem, raw, source)
+            continue
+        row.update(file=path, line=lineno)
+        yield row
+
+
+READERS = {"jsonl": read_jsonl, "pile": read_pile, "text": read_text, "pushshift": read_pushshift}
 
 
 def relative_names(files: list[str]) -> dict[str, str]:

@@ -34,11 +34,10 @@ from pathlib import Path
 
 import zstandard
 
+from pipelines.config import OPT_PILE_SUBSETS
+
 # The Pile's 22 subsets, by their `meta.pile_set_name`; OPT kept the first 8.
-PILE_SUBSETS_KEPT_BY_OPT = [
-    "Pile-CC", "DM Mathematics", "Gutenberg (PG-19)", "HackerNews",
-    "OpenSubtitles", "OpenWebText2", "USPTO Backgrounds", "Wikipedia (en)",
-]
+PILE_SUBSETS_KEPT_BY_OPT = OPT_PILE_SUBSETS
 PILE_SUBSETS_DROPPED_BY_OPT = [
     "ArXiv", "BookCorpus2", "Books3", "Enron Emails", "EuroParl", "FreeLaw", "Github",
     "NIH ExPorter", "PhilPapers", "PubMed Abstracts", "PubMed Central", "StackExchange",
@@ -381,6 +380,13 @@ def _ccnews(out: Path, seed: int, planted: _Planted, shared: dict) -> None:
             records[8]["text"] = shared["borderline"]  # just below the threshold
             records[10]["text"] = messy(rng, records[10]["text"], "mojibake")
             shared["messy"].append({"source": "ccnews", "id": records[10]["id"], "kind": "mojibake"})
+            # Documents normalize must drop: nothing but whitespace, and a stub shorter than any sane minimum.
+            records[12]["text"] = " \t\r\n\u00a0\n  "
+            records[14]["text"] = "Read more."
+            planted.data["normalize_drops"] = [
+                {"source": "ccnews", "id": records[12]["id"], "kind": "whitespace only"},
+                {"source": "ccnews", "id": records[14]["id"], "kind": "short", "chars": len(records[14]["text"])},
+            ]
         lines = [_json_line(r) for r in records]
         if year == 2020:
             lines.insert(5, b'{"id": "ccnews-2020-broken", "title": "cut')

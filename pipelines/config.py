@@ -41,6 +41,13 @@ def _at_least(section: object, key: str, low: float, *names: str) -> None:
             raise ConfigError(f"{key}.{name}", f"expected a value >= {low}, got {value}")
 
 
+# The Pile subsets OPT kept (by `meta.pile_set_name`); the other 14 it dropped.
+OPT_PILE_SUBSETS = [
+    "Pile-CC", "DM Mathematics", "Gutenberg (PG-19)", "HackerNews",
+    "OpenSubtitles", "OpenWebText2", "USPTO Backgrounds", "Wikipedia (en)",
+]
+
+
 @dataclass
 class SourceConfig:
     """One raw source; `format` picks the reader (see design.md, Sources in a config)."""
@@ -48,14 +55,35 @@ class SourceConfig:
     name: str
     format: Literal["pile", "pushshift", "text", "jsonl"]
     paths: list[str]
-    text_field: str = "text"
-    id_field: str | None = None
+    text_field: str = "text"  # jsonl: the field holding the document
+    id_field: str | None = None  # jsonl: the field whose value is the id, unchanged
+    keep_subsets: list[str] | None = None  # pile: subsets kept (None: OPT's 8); the rest set aside
+    split: Literal["file", "blank_lines"] = "file"  # text: one document per file, or per blank-line block
 
     def validate(self, key: str) -> None:
         if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
             raise ConfigError(f"{key}.name", f"expected a short name of letters, digits, '-' or '_', got {self.name!r}")
         if not self.paths:
             raise ConfigError(f"{key}.paths", "expected at least one path or glob")
+        if self.keep_subsets is not None and self.format != "pile":
+            raise ConfigError(f"{key}.keep_subsets", f"only for format 'pile', this source is '{self.format}'")
+        if self.keep_subsets == []:
+            raise ConfigError(f"{key}.keep_subsets", "expected at least one subset (or leave it out for OPT's 8)")
+        if self.split != "file" and self.format != "text":
+            raise ConfigError(f"{key}.split", f"only for format 'text', this source is '{self.format}'")
+        if self.format == "pile" and self.keep_subsets is None:
+            self.keep_subsets = list(OPT_PILE_SUBSETS)
+
+
+@dataclass
+class IngestConfig:
+    """How raw files become documents (corpus/ingest.py)."""
+
+    on_bad_input: Literal["reject", "fail"] = "reject"  # fail: exit 1 at the first bad line, naming it
+    task_mb: int = 256  # files smaller than this are read together in one task, up to this many MB
+
+    def validate(self, key: str) -> None:
+        _at_least(self, key, 1, "task_mb")
 
 
 @dataclass
@@ -181,6 +209,7 @@ class PipelineConfig:
     sample_corpus: str | None = None  # when set and missing: generate the sample corpus here
     ray: RayConfig = field(default_factory=RayConfig)
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    ingest: IngestConfig = field(default_factory=IngestConfig)
     normalize: NormalizeConfig = field(default_factory=NormalizeConfig)
     dedup: DedupConfig = field(default_factory=DedupConfig)
     screen: ScreenConfig = field(default_factory=ScreenConfig)
@@ -426,8 +455,10 @@ def source_files(source: SourceConfig) -> list[str]:
     return sorted({p for pattern in source.paths for p in glob.glob(pattern) if os.path.isfile(p)})
 
 
-def section_dict(config: PipelineConfig, section: str) -> Any:
-    """A config section as plain data (what fingerprints and MLflow params are made of)."""
+def section_dict(config: PipelineConfig, section: str | tuple[str, ...]) -> Any:
+    """A config section (or several, by name) as plain data: what fingerprints and MLflow params are made of."""
+    if isinstance(section, tuple):
+        return {name: section_dict(config, name) for name in section}
     value = getattr(config, section)
     if isinstance(value, list):
         return [dataclasses.asdict(v) for v in value]

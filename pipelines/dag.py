@@ -77,7 +77,7 @@ class StageContext:
 
     stage: str
     config: PipelineConfig
-    section: Any  # the stage's typed config section (config.dedup for dedup, ...)
+    section: Any  # the stage's typed config section (config.dedup for dedup, ...; the first one named)
     inputs: dict[str, dict]  # input stage -> its manifest
     folder: Path  # the stage's fresh run folder
     log: logging.Logger
@@ -104,7 +104,7 @@ class StageContext:
 class Stage:
     name: str
     inputs: tuple[str, ...]
-    section: str  # the config section whose values are part of the fingerprint
+    section: str | tuple[str, ...]  # the config section(s) whose values are part of the fingerprint
     run: Callable[[StageContext], StageResult] | None  # None: not built yet
     code: tuple[str, ...] = ()  # modules whose source text is the stage's code version
     external: Callable[[PipelineConfig], Any] | None = None  # identity of files read from outside the workdir
@@ -352,7 +352,8 @@ class Runner:
                 tags={"stage": stage.name, "fingerprint": fp, "cache_hit": "false"},
             ) as run_id:
                 try:
-                    section = getattr(self.config, stage.section)
+                    first = stage.section[0] if isinstance(stage.section, tuple) else stage.section
+                    section = getattr(self.config, first)
                     ctx = StageContext(stage.name, self.config, section, inputs, folder, stage_log, run_id)
                     result = stage.run(ctx)
                     _check_result(stage.name, result)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import os
+import sys
 
 from pipelines.config import PipelineConfig
 
@@ -29,7 +30,7 @@ def start_ray(config: PipelineConfig) -> bool:
         else:
             ray.init(num_cpus=config.ray.num_cpus, include_dashboard=False, logging_level=logging.WARNING)
         started = True
-    quiet = under_pytest() or not config.ray.progress_bars
+    quiet = under_pytest() or not config.ray.progress_bars or not sys.stderr.isatty()  # no bars in logs
     ctx = ray.data.DataContext.get_current()
     ctx.enable_progress_bars = not quiet
     if quiet:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 
+from corpus import ingest, normalize
 from pipelines.config import PipelineConfig, source_files
 from pipelines.dag import Stage
 
@@ -28,8 +29,9 @@ def raw_files_identity(config: PipelineConfig) -> list[list]:
 
 
 STAGES: tuple[Stage, ...] = (
-    Stage("ingest", (), "sources", run=None, external=raw_files_identity, issue=3),
-    Stage("normalize", ("ingest",), "normalize", run=None, issue=3),
+    Stage("ingest", (), ("ingest", "sources"), run=ingest.run, code=("corpus.ingest", "corpus.readers", "corpus.reddit", "corpus.parts"),
+          external=raw_files_identity, issue=3),
+    Stage("normalize", ("ingest",), "normalize", run=normalize.run, code=("corpus.normalize", "corpus.parts"), issue=3),
     Stage("dedup", ("normalize",), "dedup", run=None, issue=4),
     Stage("screen", ("dedup",), "screen", run=None, issue=9),
     Stage("tokenize", ("screen",), "tokenize", run=None, issue=5),

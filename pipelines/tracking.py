@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import re
 import time
 from typing import Any, Iterator
 
@@ -17,6 +18,11 @@ from mlflow.entities import Metric, Param
 
 MAX_PARAM_LENGTH = 6000  # MLflow's limit on a param value
 BATCH = 100  # MLflow's limit on params per log_batch call
+
+
+def metric_name(key: str) -> str:
+    """MLflow allows letters, digits, '_', '-', '.', ' ', '/' and ':' in names: "Gutenberg (PG-19)" -> "Gutenberg _PG-19_"."""
+    return re.sub(r"[^\w\-. /:]", "_", key)
 
 
 def flatten(data: Any, prefix: str = "") -> dict[str, str]:
@@ -97,6 +103,6 @@ class MlflowTracker:
 
     def log_metrics(self, metrics: dict[str, float], step: int = 0) -> None:
         now = int(time.time() * 1000)
-        items = [Metric(k, float(v), now, step) for k, v in metrics.items() if v is not None]
+        items = [Metric(metric_name(k), float(v), now, step) for k, v in metrics.items() if v is not None]
         for i in range(0, len(items), BATCH):
             self.client.log_batch(self._run_id, metrics=items[i : i + BATCH])
