@@ -132,14 +132,13 @@ def normalize_task(task: dict) -> dict:
         counts["rows_in"] += 1
         counts["chars_in"] += len(row["text"])
         out = normalize_text(row["text"], config)
-        for rule in out.changed_by:
-            counts[f"changed.{rule}"] += 1
         if out.dropped:
             dropped.add({**row, "reason": out.dropped}, len(row["text"]))
             counts["dropped"] += 1
             counts[f"dropped.{out.dropped}"] += 1
         else:
             docs.add({**row, "text": out.text}, len(out.text))
+            counts.update(f"changed.{rule}" for rule in out.changed_by)  # of the documents kept
             counts["rows_out"] += 1
             counts["chars_out"] += len(out.text)
     docs.close()

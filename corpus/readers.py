@@ -212,7 +212,7 @@ def read_text(path: str, source: str, rel: str, split: str = "file") -> Iterator
         yield _doc(f"{source}/{rel}:{line}", block, source, source, {"file": rel, "line": line}, path, line, offset)
 
 
-_BLANK_LINES = re.compile(r"\n(?:[^\S\n]*\n)+")  # a newline, then one or more blank lines
+_BLANK_LINES = re.compile(r"\n(?:[^\S\n]*\n)+|\n[^\S\n]*\Z")  # blank lines between blocks, or the file's end
 
 
 def _blocks(text: str) -> Iterator[tuple[int, int, str]]:

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, write_config
-from pipelines.config import ConfigError, check_inputs_exist, load_config
+from pipelines.config import OPT_PILE_SUBSETS, ConfigError, check_inputs_exist, load_config
 from pipelines.full import main
 
 MINI = 'sources: [{name: a, format: jsonl, paths: ["raw/*.jsonl"]}]\n'
@@ -89,6 +89,22 @@ def test_bad_source_entries(tmp_path):
         load_config(write_config(tmp_path, "workdir: w\n"))
     with pytest.raises(ConfigError, match="is not valid YAML"):
         load_config(write_config(tmp_path, "sources: [unclosed\n"))
+    with pytest.raises(ConfigError, match=r"'sources\[0\]\.keep_subsets': only for format 'pile', this source is 'jsonl'"):
+        load_config(write_config(tmp_path, 'sources: [{name: a, format: jsonl, paths: [x], keep_subsets: [Pile-CC]}]'))
+    with pytest.raises(ConfigError, match=r"'sources\[0\]\.keep_subsets': expected at least one subset"):
+        load_config(write_config(tmp_path, 'sources: [{name: a, format: pile, paths: [x], keep_subsets: []}]'))
+    with pytest.raises(ConfigError, match=r"'sources\[0\]\.split': only for format 'text'"):
+        load_config(write_config(tmp_path, 'sources: [{name: a, format: pile, paths: [x], split: blank_lines}]'))
+    with pytest.raises(ConfigError, match=r"'ingest\.on_bad_input': expected one of 'reject', 'fail'"):
+        load_config(write_config(tmp_path, 'sources: [{name: a, format: pile, paths: [x]}]\ningest: {on_bad_input: skip}'))
+
+
+def test_pile_keeps_opts_eight_subsets_unless_told(tmp_path):
+    config = load_config(write_config(tmp_path, 'sources: [{name: p, format: pile, paths: [x]}, {name: t, format: text, paths: [y]}]'))
+    assert config.sources[0].keep_subsets == OPT_PILE_SUBSETS and len(OPT_PILE_SUBSETS) == 8
+    assert config.sources[1].keep_subsets is None
+    config = load_config(write_config(tmp_path, 'sources: [{name: p, format: pile, paths: [x], keep_subsets: [Github]}]'))
+    assert config.sources[0].keep_subsets == ["Github"]
 
 
 def test_missing_input_paths_name_the_key(cfg, tmp_path):

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import zstandard
 
-from corpus.readers import ROW_FIELDS, read_jsonl, read_lines, read_pile, read_text, relative_names
+from corpus.readers import REDDIT_FIELDS, ROW_FIELDS, read_jsonl, read_lines, read_pile, read_pushshift, read_text, relative_names
 from corpus.sample import write_sample
 
 
@@ -127,3 +127,51 @@ def test_pushshift_lines_read_with_the_2gib_window(sample):
     assert len(lines) == sum(planted["files"][f"reddit/{f.name}"]["lines"] for f in (out / "reddit").glob("RC_*.zst"))
     counts = collections.Counter(l[2][:7] for l in lines)
     assert counts[b'{"id": '] >= planted["reddit"]["comments"]
+
+
+def pushshift_rows(tmp_path: Path, records: list) -> list[dict]:
+    path = tmp_path / "RC_x.zst"
+    lines = [r if isinstance(r, bytes) else json.dumps(r).encode() for r in records]
+    path.write_bytes(zstandard.ZstdCompressor().compress(b"\n".join(lines) + b"\n"))
+    return list(read_pushshift(str(path), "reddit", "RC_x.zst"))
+
+
+GOOD = {"id": "abc1", "parent_id": "t3_s1", "link_id": "t3_s1", "created_utc": 1546300800, "body": "hello \\ there"}
+
+
+@pytest.mark.parametrize("change, reason", [
+    ({"id": "ABC!"}, "no base-36 'id'"),
+    ({"created_utc": "yesterday"}, "no integer 'created_utc'"),
+    ({"created_utc": True}, "no integer 'created_utc'"),
+    ({"body": None}, "comment without a string 'body'"),
+    ({"link_id": "s1"}, "comment without a 't3_' 'link_id'"),
+    ({"parent_id": 17}, "comment without a 't1_'/'t3_' 'parent_id'"),
+])
+def test_pushshift_comment_checks(tmp_path, change, reason):
+    (row,) = pushshift_rows(tmp_path, [{**GOOD, **change}])
+    assert row["reason"] == reason and row["line"] == 1 and row["head"].startswith('{"id"')
+
+
+def test_pushshift_records_and_what_is_not_one(tmp_path):
+    rows = pushshift_rows(tmp_path, [
+        GOOD, {**GOOD, "id": "abc2", "created_utc": "1546300900"},  # older dumps: a string
+        {"id": "s1", "title": "T", "selftext": "S", "created_utc": 1546300000.0, "subreddit": "books"},
+        {"id": "s2", "name": "t3_s2", "created_utc": 1}, [1, 2], b"not json"])
+    assert [r.get("kind") or r["reason"] for r in rows] == [
+        "comment", "comment", "submission", "neither a comment ('body') nor a submission ('title')",
+        "a JSON list, not an object", "malformed JSON: Expecting value"]
+    assert set(rows[0]) == set(REDDIT_FIELDS) and rows[0]["body"] == "hello \\ there"
+    assert rows[1]["created_utc"] == 1546300900 and rows[1]["line"] == 2
+    assert rows[2] == {"kind": "submission", "id": "s1", "link_id": "t3_s1", "parent_id": "", "body": "S",
+                       "created_utc": 1546300000, "subreddit": "books", "title": "T", "file": rows[2]["file"], "line": 3}
+
+
+def test_text_blocks_are_exact_with_lines_and_byte_offsets(tmp_path):
+    text = "é first\r\nstill first\n \n\nsecond\n\n\nthird  \n"
+    (tmp_path / "b.txt").write_bytes(text.encode())
+    rows = list(read_text(str(tmp_path / "b.txt"), "s", "b.txt", split="blank_lines"))
+    assert [(r["id"], r["text"], r["line"]) for r in rows] == [
+        ("s/b.txt:1", "é first\r\nstill first", 1), ("s/b.txt:5", "second", 5), ("s/b.txt:8", "third  ", 8)]
+    raw = text.encode()
+    for r in rows:
+        assert raw[r["offset"]:].startswith(r["text"].encode())

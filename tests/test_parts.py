@@ -1,0 +1,33 @@
+"""Parquet parts written by file tasks: rows kept in order, parts rolled over, small files packed."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+from corpus.parts import DOCUMENT_SCHEMA, Parts, group_by_size, iter_rows, parquet_files, rows_in_folder
+
+
+def test_parts_roll_over_and_keep_every_row_in_order(tmp_path):
+    parts = Parts(tmp_path / "out", "src-00000", DOCUMENT_SCHEMA, part_bytes=1000)
+    docs = [{"id": str(i), "text": "x" * 90 + str(i), "source": "s", "subset": "s", "meta": "{}"} for i in range(5000)]
+    for d in docs:
+        parts.add(d, len(d["text"]))
+    assert parts.close() == 5000
+    files = parquet_files(tmp_path / "out")
+    assert len(files) > 100 and files[0].endswith("src-00000-0000.parquet")
+    assert [r for f in files for r in iter_rows(f)] == docs
+    assert rows_in_folder(tmp_path / "out") == 5000
+
+
+def test_parts_with_no_rows_write_no_file(tmp_path):
+    assert Parts(tmp_path / "none", "x", pa.schema([("a", pa.int64())])).close() == 0
+    assert parquet_files(tmp_path / "none") == [] and rows_in_folder(tmp_path / "none") == 0
+
+
+def test_small_files_are_packed_and_big_ones_stand_alone(tmp_path):
+    sizes = {"a": 10, "b": 10, "c": 100, "d": 5, "e": 5, "f": 5}
+    for name, size in sizes.items():
+        (tmp_path / name).write_bytes(b"x" * size)
+    groups = group_by_size([str(tmp_path / n) for n in sizes], target_bytes=20)
+    assert [[p[-1] for p in g] for g in groups] == [["a", "b"], ["c"], ["d", "e", "f"]]
+    assert group_by_size([], 20) == []
