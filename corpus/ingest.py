@@ -34,7 +34,7 @@ from pathlib import Path
 import pyarrow as pa
 
 from corpus import reddit
-from corpus.parts import DOCUMENT_SCHEMA, Parts, group_by_size, iter_rows, parquet_files, rows_in_folder, run_tasks
+from corpus.parts import DOCUMENT_SCHEMA, Parts, group_by_size, iter_rows, parquet_files, rows_in_folder, run_tasks, task_bytes
 from corpus.readers import READERS, REDDIT_FIELDS, relative_names
 from pipelines.config import source_files
 from pipelines.dag import StageContext, StageResult
@@ -110,12 +110,17 @@ def read_task(task: dict) -> dict:
 
 
 def read_tasks(ctx: StageContext, folders: dict[str, str]) -> list[dict]:
-    """One task per group of files of a source (small files packed to about `ingest.task_mb`)."""
+    """One task per group of files of a source: small files packed together, up to `ingest.task_mb`
+    (and fewer per task when that leaves cores idle). One file is never split: a zstd stream is
+    read from its start."""
+    files_of = {source.name: source_files(source) for source in ctx.config.sources}
+    total = sum(os.path.getsize(f) for files in files_of.values() for f in files)
+    target = task_bytes(total, ctx.config.ingest.task_mb << 20)
     tasks = []
     for source in ctx.config.sources:
-        files = source_files(source)
+        files = files_of[source.name]
         rel = relative_names(files)
-        for i, group in enumerate(group_by_size(files, ctx.config.ingest.task_mb << 20)):
+        for i, group in enumerate(group_by_size(files, target)):
             tasks.append({
                 "source": {"name": source.name, "format": source.format, "text_field": source.text_field,
                            "id_field": source.id_field, "keep_subsets": source.keep_subsets, "split": source.split},

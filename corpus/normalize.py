@@ -27,7 +27,8 @@ from pathlib import Path
 import ftfy
 import pyarrow as pa
 
-from corpus.parts import DOCUMENT_SCHEMA, Parts, iter_rows, parquet_files, rows_in_folder, run_tasks
+from corpus.parts import (DOCUMENT_SCHEMA, Parts, iter_rows, parquet_bytes, parquet_files, row_group_ranges,
+                          rows_in_folder, run_tasks, task_bytes)
 from pipelines.config import NormalizeConfig
 from pipelines.dag import StageContext, StageResult
 
@@ -119,6 +120,8 @@ def _one_pass(out: Normalized, config: NormalizeConfig) -> None:
 
 # --------------------------------------------------------------------------- the stage
 
+TASK_BYTES = 64 << 20  # of ingest's documents per task, at most
+
 DROPPED_SCHEMA = DOCUMENT_SCHEMA.append(pa.field("reason", pa.string()))  # the text as it came in
 
 
@@ -128,7 +131,7 @@ def normalize_task(task: dict) -> dict:
     docs = Parts(task["output"], task["stem"], DOCUMENT_SCHEMA)
     dropped = Parts(task["dropped"], task["stem"], DROPPED_SCHEMA)
     counts: collections.Counter = collections.Counter()
-    for row in iter_rows(task["path"]):
+    for row in iter_rows(task["path"], row_groups=task["row_groups"]):
         counts["rows_in"] += 1
         counts["chars_in"] += len(row["text"])
         out = normalize_text(row["text"], config)
@@ -147,11 +150,13 @@ def normalize_task(task: dict) -> dict:
 
 
 def run(ctx: StageContext) -> StageResult:
-    """Every part of ingest's output, one Ray Data task each; part names carry over."""
+    """Ingest's parts in runs of row groups, one Ray Data task each; part names carry over."""
     folders = {"output": str(ctx.output), "dropped": str(ctx.aside("dropped"))}
     config = dataclasses.asdict(ctx.section)
-    tasks = [{"path": p, "stem": Path(p).stem, "config": config, **folders}
-             for p in parquet_files(ctx.input_output("ingest"))]
+    parts = parquet_files(ctx.input_output("ingest"))
+    target = task_bytes(parquet_bytes(parts), TASK_BYTES)
+    tasks = [{"path": p, "row_groups": groups, "stem": f"{Path(p).stem}-{groups[0]:05d}", "config": config, **folders}
+             for p, groups in row_group_ranges(parts, target)]
     counts: collections.Counter = collections.Counter()
     for result in run_tasks(normalize_task, tasks):
         counts.update(result)

@@ -23,7 +23,8 @@ import pyarrow.parquet as pq
 DOCUMENT_SCHEMA = pa.schema([("id", pa.string()), ("text", pa.string()), ("source", pa.string()),
                              ("subset", pa.string()), ("meta", pa.string())])
 
-GROUP_ROWS = 2048  # rows per Parquet row group (also what a reader of the part holds at once)
+GROUP_ROWS = 2048  # rows per Parquet row group at most (also what a reader holds at once) ...
+GROUP_BYTES = 32 << 20  # ... and about this many bytes of strings at most (books are megabytes each)
 PART_BYTES = 256 << 20  # a part is closed after about this many bytes of strings
 
 
@@ -34,6 +35,7 @@ class Parts:
         self.folder, self.stem, self.schema, self.part_bytes = Path(folder), stem, schema, part_bytes
         self.rows = 0
         self._buffer: list[dict] = []
+        self._buffer_bytes = 0
         self._writer: pq.ParquetWriter | None = None
         self._part, self._part_bytes = 0, 0
 
@@ -42,7 +44,8 @@ class Parts:
         self._buffer.append(row)
         self.rows += 1
         self._part_bytes += size
-        if len(self._buffer) >= GROUP_ROWS:
+        self._buffer_bytes += size
+        if len(self._buffer) >= GROUP_ROWS or self._buffer_bytes >= GROUP_BYTES:
             self._flush()
         if self._part_bytes >= self.part_bytes:
             self._flush()
@@ -55,8 +58,8 @@ class Parts:
             self.folder.mkdir(parents=True, exist_ok=True)
             path = self.folder / f"{self.stem}-{self._part:04d}.parquet"
             self._writer = pq.ParquetWriter(path, self.schema, compression="zstd")
-        self._writer.write_table(pa.Table.from_pylist(self._buffer, schema=self.schema), row_group_size=GROUP_ROWS)
-        self._buffer = []
+        self._writer.write_table(pa.Table.from_pylist(self._buffer, schema=self.schema), row_group_size=len(self._buffer))
+        self._buffer, self._buffer_bytes = [], 0
 
     def _close_part(self) -> None:
         if self._writer is not None:
@@ -82,10 +85,48 @@ def rows_in_folder(folder: str | os.PathLike) -> int:
     return sum(pq.ParquetFile(p).metadata.num_rows for p in parquet_files(folder))
 
 
-def iter_rows(path: str, columns: list[str] | None = None):
-    """A part's rows as dicts, one row group at a time."""
-    for batch in pq.ParquetFile(path).iter_batches(batch_size=GROUP_ROWS, columns=columns):
+def iter_rows(path: str, columns: list[str] | None = None, row_groups: list[int] | None = None):
+    """A part's rows (or those of some of its row groups) as dicts, one batch at a time."""
+    for batch in pq.ParquetFile(path).iter_batches(batch_size=GROUP_ROWS, columns=columns, row_groups=row_groups):
         yield from batch.to_pylist()
+
+
+def parquet_bytes(paths: list[str]) -> int:
+    """The parts' size uncompressed, from their footers."""
+    total = 0
+    for path in paths:
+        meta = pq.ParquetFile(path).metadata
+        total += sum(meta.row_group(i).total_byte_size for i in range(meta.num_row_groups))
+    return total
+
+
+def row_group_ranges(paths: list[str], target_bytes: int) -> list[tuple[str, list[int]]]:
+    """Each part's row groups in runs of about `target_bytes` (uncompressed): the next stage's tasks.
+
+    A stage reading one big part still gets as many tasks as it has cores to give them to.
+    """
+    tasks = []
+    for path in paths:
+        meta = pq.ParquetFile(path).metadata
+        run, size = [], 0
+        for i in range(meta.num_row_groups):
+            if run and size + meta.row_group(i).total_byte_size > target_bytes:
+                tasks.append((path, run))
+                run, size = [], 0
+            run.append(i)
+            size += meta.row_group(i).total_byte_size
+        if run:
+            tasks.append((path, run))
+    return tasks
+
+
+def task_bytes(total_bytes: int, limit_bytes: int) -> int:
+    """How much input one task gets: at most `limit_bytes`, and little enough that every CPU of the
+    Ray cluster (local or not) has a task when there is enough input to go round."""
+    import ray
+
+    cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
+    return max(1 << 20, min(limit_bytes, -(-total_bytes // cpus)))
 
 
 def group_by_size(paths: list[str], target_bytes: int) -> list[list[str]]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pyarrow as pa
 
-from corpus.parts import DOCUMENT_SCHEMA, Parts, group_by_size, iter_rows, parquet_files, rows_in_folder
+from corpus.parts import DOCUMENT_SCHEMA, Parts, group_by_size, iter_rows, parquet_bytes, parquet_files, row_group_ranges, rows_in_folder
 
 
 def test_parts_roll_over_and_keep_every_row_in_order(tmp_path):
@@ -31,3 +31,18 @@ def test_small_files_are_packed_and_big_ones_stand_alone(tmp_path):
     groups = group_by_size([str(tmp_path / n) for n in sizes], target_bytes=20)
     assert [[p[-1] for p in g] for g in groups] == [["a", "b"], ["c"], ["d", "e", "f"]]
     assert group_by_size([], 20) == []
+
+
+def test_row_group_ranges_cover_every_group_once(tmp_path):
+    parts = Parts(tmp_path, "p", DOCUMENT_SCHEMA)
+    for i in range(10_000):
+        parts.add({"id": str(i), "text": "y" * 500, "source": "s", "subset": "s", "meta": "{}"}, 500)
+    parts.close()
+    files = parquet_files(tmp_path)
+    total = parquet_bytes(files)
+    ranges = row_group_ranges(files, total // 3)
+    assert 3 <= len(ranges) <= 5
+    groups = [g for _, run in ranges for g in run]
+    assert groups == list(range(len(groups))) and len(groups) == 5  # 10,000 rows in groups of 2,048
+    assert [r["id"] for f, run in ranges for r in iter_rows(f, ["id"], run)] == [str(i) for i in range(10_000)]
+    assert len(row_group_ranges(files, 1 << 40)) == 1
