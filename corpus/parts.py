@@ -122,27 +122,28 @@ def row_group_ranges(paths: list[str], target_bytes: int) -> list[tuple[str, lis
 
 def task_bytes(total_bytes: int, limit_bytes: int) -> int:
     """How much input one task gets: at most `limit_bytes`, and little enough that every CPU of the
-    Ray cluster (local or not) has a task when there is enough input to go round."""
+    Ray cluster (local or not) gets two tasks when there is enough input to go round (two, so
+    that uneven tasks still keep every core busy to the end)."""
     import ray
 
     cpus = max(1, int(ray.cluster_resources().get("CPU", 1)))
-    return max(1 << 20, min(limit_bytes, -(-total_bytes // cpus)))
+    return max(1 << 20, min(limit_bytes, total_bytes // (2 * cpus)))
 
 
 def group_by_size(paths: list[str], target_bytes: int) -> list[list[str]]:
-    """Consecutive files packed into groups of about `target_bytes` (a big file is a group of its own).
+    """Consecutive files packed into groups of about `target_bytes`: a group is closed once it holds
+    that much (so it may pass it by one file; a big file is a group of its own).
 
     Ten thousand small books are a few tasks, not ten thousand; a 30 GB dump is one task.
     """
     groups: list[list[str]] = []
-    size = 0
+    size = target_bytes
     for path in paths:
-        file_size = os.path.getsize(path)
-        if not groups or size + file_size > target_bytes:
+        if size >= target_bytes:  # the last group is full: start another
             groups.append([])
             size = 0
         groups[-1].append(path)
-        size += file_size
+        size += os.path.getsize(path)
     return groups
 
 

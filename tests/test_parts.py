@@ -30,6 +30,10 @@ def test_small_files_are_packed_and_big_ones_stand_alone(tmp_path):
         (tmp_path / name).write_bytes(b"x" * size)
     groups = group_by_size([str(tmp_path / n) for n in sizes], target_bytes=20)
     assert [[p[-1] for p in g] for g in groups] == [["a", "b"], ["c"], ["d", "e", "f"]]
+    groups = group_by_size([str(tmp_path / n) for n in sizes], target_bytes=12)
+    assert [[p[-1] for p in g] for g in groups] == [["a", "b"], ["c"], ["d", "e", "f"]]
+    groups = group_by_size([str(tmp_path / n) for n in sizes], target_bytes=8)
+    assert [[p[-1] for p in g] for g in groups] == [["a"], ["b"], ["c"], ["d", "e"], ["f"]]
     assert group_by_size([], 20) == []
 
 
