@@ -78,25 +78,23 @@ def test_bad_values_name_their_key(cfg, text, key, expected):
     assert "\n" not in str(exc.value)
 
 
-def test_bad_source_entries(tmp_path):
-    with pytest.raises(ConfigError, match=r"'sources\[0\]\.format': expected one of 'pile'"):
-        load_config(write_config(tmp_path, 'sources: [{name: a, format: csv, paths: ["x"]}]'))
-    with pytest.raises(ConfigError, match=r"'sources\[0\]\.paths': missing"):
-        load_config(write_config(tmp_path, "sources: [{name: a, format: jsonl}]"))
-    with pytest.raises(ConfigError, match=r"'sources\[1\]\.name': duplicate source name 'a'"):
-        load_config(write_config(tmp_path, 'sources: [{name: a, format: jsonl, paths: [x]}, {name: a, format: text, paths: [y]}]'))
-    with pytest.raises(ConfigError, match=r"'sources': missing"):
-        load_config(write_config(tmp_path, "workdir: w\n"))
-    with pytest.raises(ConfigError, match="is not valid YAML"):
-        load_config(write_config(tmp_path, "sources: [unclosed\n"))
-    with pytest.raises(ConfigError, match=r"'sources\[0\]\.keep_subsets': only for format 'pile', this source is 'jsonl'"):
-        load_config(write_config(tmp_path, 'sources: [{name: a, format: jsonl, paths: [x], keep_subsets: [Pile-CC]}]'))
-    with pytest.raises(ConfigError, match=r"'sources\[0\]\.keep_subsets': expected at least one subset"):
-        load_config(write_config(tmp_path, 'sources: [{name: a, format: pile, paths: [x], keep_subsets: []}]'))
-    with pytest.raises(ConfigError, match=r"'sources\[0\]\.split': only for format 'text'"):
-        load_config(write_config(tmp_path, 'sources: [{name: a, format: pile, paths: [x], split: blank_lines}]'))
-    with pytest.raises(ConfigError, match=r"'ingest\.on_bad_input': expected one of 'reject', 'fail'"):
-        load_config(write_config(tmp_path, 'sources: [{name: a, format: pile, paths: [x]}]\ningest: {on_bad_input: skip}'))
+@pytest.mark.parametrize("text, message", [
+    ('sources: [{name: a, format: csv, paths: ["x"]}]', r"'sources\[0\]\.format': expected one of 'pile'"),
+    ("sources: [{name: a, format: jsonl}]", r"'sources\[0\]\.paths': missing"),
+    ("sources: [{name: a, format: jsonl, paths: [x]}, {name: a, format: text, paths: [y]}]",
+     r"'sources\[1\]\.name': duplicate source name 'a'"),
+    ("workdir: w\n", r"'sources': missing"),
+    ("sources: [unclosed\n", "is not valid YAML"),
+    ("sources: [{name: a, format: jsonl, paths: [x], keep_subsets: [Pile-CC]}]",
+     r"'sources\[0\]\.keep_subsets': only for format 'pile', this source is 'jsonl'"),
+    ("sources: [{name: a, format: pile, paths: [x], keep_subsets: []}]", r"'sources\[0\]\.keep_subsets': expected at least one subset"),
+    ("sources: [{name: a, format: pile, paths: [x], split: blank_lines}]", r"'sources\[0\]\.split': only for format 'text'"),
+    ("sources: [{name: a, format: pile, paths: [x]}]\ningest: {on_bad_input: skip}",
+     r"'ingest\.on_bad_input': expected one of 'reject', 'fail'"),
+])
+def test_bad_source_entries(tmp_path, text, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(write_config(tmp_path, text))
 
 
 def test_pile_keeps_opts_eight_subsets_unless_told(tmp_path):
