@@ -63,6 +63,8 @@ def test_defaults_and_resolved_paths(cfg, tmp_path, monkeypatch):
     ("dedup: {threshold: 1.5}\n", "dedup.threshold", "expected a Jaccard similarity in (0, 1]"),
     ("dedup: {ngram: 2.5}\n", "dedup.ngram", "expected an integer, got 2.5"),
     ("dedup: 7\n", "dedup", "expected a mapping, got 7 (int)"),
+    ("dedup: {bands: 10}\n", "dedup.rows", "set bands and rows together"),
+    ("dedup: {bands: 10, rows: 13}\n", "dedup.bands", "10 bands x 13 rows needs more than num_perm=128"),
     ("train: {precision: fp8}\n", "train.precision", "expected one of 'fp32', 'bf16', 'fp16'"),
     ("train: {zero_stage: 4}\n", "train.zero_stage", "expected 0, 1, 2 or 3"),
     ("train: {max_steps: yes}\n", "train.max_steps", "expected an integer or null, got True (bool)"),
