@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 
 from corpus import ingest, normalize
+from dedup import stage as dedup_stage
 from pipelines.config import PipelineConfig, source_files
 from pipelines.dag import Stage
 
@@ -32,7 +33,8 @@ STAGES: tuple[Stage, ...] = (
     Stage("ingest", (), ("ingest", "sources"), run=ingest.run, code=("corpus.ingest", "corpus.readers", "corpus.reddit", "corpus.parts"),
           external=raw_files_identity, issue=3),
     Stage("normalize", ("ingest",), "normalize", run=normalize.run, code=("corpus.normalize", "corpus.parts"), issue=3),
-    Stage("dedup", ("normalize",), "dedup", run=None, issue=4),
+    Stage("dedup", ("normalize",), "dedup", run=dedup_stage.run, code=("dedup.stage", "dedup.minhash", "dedup.lsh", "corpus.parts"),
+          issue=4),
     Stage("screen", ("dedup",), "screen", run=None, issue=9),
     Stage("tokenize", ("screen",), "tokenize", run=None, issue=5),
     Stage("train", ("tokenize",), "train", run=None, issue=7),

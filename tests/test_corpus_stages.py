@@ -275,3 +275,21 @@ sources:
     docs = {r["id"]: r["text"] for r in rows(stage_folder(tmp_path / "work", "ingest") / "output")}
     assert docs == {"poems/poems.txt:1": "first poem\nline two", "poems/poems.txt:6": "second poem",
                     "poems/poems.txt:8": "third", "7": "one", "k2": "two"}
+
+
+def test_dedup_removes_the_planted_duplicates_and_nothing_else(sample_run):
+    _, planted, wd = sample_run
+    folder = stage_folder(wd, "dedup")
+    dups = {r["id"]: r for r in rows(folder / "duplicates")}
+    kinds = {d["kind"]: d for d in planted["duplicates"]}
+    assert kinds["near"]["jaccard"] >= 0.95 > kinds["below threshold"]["jaccard"]
+    # Exact and near copies go (the Pile's copy is kept: it is listed first); the one at 0.937 stays.
+    assert {"ccnews-2019-0002", "stories/story_000.txt"} <= set(dups)
+    assert dups["ccnews-2019-0002"]["kept_source"] == dups["stories/story_000.txt"]["kept_source"] == "pile"
+    assert dups["stories/story_000.txt"]["jaccard"] == pytest.approx(kinds["near"]["jaccard"], abs=1e-4)
+    owt = [d for d in dups.values() if d["source"] == "pile"]
+    assert len(owt) == 1 and len(dups) == 3
+    kept = {r["id"] for r in rows(folder / "output")}
+    assert {"ccnews-2019-0008", "ccnews-2019-0006"} <= kept
+    m = manifest(wd, "dedup")
+    assert m["counts"] == {"rows_in": manifest(wd, "normalize")["counts"]["rows_out"], "rows_out": len(kept), "duplicate": 3}
