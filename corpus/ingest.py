@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import collections
 import functools
-import json
 import os
 import shutil
 from pathlib import Path

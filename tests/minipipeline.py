@@ -14,7 +14,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import ray.data
 
-from pipelines.config import PipelineConfig, source_files
+from pipelines.config import source_files
 from pipelines.dag import Stage, StageContext, StageResult
 from pipelines.stages import raw_files_identity
 

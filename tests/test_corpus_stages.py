@@ -13,7 +13,7 @@ import zstandard
 from mlflow import MlflowClient
 
 from conftest import write_config
-from corpus.ingest import REASONS, folder_of
+from corpus.ingest import REASONS
 from corpus.normalize import normalize_text
 from corpus.reddit import longest_chain
 from corpus.sample import PILE_SUBSETS_KEPT_BY_OPT, write_sample, write_zst_lines
