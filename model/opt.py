@@ -1,0 +1,126 @@
+"""The OPT decoder, readable top to bottom (nanoGPT style), parameter names as Hugging Face's.
+
+Token embeddings + learned positional embeddings (offset by 2, as OPT's checkpoints index them),
+then n_layer blocks of causal self-attention and a ReLU FFN of 4 * d_model, each pre-LN (or
+post-LN, as 350M), a final LayerNorm (pre-LN only), and the output projection tied to the token
+embeddings. Dropout on the residual branches, not on the embeddings.
+
+Module names follow `transformers`' OPTForCausalLM without its "model." prefix
+(decoder.layers.0.self_attn.q_proj.weight, ...), so export and import (model/hf.py) are a rename.
+
+Monitoring for the stability autopilot: every forward leaves `last_activation_norm`, the mean L2
+norm of the final layer's output per token (OPT saw divergence follow its growth), computed
+without gradient; `block_grad_norms()` gives each block's gradient norm after a backward.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from model.configs import OPTConfig
+
+POSITION_OFFSET = 2  # OPT's checkpoints keep two unused rows before position 0
+
+
+class Attention(nn.Module):
+    def __init__(self, config: OPTConfig):
+        super().__init__()
+        d = config.d_model
+        self.n_head, self.dropout = config.n_head, config.attn_dropout
+        self.q_proj, self.k_proj, self.v_proj = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
+        self.out_proj = nn.Linear(d, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, C = x.shape
+        # (B, T, C) -> (B, n_head, T, head_dim)
+        q, k, v = (p(x).view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
+        return self.out_proj(y.transpose(1, 2).reshape(B, T, C))
+
+
+class Block(nn.Module):
+    def __init__(self, config: OPTConfig):
+        super().__init__()
+        self.pre_ln, self.dropout = config.pre_ln, config.dropout
+        self.self_attn = Attention(config)
+        self.self_attn_layer_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+        self.fc1 = nn.Linear(config.d_model, config.ffn_dim)
+        self.fc2 = nn.Linear(config.ffn_dim, config.d_model)
+        self.final_layer_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, d_model) -> same
+        h = self.self_attn(self.self_attn_layer_norm(x) if self.pre_ln else x)
+        x = x + F.dropout(h, self.dropout, self.training)
+        if not self.pre_ln:
+            x = self.self_attn_layer_norm(x)
+        h = self.fc2(F.relu(self.fc1(self.final_layer_norm(x) if self.pre_ln else x)))
+        x = x + F.dropout(h, self.dropout, self.training)
+        return x if self.pre_ln else self.final_layer_norm(x)
+
+
+class Decoder(nn.Module):
+    def __init__(self, config: OPTConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model)
+        self.embed_positions = nn.Embedding(config.max_seq_len + POSITION_OFFSET, config.d_model)
+        self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layer))
+        self.final_layer_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.pre_ln else None
+
+
+class OPT(nn.Module):
+    def __init__(self, config: OPTConfig):
+        super().__init__()
+        self.config = config
+        self.decoder = Decoder(config)
+        self.last_activation_norm: torch.Tensor | None = None
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        """OPT's init: normal(0, 0.006); each block's output projections (out_proj, fc2) scaled by
+        1/sqrt(2 * n_layer); biases 0; LayerNorms 1 and 0."""
+        std = self.config.init_std
+        for name, p in self.named_parameters():
+            if "layer_norm" in name:
+                nn.init.ones_(p) if name.endswith("weight") else nn.init.zeros_(p)
+            elif name.endswith("bias"):
+                nn.init.zeros_(p)
+            elif name.endswith(("out_proj.weight", "fc2.weight")):
+                nn.init.normal_(p, 0.0, std / math.sqrt(2 * self.config.n_layer))
+            else:
+                nn.init.normal_(p, 0.0, std)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(B, T) token ids -> (B, T, vocab_size) logits."""
+        B, T = input_ids.shape
+        if T > self.config.max_seq_len:
+            raise ValueError(f"sequence of {T} tokens, the model takes at most {self.config.max_seq_len}")
+        d = self.decoder
+        positions = torch.arange(T, device=input_ids.device) + POSITION_OFFSET
+        x = d.embed_tokens(input_ids) + d.embed_positions(positions)  # (B, T, d_model)
+        for block in d.layers:
+            if self.config.activation_checkpointing and self.training:
+                x = checkpoint(block, x, use_reentrant=False)
+            else:
+                x = block(x)
+        if d.final_layer_norm is not None:
+            x = d.final_layer_norm(x)
+        with torch.no_grad():  # a tensor, so that no step waits for it unless it is read
+            self.last_activation_norm = x.detach().float().norm(dim=-1).mean()
+        return F.linear(x, d.embed_tokens.weight)  # tied output projection
+
+    def loss(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        logits = self(input_ids)
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+
+    def block_grad_norms(self) -> list[float]:
+        """Each block's gradient L2 norm (after backward; 0 for a block without gradients)."""
+        out = []
+        for block in self.decoder.layers:
+            grads = [p.grad.detach().float().norm() ** 2 for p in block.parameters() if p.grad is not None]
+            out.append(torch.stack(grads).sum().sqrt().item() if grads else 0.0)
+        return out

@@ -1,0 +1,118 @@
+"""The OPT model: parity with transformers' OPTForCausalLM, parameter counts, init, monitoring hooks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from transformers import OPTConfig as HFConfig
+from transformers import OPTForCausalLM
+
+from model.configs import CONFIGS, flops_per_token, get, param_count
+from model.hf import from_pretrained, hf_config, save_pretrained
+from model.opt import OPT
+
+
+def tiny(pre_ln: bool = True):
+    torch.manual_seed(0)
+    return OPT(get("tiny").replace(pre_ln=pre_ln)).eval()
+
+
+@pytest.mark.parametrize("pre_ln", [True, False], ids=["pre-LN", "post-LN"])
+def test_exported_model_gives_the_same_logits_and_loss_in_transformers(tmp_path, pre_ln):
+    ours = tiny(pre_ln)
+    save_pretrained(ours, tmp_path)
+    theirs = OPTForCausalLM.from_pretrained(tmp_path).eval()
+    ids = torch.randint(0, ours.config.vocab_size, (3, 40), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        assert (ours(ids) - theirs(ids).logits).abs().max().item() < 1e-5
+        ours_loss = ours.loss(ids[:, :-1], ids[:, 1:])
+        assert ours_loss.item() == pytest.approx(theirs(ids, labels=ids).loss.item(), abs=1e-5)
+    assert (from_pretrained(tmp_path).eval()(ids) - ours(ids)).abs().max().item() == 0.0
+
+
+def test_a_model_made_by_transformers_imports_with_the_same_logits(tmp_path):
+    torch.manual_seed(3)
+    cfg = HFConfig(vocab_size=300, hidden_size=32, num_hidden_layers=3, ffn_dim=128, num_attention_heads=4,
+                   max_position_embeddings=64, word_embed_proj_dim=32, do_layer_norm_before=True)
+    theirs = OPTForCausalLM(cfg).eval()
+    theirs.save_pretrained(tmp_path)
+    ours = from_pretrained(tmp_path).eval()
+    ids = torch.randint(0, 300, (2, 64), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        assert (ours(ids) - theirs(ids).logits).abs().max().item() < 1e-5
+
+
+def test_projected_embeddings_are_refused_with_a_reason(tmp_path):
+    cfg = HFConfig(vocab_size=100, hidden_size=32, word_embed_proj_dim=16, num_hidden_layers=1, ffn_dim=128,
+                   num_attention_heads=4, max_position_embeddings=16)
+    OPTForCausalLM(cfg).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="word_embed_proj_dim 16"):
+        from_pretrained(tmp_path)
+
+
+@pytest.mark.parametrize("name", [n for n in CONFIGS if n != "tiny"])
+def test_parameter_counts_match_transformers_built_on_meta(name):
+    config = get(name)
+    hf = hf_config(config)
+    with torch.device("meta"):
+        model = OPTForCausalLM(HFConfig(**{k: v for k, v in hf.items() if k not in ("architectures", "model_type")}))
+    assert param_count(config) == sum(p.numel() for p in model.parameters())  # tied lm_head counted once
+    assert flops_per_token(config) > 6 * param_count(config) - 6 * (config.max_seq_len + 2) * config.d_model
+
+
+def test_175b_is_175b():
+    assert abs(param_count(get("175b")) / 175e9 - 1) < 0.005
+    with pytest.raises(KeyError, match="unknown OPT size '7b'"):
+        get("7b")
+
+
+def test_125m_init_follows_opts_rule():
+    torch.manual_seed(0)
+    model = OPT(get("125m"))
+    out_std = 0.006 / math.sqrt(2 * 12)
+    for name, p in model.named_parameters():
+        if "layer_norm" in name:
+            assert (p == (1.0 if name.endswith("weight") else 0.0)).all(), name
+        elif name.endswith("bias"):
+            assert (p == 0).all(), name
+        else:
+            expected = out_std if name.endswith(("out_proj.weight", "fc2.weight")) else 0.006
+            assert p.std().item() == pytest.approx(expected, rel=0.02), name
+            assert abs(p.mean().item()) < expected / 20, name
+
+
+def test_monitoring_hooks_and_activation_checkpointing():
+    model = tiny().train()
+    ids = torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(4))
+    torch.manual_seed(5)
+    model.loss(ids[:, :-1], ids[:, 1:]).backward()
+    assert model.last_activation_norm.item() > 0
+    norms = model.block_grad_norms()
+    assert len(norms) == model.config.n_layer and all(n > 0 for n in norms)
+    grads = [p.grad.clone() for p in model.parameters()]
+    checkpointed = OPT(model.config.replace(activation_checkpointing=True)).train()
+    checkpointed.load_state_dict(model.state_dict())
+    torch.manual_seed(5)  # the same dropout masks
+    checkpointed.loss(ids[:, :-1], ids[:, 1:]).backward()
+    for g, p in zip(grads, checkpointed.parameters()):
+        assert torch.allclose(g, p.grad, atol=1e-6)
+    with pytest.raises(ValueError, match="at most 128"):
+        model(torch.zeros(1, 129, dtype=torch.long))
+
+
+def test_tokenizer_is_exported_beside_the_weights(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import AutoTokenizer
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "<pad>", "</s>", "<unk>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 50, trainer)
+    save_pretrained(tiny(), tmp_path, tokenizer=tok)
+    loaded = AutoTokenizer.from_pretrained(tmp_path)
+    assert loaded.convert_tokens_to_ids(["<s>", "<pad>", "</s>", "<unk>"]) == [0, 1, 2, 3]
+    assert loaded.eos_token_id == 2 and loaded.pad_token_id == 1
+    assert loaded.encode("the lazy dog", add_special_tokens=False) == tok.encode("the lazy dog").ids
