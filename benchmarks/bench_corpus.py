@@ -37,12 +37,12 @@ import zstandard
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from corpus.ingest import read_task  # noqa: E402
+from corpus.ingest import read_task, read_task_for  # noqa: E402
 from corpus.normalize import normalize_text  # noqa: E402
 from corpus.parts import iter_rows, parquet_files  # noqa: E402
 from corpus.readers import relative_names  # noqa: E402
 from corpus.sample import PILE_SUBSETS_KEPT_BY_OPT, _rng, messy, prose  # noqa: E402
-from pipelines.config import NormalizeConfig  # noqa: E402
+from pipelines.config import NormalizeConfig, SourceConfig  # noqa: E402
 
 FILES = 16
 
@@ -70,11 +70,9 @@ def generate(out: Path, mb: int) -> int:
 
 def bare_ingest(files: list[str], scratch: Path) -> float:
     """The ingest task's own function over every file in this process: readers + Parquet writes."""
-    rel = relative_names(files)
     folders = {k: str(scratch / k) for k in ("output", "rejected", "subset_not_kept", "records")}
-    task = {"source": {"name": "pile", "format": "pile", "text_field": "text", "id_field": None,
-                       "keep_subsets": None, "split": "file"},
-            "files": [[f, rel[f]] for f in files], "stem": "bare", "folders": folders, "fail_on_bad_input": False}
+    source = SourceConfig(name="pile", format="pile", paths=files)
+    task = read_task_for(source, files, relative_names(files), "bare", folders, fail_on_bad_input=False)
     t0 = time.perf_counter()
     read_task(task)
     elapsed = time.perf_counter() - t0

@@ -33,9 +33,9 @@ from pathlib import Path
 import pyarrow as pa
 
 from corpus import reddit
-from corpus.parts import DOCUMENT_SCHEMA, Parts, group_by_size, iter_rows, parquet_files, rows_in_folder, run_tasks, task_bytes
+from corpus.parts import DOCUMENT_SCHEMA, Parts, check_written, group_by_size, iter_rows, parquet_files, run_tasks, task_bytes
 from corpus.readers import READERS, REDDIT_FIELDS, relative_names
-from pipelines.config import source_files
+from pipelines.config import SourceConfig, source_files
 from pipelines.dag import StageContext, StageResult
 
 REJECT_SCHEMA = pa.schema([("source", pa.string()), ("file", pa.string()), ("line", pa.int64()),
@@ -108,6 +108,19 @@ def read_task(task: dict) -> dict:
     return {"counts": dict(counts), "subsets": dict(subsets), "first_bad": first_bad}
 
 
+def read_task_for(source: SourceConfig, files: list[str], rel: dict[str, str], stem: str, folders: dict[str, str],
+                  fail_on_bad_input: bool) -> dict:
+    """The task `read_task` runs for some files of a source (plain data: it travels as JSON)."""
+    return {
+        "source": {"name": source.name, "format": source.format, "text_field": source.text_field,
+                   "id_field": source.id_field, "keep_subsets": source.keep_subsets, "split": source.split},
+        "files": [[f, rel[f]] for f in files],
+        "stem": stem,
+        "folders": {**folders, "records": os.path.join(folders["records"], source.name)},
+        "fail_on_bad_input": fail_on_bad_input,
+    }
+
+
 def read_tasks(ctx: StageContext, folders: dict[str, str]) -> list[dict]:
     """One task per group of files of a source: small files packed together, up to `ingest.task_mb`
     (and fewer per task when that leaves cores idle). One file is never split: a zstd stream is
@@ -120,14 +133,8 @@ def read_tasks(ctx: StageContext, folders: dict[str, str]) -> list[dict]:
         files = files_of[source.name]
         rel = relative_names(files)
         for i, group in enumerate(group_by_size(files, target)):
-            tasks.append({
-                "source": {"name": source.name, "format": source.format, "text_field": source.text_field,
-                           "id_field": source.id_field, "keep_subsets": source.keep_subsets, "split": source.split},
-                "files": [[f, rel[f]] for f in group],
-                "stem": f"{source.name}-{i:05d}",
-                "folders": {**folders, "records": os.path.join(folders["records"], source.name)},
-                "fail_on_bad_input": ctx.config.ingest.on_bad_input == "fail",
-            })
+            tasks.append(read_task_for(source, group, rel, f"{source.name}-{i:05d}", folders,
+                                       ctx.config.ingest.on_bad_input == "fail"))
     return tasks
 
 
@@ -222,12 +229,8 @@ def _result(ctx: StageContext, counts: collections.Counter, threads: collections
     set_aside = {r: counts[r] + threads[r] for r in REASONS}
     result = StageResult(rows_in=counts["rows_in"], rows_out=counts["documents"] + threads["documents"], set_aside=set_aside)
     for reason in ("rejected", "subset_not_kept"):  # each of these is one row in its folder
-        written = rows_in_folder(ctx.folder / folder_of(reason))
-        if written != set_aside[reason]:
-            raise RuntimeError(f"{reason}: counted {set_aside[reason]} rows but {written} are written")
-    written = rows_in_folder(ctx.output)
-    if written != result.rows_out:
-        raise RuntimeError(f"documents: counted {result.rows_out} but {written} are written")
+        check_written(ctx.folder / folder_of(reason), set_aside[reason], reason)
+    check_written(ctx.output, result.rows_out, "documents")
     metrics = {"bytes_read": counts["bytes_read"], "chars_out": counts["chars_out"] + threads["chars_out"]}
     if threads["comments_in"]:
         metrics.update({"reddit_threads": threads["threads"], "reddit_comments_in": threads["comments_in"],

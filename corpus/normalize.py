@@ -27,8 +27,8 @@ from pathlib import Path
 import ftfy
 import pyarrow as pa
 
-from corpus.parts import (DOCUMENT_SCHEMA, Parts, iter_rows, parquet_bytes, parquet_files, row_group_ranges,
-                          rows_in_folder, run_tasks, task_bytes)
+from corpus.parts import (DOCUMENT_SCHEMA, Parts, check_read, check_written, iter_rows, parquet_bytes, parquet_files,
+                          row_group_ranges, run_tasks, task_bytes)
 from pipelines.config import NormalizeConfig
 from pipelines.dag import StageContext, StageResult
 
@@ -160,12 +160,9 @@ def run(ctx: StageContext) -> StageResult:
     counts: collections.Counter = collections.Counter()
     for result in run_tasks(normalize_task, tasks):
         counts.update(result)
-    expected = ctx.inputs["ingest"]["counts"]["rows_out"]
-    if counts["rows_in"] != expected:
-        raise RuntimeError(f"read {counts['rows_in']} documents but ingest wrote {expected}")
-    for name, folder in (("rows_out", ctx.output), ("dropped", folders["dropped"])):
-        if rows_in_folder(folder) != counts[name]:
-            raise RuntimeError(f"{name}: counted {counts[name]} rows but {rows_in_folder(folder)} are written")
+    check_read(counts["rows_in"], ctx.inputs, "ingest")
+    check_written(ctx.output, counts["rows_out"], "rows_out")
+    check_written(folders["dropped"], counts["dropped"], "dropped")
     metrics = {k: v for k, v in counts.items() if k not in ("rows_in", "rows_out", "dropped")}
     for rule in RULES:
         metrics.setdefault(f"changed.{rule}", 0)

@@ -85,6 +85,20 @@ def rows_in_folder(folder: str | os.PathLike) -> int:
     return sum(pq.ParquetFile(p).metadata.num_rows for p in parquet_files(folder))
 
 
+def check_written(folder: str | os.PathLike, counted: int, what: str) -> None:
+    """A stage's own check before it commits: the rows it counted are the rows on disk."""
+    written = rows_in_folder(folder)
+    if written != counted:
+        raise RuntimeError(f"{what}: counted {counted} rows but {written} are written")
+
+
+def check_read(read: int, inputs: dict[str, dict], upstream: str) -> None:
+    """A stage read every document its input stage committed, no more, no fewer."""
+    expected = inputs[upstream]["counts"]["rows_out"]
+    if read != expected:
+        raise RuntimeError(f"read {read} documents but {upstream} wrote {expected}")
+
+
 def iter_rows(path: str, columns: list[str] | None = None, row_groups: list[int] | None = None):
     """A part's rows (or those of some of its row groups) as dicts, one batch at a time."""
     for batch in pq.ParquetFile(path).iter_batches(batch_size=GROUP_ROWS, columns=columns, row_groups=row_groups):

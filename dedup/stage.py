@@ -23,6 +23,7 @@
 from __future__ import annotations
 
 import collections
+import dataclasses
 import json
 import shutil
 import zlib
@@ -33,7 +34,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from corpus.parts import DOCUMENT_SCHEMA, Parts, iter_rows, parquet_bytes, parquet_files, rows_in_folder, run_tasks
+from corpus.parts import DOCUMENT_SCHEMA, Parts, check_read, check_written, iter_rows, parquet_bytes, parquet_files, run_tasks
 from dedup.lsh import band_keys, choose_banding
 from dedup.minhash import MinHasher, jaccard_of_sets
 from pipelines.config import DedupConfig
@@ -122,9 +123,11 @@ def pairs_keyed(batch: pa.Table, partitions: int, by: str) -> pa.Table:
 
 
 def _texts_and_pairs(group: pa.Table) -> tuple[dict[str, str], list[dict]]:
-    rows = group.to_pylist()
-    texts = {r["key"]: r["text"] for r in rows if r["kind"] == "doc"}
-    return texts, [r for r in rows if r["kind"] == "pair"]
+    """The partition's pairs, and the texts of the documents they name (the partition holds every
+    document whose id falls in it; only those become Python strings)."""
+    pairs = group.filter(pc.equal(group["kind"], "pair"))
+    docs = group.filter(pc.and_(pc.equal(group["kind"], "doc"), pc.is_in(group["key"], pc.unique(pairs["key"]))))
+    return dict(zip(docs["key"].to_pylist(), docs["text"].to_pylist())), pairs.to_pylist()
 
 
 def attach_first(group: pa.Table, config: dict) -> pa.Table:
@@ -183,14 +186,16 @@ def components(candidates: str, duplicates: str, threshold: float, priority: dic
             best[x] = max(best.get(x, (-1.0, 0, "")), (j, -rank[y], y))
     parts = Parts(duplicates, "duplicates", DUPLICATE_SCHEMA)
     sizes = collections.Counter(label.tolist())
+    removed: collections.Counter = collections.Counter()  # (source, kept source) -> documents removed
     for i, node in enumerate(nodes):
         if label[i] != i:
             kept = nodes[label[i]]
             parts.add({"id": node, "source": source_of[node], "kept_id": kept, "kept_source": source_of[kept],
                        "jaccard": best[node][0], "via": best[node][2]})
+            removed[(source_of[node], source_of[kept])] += 1
     parts.close()
     return {"verified_pairs": edges.num_rows, "candidate_pairs": table.num_rows, "clusters": len(sizes),
-            "cluster_sizes": dict(collections.Counter(sizes.values()))}
+            "cluster_sizes": dict(collections.Counter(sizes.values())), "removed": removed}
 
 
 # --------------------------------------------------------------------------- 5: output
@@ -218,7 +223,7 @@ def run(ctx: StageContext) -> StageResult:
     import ray.data
 
     cfg: DedupConfig = ctx.section
-    config = {f: getattr(cfg, f) for f in ("threshold", "ngram", "lowercase", "num_perm", "bands", "rows", "seed")}
+    config = dataclasses.asdict(cfg)
     bands, rows = (cfg.bands, cfg.rows) if cfg.bands else choose_banding(cfg.num_perm, cfg.threshold)
     parts = parquet_files(ctx.input_output("normalize"))
     if not parts:  # normalize kept nothing
@@ -251,27 +256,22 @@ def run(ctx: StageContext) -> StageResult:
     counts: collections.Counter = collections.Counter()
     for result in run_tasks(filter_task, tasks):
         counts.update(result)
-    removed = rows_in_folder(duplicates)
-    if counts["duplicate"] != removed or rows_in_folder(ctx.output) != counts["rows_out"]:
-        raise RuntimeError(f"dedup: {removed} duplicates listed, {counts['duplicate']} removed, "
-                           f"{rows_in_folder(ctx.output)} written of {counts['rows_out']} kept")
-    expected = ctx.inputs["normalize"]["counts"]["rows_out"]
-    if counts["rows_in"] != expected:
-        raise RuntimeError(f"read {counts['rows_in']} documents but normalize wrote {expected}")
+    check_written(duplicates, counts["duplicate"], "duplicates removed")
+    check_written(ctx.output, counts["rows_out"], "documents kept")
+    check_read(counts["rows_in"], ctx.inputs, "normalize")
     shutil.rmtree(work, ignore_errors=True)
     return StageResult(counts["rows_in"], counts["rows_out"], {"duplicate": counts["duplicate"]},
-                       _metrics(found, duplicates, bands, rows, ctx))
+                       _metrics(found, bands, rows, ctx))
 
 
-def _metrics(found: dict, duplicates: Path, bands: int, rows: int, ctx: StageContext) -> dict:
+def _metrics(found: dict, bands: int, rows: int, ctx: StageContext) -> dict:
     metrics = {"bands": bands, "rows": rows, "candidate_pairs": found["candidate_pairs"],
                "verified_pairs": found["verified_pairs"], "clusters": found["clusters"]}
-    table = pa.concat_tables([pq.read_table(p) for p in parquet_files(duplicates)]) if parquet_files(duplicates) \
-        else DUPLICATE_SCHEMA.empty_table()
-    for (source, kept), n in collections.Counter(zip(table["source"].to_pylist(), table["kept_source"].to_pylist())).items():
+    by_source: collections.Counter = collections.Counter()
+    for (source, kept), n in found["removed"].items():
         metrics[f"duplicates.{source}.of.{kept}"] = n
-    for source, n in collections.Counter(table["source"].to_pylist()).items():
-        metrics[f"duplicates.{source}"] = n
+        by_source[source] += n
+    metrics.update({f"duplicates.{source}": n for source, n in by_source.items()})
     sizes = {int(k): v for k, v in found["cluster_sizes"].items()}
     (ctx.folder / "cluster_sizes.json").write_text(json.dumps(dict(sorted(sizes.items()))) + "\n")
     _log_histogram(sizes, ctx)
