@@ -15,6 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from corpus import tokenizer as tokenizers
 from model.configs import OPTConfig
 from model.opt import OPT, POSITION_OFFSET
 
@@ -41,10 +42,7 @@ def save_pretrained(model: OPT, out_dir: str | Path, tokenizer=None) -> Path:
     tensors = {PREFIX + k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     if tokenizer is not None:
-        tokenizer.save(str(out / "tokenizer.json"))
-        (out / "tokenizer_config.json").write_text(json.dumps({
-            "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "</s>", "eos_token": "</s>",
-            "unk_token": "<unk>", "pad_token": "<pad>", "add_bos_token": True}, indent=2) + "\n")
+        tokenizers.save(tokenizer, out)
     return out
 
 

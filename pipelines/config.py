@@ -150,19 +150,29 @@ class ScreenConfig:
         _at_least(self, key, 1, "steps", "seeds")
 
 
+TOKENIZER_FILES = ("vocab", "merges", "fairseq_dict")  # kind gpt2 reads these; paths resolved at load
+
+
 @dataclass
 class TokenizerConfig:
     kind: Literal["train", "gpt2"] = "train"  # train: byte-level BPE trained on the corpus (offline default)
-    vocab_size: int = 50272  # OPT's vocabulary, padded to a multiple of 8
-    vocab: str | None = None  # gpt2: GPT-2's vocab.json
+    vocab_size: int = 50272  # train: at most this many ids (a small corpus may give fewer merges)
+    vocab: str | None = None  # gpt2: GPT-2's (or OPT's released) vocab.json
     merges: str | None = None  # gpt2: GPT-2's merges.txt
+    fairseq_dict: str | None = None  # gpt2: fairseq's dict.txt, for OPT's exact ids from GPT-2's own vocab.json
+    train_bytes: int = 1 << 30  # train: text sampled from the corpus to train on (row groups, seeded)
 
     def validate(self, key: str) -> None:
         _at_least(self, key, 260, "vocab_size")  # 256 bytes + 4 specials
+        _at_least(self, key, 1, "train_bytes")
         if self.kind == "gpt2":
             for name in ("vocab", "merges"):
                 if getattr(self, name) is None:
                     raise ConfigError(f"{key}.{name}", "required when kind is 'gpt2' (GPT-2's BPE files)")
+        else:
+            for name in TOKENIZER_FILES:
+                if getattr(self, name) is not None:
+                    raise ConfigError(f"{key}.{name}", f"only read when kind is 'gpt2' (kind is {self.kind!r})")
 
 
 @dataclass
@@ -440,15 +450,16 @@ def _resolve_paths(config: PipelineConfig) -> PipelineConfig:
     for source in config.sources:
         source.paths = [os.path.abspath(os.path.expanduser(p)) for p in source.paths]
     tok = config.tokenize.tokenizer
-    tok.vocab = os.path.abspath(tok.vocab) if tok.vocab else None
-    tok.merges = os.path.abspath(tok.merges) if tok.merges else None
+    for name in TOKENIZER_FILES:
+        path = getattr(tok, name)
+        setattr(tok, name, os.path.abspath(os.path.expanduser(path)) if path else None)
     return config
 
 
 def check_inputs_exist(config: PipelineConfig) -> None:
     """Every input file named in the config must exist: checked before any stage starts."""
     tok = config.tokenize.tokenizer
-    for name in ("vocab", "merges"):
+    for name in TOKENIZER_FILES:
         path = getattr(tok, name)
         if path is not None and not os.path.isfile(path):
             raise ConfigError(f"tokenize.tokenizer.{name}", f"file {path!r} does not exist")

@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import os
 
-from corpus import ingest, normalize
+from corpus import ingest, normalize, tokenize
 from dedup import stage as dedup_stage
-from pipelines.config import PipelineConfig, source_files
+from pipelines.config import TOKENIZER_FILES, PipelineConfig, source_files
 from pipelines.dag import Stage
 
 
@@ -29,6 +29,13 @@ def raw_files_identity(config: PipelineConfig) -> list[list]:
     return out
 
 
+def tokenizer_files_identity(config: PipelineConfig) -> list[list]:
+    """GPT-2's vocab/merges/dict files, by path, size and mtime (as for raw files)."""
+    tok = config.tokenize.tokenizer
+    paths = [getattr(tok, name) for name in TOKENIZER_FILES]
+    return [[p, os.stat(p).st_size, os.stat(p).st_mtime_ns] for p in paths if p is not None]
+
+
 STAGES: tuple[Stage, ...] = (
     Stage("ingest", (), ("ingest", "sources"), run=ingest.run, code=("corpus.ingest", "corpus.readers", "corpus.reddit", "corpus.parts"),
           external=raw_files_identity, issue=3),
@@ -36,6 +43,8 @@ STAGES: tuple[Stage, ...] = (
     Stage("dedup", ("normalize",), "dedup", run=dedup_stage.run, code=("dedup.stage", "dedup.minhash", "dedup.lsh", "corpus.parts"),
           issue=4),
     Stage("screen", ("dedup",), "screen", run=None, issue=9),
-    Stage("tokenize", ("screen",), "tokenize", run=None, issue=5),
+    # Tokenize reads dedup's documents until the screen (issue 9) is built; then it reads the screen's.
+    Stage("tokenize", ("dedup",), "tokenize", run=tokenize.run, code=("corpus.tokenize", "corpus.tokenizer", "corpus.parts"),
+          external=tokenizer_files_identity, issue=5),
     Stage("train", ("tokenize",), "train", run=None, issue=7),
 )

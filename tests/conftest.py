@@ -1,10 +1,13 @@
-"""Shared fixtures: one Ray session for the whole test run (ray.init costs seconds)."""
+"""Shared fixtures: one Ray session for the whole test run (ray.init costs seconds), and one run
+of the whole pipeline on the sample corpus that the stage tests read."""
 
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,3 +39,40 @@ def _no_outside_tracking_server(monkeypatch):
     """Tests track into their own sqlite store, never a server named by the environment."""
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
+
+
+SAMPLE_SOURCES = """
+sources:
+  - {{name: pile,       format: pile,      paths: ["{s}/pile/*.jsonl.zst"]}}
+  - {{name: reddit,     format: pushshift, paths: ["{s}/reddit/RC_*.zst", "{s}/reddit/RS_*.zst"]}}
+  - {{name: bookcorpus, format: text,      paths: ["{s}/bookcorpus/*.txt"]}}
+  - {{name: stories,    format: text,      paths: ["{s}/stories/*.txt"]}}
+  - {{name: ccnews,     format: jsonl,     paths: ["{s}/ccnews/*.jsonl"], text_field: text, id_field: id}}
+normalize: {{min_chars: 20}}
+tokenize: {{seq_len: 64, validation_fraction: 0.05, tokenizer: {{kind: train, vocab_size: 1024}}}}
+"""
+
+
+def manifest(workdir: Path, stage: str) -> dict:
+    return json.loads((workdir / stage / "manifest.json").read_text())
+
+
+def rows(folder: Path) -> list[dict]:
+    return [r for p in sorted(folder.glob("*.parquet")) for r in pq.read_table(p).to_pylist()]
+
+
+def stage_folder(workdir: Path, stage: str) -> Path:
+    return Path(manifest(workdir, stage)["output"]).parent
+
+
+@pytest.fixture(scope="session")
+def sample_run(tmp_path_factory, ray_session):
+    """(sample folder, what the sample planted, workdir) after `full.py` over the sample corpus."""
+    from corpus.sample import write_sample
+    from pipelines.full import main
+
+    root = tmp_path_factory.mktemp("corpus")
+    planted = write_sample(root / "sample")
+    cfg = write_config(root, f"workdir: {root}/work\n" + SAMPLE_SOURCES.format(s=root / "sample"), name="sample")
+    assert main(["--config", str(cfg)]) == 0
+    return root / "sample", planted, root / "work"

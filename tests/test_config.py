@@ -70,6 +70,9 @@ def test_defaults_and_resolved_paths(cfg, tmp_path, monkeypatch):
     ("train: {max_steps: yes}\n", "train.max_steps", "expected an integer or null, got True (bool)"),
     ("ray: {progress_bars: 1}\n", "ray.progress_bars", "expected true or false"),
     ("tokenize: {tokenizer: {kind: gpt2}}\n", "tokenize.tokenizer.vocab", "required when kind is 'gpt2'"),
+    ("tokenize: {tokenizer: {fairseq_dict: d.txt}}\n", "tokenize.tokenizer.fairseq_dict", "only read when kind is 'gpt2'"),
+    ("tokenize: {tokenizer: {train_bytes: 0}}\n", "tokenize.tokenizer.train_bytes", "expected a value >= 1"),
+    ("tokenize: {validation_fraction: 1}\n", "tokenize.validation_fraction", "expected a fraction in [0, 1)"),
     ("colour: blue\n", "colour", "unknown key"),
 ])
 def test_bad_values_name_their_key(cfg, text, key, expected):
@@ -113,6 +116,12 @@ def test_missing_input_paths_name_the_key(cfg, tmp_path):
         check_inputs_exist(config)
     config = load_config(cfg("tokenize: {tokenizer: {kind: gpt2, vocab: v.json, merges: m.txt}}\n"))
     with pytest.raises(ConfigError, match=r"'tokenize.tokenizer.vocab': file '.*v\.json' does not exist"):
+        check_inputs_exist(config)
+    (tmp_path / "v.json").write_text("{}")
+    (tmp_path / "m.txt").write_text("")
+    config = load_config(cfg(f"tokenize: {{tokenizer: {{kind: gpt2, vocab: {tmp_path}/v.json, merges: {tmp_path}/m.txt, "
+                             "fairseq_dict: ~/no-dict.txt}}\n"))
+    with pytest.raises(ConfigError, match=r"'tokenize.tokenizer.fairseq_dict': file '/.*/no-dict\.txt' does not exist"):
         check_inputs_exist(config)
 
 

@@ -7,50 +7,17 @@ import collections
 import json
 from pathlib import Path
 
-import pyarrow.parquet as pq
 import pytest
 import zstandard
 from mlflow import MlflowClient
 
-from conftest import write_config
+from conftest import manifest, rows, stage_folder, write_config
 from corpus.ingest import REASONS
 from corpus.normalize import normalize_text
 from corpus.reddit import longest_chain
-from corpus.sample import PILE_SUBSETS_KEPT_BY_OPT, write_sample, write_zst_lines
+from corpus.sample import PILE_SUBSETS_KEPT_BY_OPT, write_zst_lines
 from pipelines.config import NormalizeConfig
 from pipelines.full import main
-
-SAMPLE_SOURCES = """
-sources:
-  - {{name: pile,       format: pile,      paths: ["{s}/pile/*.jsonl.zst"]}}
-  - {{name: reddit,     format: pushshift, paths: ["{s}/reddit/RC_*.zst", "{s}/reddit/RS_*.zst"]}}
-  - {{name: bookcorpus, format: text,      paths: ["{s}/bookcorpus/*.txt"]}}
-  - {{name: stories,    format: text,      paths: ["{s}/stories/*.txt"]}}
-  - {{name: ccnews,     format: jsonl,     paths: ["{s}/ccnews/*.jsonl"], text_field: text, id_field: id}}
-normalize: {{min_chars: 20}}
-"""
-
-
-def manifest(workdir: Path, stage: str) -> dict:
-    return json.loads((workdir / stage / "manifest.json").read_text())
-
-
-def rows(folder: Path) -> list[dict]:
-    return [r for p in sorted(folder.glob("*.parquet")) for r in pq.read_table(p).to_pylist()]
-
-
-def stage_folder(workdir: Path, stage: str) -> Path:
-    return Path(manifest(workdir, stage)["output"]).parent
-
-
-@pytest.fixture(scope="module")
-def sample_run(tmp_path_factory, ray_session):
-    root = tmp_path_factory.mktemp("corpus")
-    planted = write_sample(root / "sample")
-    cfg = write_config(root, f"workdir: {root}/work\n" + SAMPLE_SOURCES.format(s=root / "sample"), name="sample")
-    assert main(["--config", str(cfg)]) == 0
-    return root / "sample", planted, root / "work"
-
 
 # --------------------------------------------------------------------------- ingest on the sample
 

@@ -103,14 +103,11 @@ def test_monitoring_hooks_and_activation_checkpointing():
 
 
 def test_tokenizer_is_exported_beside_the_weights(tmp_path):
-    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
     from transformers import AutoTokenizer
 
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "<pad>", "</s>", "<unk>"],
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
-    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog"] * 50, trainer)
+    from corpus import tokenizer
+
+    tok = tokenizer.train(["the quick brown fox jumps over the lazy dog"] * 50, vocab_size=300)
     save_pretrained(tiny(), tmp_path, tokenizer=tok)
     loaded = AutoTokenizer.from_pretrained(tmp_path)
     assert loaded.convert_tokens_to_ids(["<s>", "<pad>", "</s>", "<unk>"]) == [0, 1, 2, 3]

@@ -1,0 +1,335 @@
+"""The tokenize stage: documents -> OPT's packed token sequences in Arrow IPC shards + index.json.
+
+OPT's recipe (opt-facts.md): each document `encode(text.rstrip()) + [</s>]`, documents shuffled
+with a seed, concatenated, cut into blocks of seq_len + 1 across document boundaries, the last
+partial block dropped. At 180B tokens nothing here may need the whole corpus in one process:
+
+1. The tokenizer: trained on a seeded sample of row groups (`kind: train`) or read from GPT-2's
+   files (`kind: gpt2`), in a Ray task; saved in the output beside the shards.
+2. Encode and shuffle: Ray Data `map_batches` runs `encode_batch` over runs of row groups (one
+   thread per Ray CPU) and gives every document a 64-bit key, a seeded hash of its source and id.
+   The key's bucket (its top bits, scaled to B buckets) is a groupby key; each bucket, sorted by
+   key, is written as one flat token stream. Bucket order then key order is key order whatever
+   B is, so the document order is a pure function of (documents, seed), not of the cluster.
+   A second seeded draw per document sends `validation_fraction` of each source to a held-out
+   stream of its own (in proportion to the source's size, and reported per source).
+3. Pack: the train streams laid end to end are cut into blocks of seq_len + 1 tokens; shard
+   tasks copy whole blocks into Arrow IPC files (one fixed-size-list column, uint16 when the
+   vocabulary fits). The tail that does not fill a block is dropped, counted, and the
+   documents it came from are named in index.json. The same for each source's validation stream.
+
+index.json is the contract with training (design.md): seq_len, vocab_size, tokenizer, eos id,
+sequences, token counts per source and subset, and every shard with its row count.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import hashlib
+import itertools
+import json
+import os
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from corpus import tokenizer as tokenizers
+from corpus.parts import check_read, parquet_bytes, parquet_files, row_group_ranges, run_tasks, task_bytes
+from pipelines.config import TokenizeConfig
+from pipelines.dag import StageContext, StageResult
+
+INDEX = "index.json"
+FORMAT = "opt-pipeline token shards v1"  # index.json's "format"; train.loader reads this one
+TASK_BYTES = 64 << 20  # documents per encode task, at most
+BUCKET_BYTES = 512 << 20  # documents' text per shuffle bucket, at most (~256 MB of uint16 tokens)
+SHARD_BYTES = 256 << 20  # tokens per Arrow shard
+ENCODE_CHUNK = 1024  # documents per encode_batch call and per output batch
+TAIL_DOCS = 64  # a stream reports at most this many of its last documents (for naming the dropped tail)
+
+
+# --------------------------------------------------------------------------- keys
+
+
+def document_keys(sources: list[str], ids: list[str], seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """(shuffle key uint64, validation draw in [0, 1)) per document: seeded hashes of (source, id)."""
+    salt = seed.to_bytes(8, "little", signed=True)
+    digests = b"".join(hashlib.blake2b(f"{s}\0{i}".encode(), digest_size=16, key=salt).digest()
+                       for s, i in zip(sources, ids))
+    words = np.frombuffer(digests, dtype="<u8").reshape(-1, 2)
+    return words[:, 0].copy(), (words[:, 1] >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+
+
+def bucket_of(keys: np.ndarray, buckets: int) -> np.ndarray:
+    """floor(key * B / 2^64), monotone in the key: buckets are contiguous ranges of the key space."""
+    return (((keys >> np.uint64(32)) * np.uint64(buckets)) >> np.uint64(32)).astype(np.int64)
+
+
+# --------------------------------------------------------------------------- phase 1: tokenizer
+
+
+def tokenizer_task(task: dict) -> dict:
+    """Train (on a seeded sample of row groups) or load the tokenizer, and save it in the output."""
+    tok_config = task["tokenizer"]
+    if tok_config["kind"] == "gpt2":
+        tok = tokenizers.from_gpt2_files(tok_config["vocab"], tok_config["merges"], tok_config["fairseq_dict"])
+        sampled = 0
+    else:
+        os.environ["TOKENIZERS_PARALLELISM"] = "true"  # training may use every thread the node has
+        groups = sample_row_groups(task["parts"], tok_config["train_bytes"], task["seed"])
+        sampled = sum(size for _, _, size in groups)
+
+        def texts():
+            for path, group, _ in groups:
+                yield from pq.ParquetFile(path).read_row_group(group, columns=["text"]).column("text").to_pylist()
+
+        tok = tokenizers.train(texts(), tok_config["vocab_size"])
+    tokenizers.save(tok, task["output"])
+    return {"vocab": tok.get_vocab_size(), "sampled_bytes": sampled}
+
+
+def sample_row_groups(parts: list[str], budget: int, seed: int) -> list[tuple[str, int, int]]:
+    """Row groups in a seeded order until `budget` bytes: every source in proportion to its size."""
+    groups = []
+    for path in parts:
+        meta = pq.ParquetFile(path).metadata
+        groups += [(path, i, meta.row_group(i).total_byte_size) for i in range(meta.num_row_groups)]
+    _, draws = document_keys([Path(p).name for p, _, _ in groups], [str(i) for _, i, _ in groups], seed)
+    chosen, total = [], 0
+    for j in np.argsort(draws, kind="stable"):
+        if total >= budget:
+            break
+        chosen.append(groups[j])
+        total += groups[j][2]
+    return sorted(chosen)
+
+
+# --------------------------------------------------------------------------- phase 2: encode + shuffle
+
+
+def encode_task(batch: dict, tokenizer_path: str, seed: int, buckets: int, validation_fraction: float,
+                sources: list[str], dtype: str):
+    """One run of row groups -> encoded documents with their shuffle group (a map_batches generator)."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # Ray gave this task one CPU: one thread
+    tok = tokenizers.load(tokenizer_path)
+    for task_json in batch["task"]:
+        task = json.loads(task_json)
+        table = pq.ParquetFile(task["path"]).read_row_groups(task["row_groups"], columns=["id", "text", "source", "subset"])
+        for start in range(0, table.num_rows, ENCODE_CHUNK):
+            chunk = table.slice(start, ENCODE_CHUNK)
+            ids, source = chunk.column("id").to_pylist(), chunk.column("source").to_pylist()
+            encoded = tokenizers.encode_documents(tok, chunk.column("text").to_pylist())
+            lengths = np.fromiter(map(len, encoded), np.int64, len(encoded))
+            offsets = np.zeros(len(encoded) + 1, np.int64)
+            np.cumsum(lengths, out=offsets[1:])
+            flat = np.fromiter(itertools.chain.from_iterable(encoded), dtype, int(offsets[-1]))
+            keys, draws = document_keys(source, ids, seed)
+            group = bucket_of(keys, buckets)
+            held_out = draws < validation_fraction
+            group[held_out] = buckets + np.array([sources.index(s) for s in source], np.int64)[held_out]
+            yield pa.table({
+                "id": chunk.column("id"), "source": chunk.column("source"), "subset": chunk.column("subset"),
+                "key": pa.array(keys, pa.uint64()), "group": pa.array(group, pa.int64()),
+                "n_tokens": pa.array(lengths, pa.int64()),
+                "tokens": pa.LargeListArray.from_arrays(pa.array(offsets, pa.int64()), pa.array(flat)),
+            })
+
+
+def write_stream(group: pa.Table, streams: str, block_tokens: int) -> pa.Table:
+    """One shuffle group: documents in key order, their tokens as one flat stream file."""
+    group = group.take(pc.sort_indices(group, [("key", "ascending"), ("source", "ascending"), ("id", "ascending")]))
+    number = group.column("group")[0].as_py()
+    tokens = group.column("tokens").combine_chunks().flatten().to_numpy()
+    tokens.tofile(os.path.join(streams, f"{number:07d}.bin"))
+    counts = collections.defaultdict(lambda: [0, 0])
+    n_tokens = group.column("n_tokens").to_numpy()
+    for source, subset, n in zip(group.column("source").to_pylist(), group.column("subset").to_pylist(), n_tokens):
+        counts[(source, subset or "")][0] += 1
+        counts[(source, subset or "")][1] += int(n)
+    tail, covered = [], 0  # the last documents, enough to name whatever a dropped tail takes from them
+    for j in range(group.num_rows - 1, -1, -1):
+        if covered >= block_tokens or len(tail) >= TAIL_DOCS:
+            break
+        tail.append([group.column("source")[j].as_py(), group.column("id")[j].as_py(), int(n_tokens[j])])
+        covered += int(n_tokens[j])
+    summary = {"group": number, "documents": group.num_rows, "tokens": int(tokens.size),
+               "counts": [[s, sub, d, t] for (s, sub), (d, t) in sorted(counts.items())], "tail": tail}
+    return pa.table({"summary": [json.dumps(summary)]})
+
+
+# --------------------------------------------------------------------------- phase 3: pack
+
+
+def pieces(streams: list[tuple[str, int]], start: int, count: int) -> list[tuple[str, int, int]]:
+    """Where tokens [start, start + count) of the streams laid end to end are: (file, offset, n)."""
+    out, position = [], 0
+    for path, size in streams:
+        lo, hi = max(start, position), min(start + count, position + size)
+        if lo < hi:
+            out.append((path, lo - position, hi - lo))
+        position += size
+    return out
+
+
+def write_rows(path: Path, rows: np.ndarray) -> int:
+    """(n, block) tokens -> an Arrow IPC file of one fixed-size-list column (what train.loader maps)."""
+    table = pa.table({"tokens": pa.FixedSizeListArray.from_arrays(pa.array(rows.reshape(-1)), rows.shape[1])})
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with pa.OSFile(str(path), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+    return path.stat().st_size
+
+
+def shard_task(task: dict) -> dict:
+    """Copy whole blocks from the streams into one shard."""
+    dtype = np.dtype(task["dtype"])
+    tokens = np.concatenate([np.fromfile(path, dtype, count=n, offset=offset * dtype.itemsize)
+                             for path, offset, n in task["pieces"]])
+    if tokens.size != task["sequences"] * task["block"]:
+        raise RuntimeError(f"{task['file']}: read {tokens.size} tokens from the streams, expected {task['sequences'] * task['block']}")
+    size = write_rows(Path(task["output"]) / task["file"], tokens.reshape(-1, task["block"]))
+    return {"file": task["file"], "sequences": task["sequences"], "bytes": size}
+
+
+def dropped_tail(summaries: list[dict], dropped: int) -> list[dict]:
+    """The documents whose last tokens fell in the dropped tail (the stream's final documents)."""
+    out = []
+    for summary in reversed(summaries):
+        for source, doc_id, n in summary["tail"]:
+            if dropped <= 0:
+                return out
+            out.append({"source": source, "id": doc_id, "tokens_dropped": min(n, dropped), "tokens": n})
+            dropped -= n
+    return out
+
+
+def pack(summaries: list[dict], streams_dir: Path, output: Path, prefix: str, block: int, dtype: str,
+         per_shard: int) -> dict:
+    """The streams of `summaries`, in order, cut into blocks and written as output/prefix/NNNNN.arrow."""
+    streams = [(str(streams_dir / f"{s['group']:07d}.bin"), s["tokens"]) for s in summaries]
+    total = sum(size for _, size in streams)
+    sequences = total // block
+    tasks = []
+    for first in range(0, sequences, per_shard):
+        n = min(per_shard, sequences - first)
+        name = f"{prefix}/{len(tasks):05d}.arrow"
+        tasks.append({"file": name, "sequences": n, "block": block, "dtype": dtype, "output": str(output),
+                      "pieces": pieces(streams, first * block, n * block)})
+    shards = run_tasks(shard_task, tasks)
+    dropped = total - sequences * block
+    return {"sequences": sequences, "tokens": total, "documents": sum(s["documents"] for s in summaries),
+            "dropped_tail_tokens": dropped, "dropped_tail_documents": dropped_tail(summaries, dropped),
+            "shards": shards}
+
+
+def token_counts(summaries: list[dict]) -> tuple[dict, dict]:
+    """{source: {documents, tokens}} and {source: {subset: {documents, tokens}}}, eos included."""
+    by_source: dict = {}
+    by_subset: dict = {}
+    for summary in summaries:
+        for source, subset, docs, tokens in summary["counts"]:
+            s = by_source.setdefault(source, {"documents": 0, "tokens": 0})
+            s["documents"] += docs
+            s["tokens"] += tokens
+            if subset:
+                sub = by_subset.setdefault(source, {}).setdefault(subset, {"documents": 0, "tokens": 0})
+                sub["documents"] += docs
+                sub["tokens"] += tokens
+    return by_source, by_subset
+
+
+# --------------------------------------------------------------------------- the stage
+
+
+def run(ctx: StageContext) -> StageResult:
+    import ray.data
+
+    config: TokenizeConfig = ctx.section
+    (upstream,) = ctx.inputs  # the kept documents: screen's once it is built, dedup's until then
+    parts = parquet_files(ctx.input_output(upstream))
+    sources = [s.name for s in ctx.config.sources]
+    block = config.seq_len + 1
+    output = ctx.output
+
+    t0 = time.perf_counter()
+    tok_result = run_tasks(tokenizer_task, [{
+        "tokenizer": dataclasses.asdict(config.tokenizer), "parts": parts, "seed": config.seed, "output": str(output)}])[0]
+    tok_path = str(output / tokenizers.FILE)
+    tok = tokenizers.load(tok_path)
+    vocab_size = tokenizers.padded_vocab_size(tok)
+    dtype = "uint16" if vocab_size <= 1 << 16 else "uint32"
+    ctx.log.info("tokenizer: %s, %d ids (padded to %d), %s", config.tokenizer.kind, tok.get_vocab_size(), vocab_size, dtype)
+
+    t1 = time.perf_counter()
+    text_bytes = parquet_bytes(parts)
+    buckets = max(1, -(-text_bytes // task_bytes(text_bytes, BUCKET_BYTES)))
+    tasks = [json.dumps({"path": p, "row_groups": g}) for p, g in row_group_ranges(parts, task_bytes(text_bytes, TASK_BYTES))]
+    streams = ctx.folder / "streams"  # scratch: deleted once the shards are written
+    streams.mkdir()
+    summaries = []
+    if tasks:
+        encoded = ray.data.from_items([{"task": t} for t in tasks], override_num_blocks=len(tasks)).map_batches(
+            encode_task, batch_size=1, fn_kwargs={
+                "tokenizer_path": tok_path, "seed": config.seed, "buckets": buckets,
+                "validation_fraction": config.validation_fraction, "sources": sources, "dtype": dtype})
+        grouped = encoded.groupby("group", num_partitions=buckets + len(sources)).map_groups(
+            write_stream, batch_format="pyarrow", fn_kwargs={"streams": str(streams), "block_tokens": block})
+        summaries = sorted((json.loads(r["summary"]) for r in grouped.take_all()), key=lambda s: s["group"])
+    t2 = time.perf_counter()
+    train = [s for s in summaries if s["group"] < buckets]
+    held_out = {sources[s["group"] - buckets]: s for s in summaries if s["group"] >= buckets}
+
+    per_shard = max(1, SHARD_BYTES // (block * np.dtype(dtype).itemsize))
+    train_split = pack(train, streams, output, "train", block, dtype, per_shard)
+    train_split["by_source"], train_split["by_subset"] = token_counts(train)
+    validation = {}
+    for source in sources:
+        if source not in held_out:
+            continue
+        split = pack([held_out[source]], streams, output, f"valid/{source}", block, dtype, per_shard)
+        split["by_subset"] = token_counts([held_out[source]])[1].get(source, {})
+        validation[source] = split
+    for f in streams.iterdir():
+        f.unlink()
+    streams.rmdir()
+
+    t3 = time.perf_counter()
+    documents = sum(s["documents"] for s in summaries)
+    check_read(documents, ctx.inputs, upstream)
+    index = {
+        "format": FORMAT, "seq_len": config.seq_len, "block": block, "dtype": dtype,
+        "vocab_size": vocab_size, "tokenizer_vocab_size": tok.get_vocab_size(),
+        "tokenizer": {"file": tokenizers.FILE, "kind": config.tokenizer.kind, "name": tokenizer_name(config, tok),
+                      "sampled_bytes": tok_result["sampled_bytes"]},
+        "bos_id": tokenizers.BOS, "pad_id": tokenizers.PAD, "eos_id": tokenizers.EOS, "unk_id": tokenizers.UNK,
+        "seed": config.seed, "validation_fraction": config.validation_fraction,
+        "sequences": train_split["sequences"], "train": train_split, "validation": validation,
+    }
+    (output / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    empty = [s for s in sources if validation.get(s, {}).get("sequences", 0) == 0]
+    if config.validation_fraction > 0 and empty:
+        ctx.log.warning("no validation sequences for %s (too few held-out tokens for one block of %d)", empty, block)
+
+    metrics = {
+        "documents.train": train_split["documents"], "tokens.train": train_split["tokens"],
+        "sequences.train": train_split["sequences"], "dropped_tail_tokens.train": train_split["dropped_tail_tokens"],
+        "documents.valid": sum(v["documents"] for v in validation.values()),
+        "tokens.valid": sum(v["tokens"] for v in validation.values()),
+        "sequences.valid": sum(v["sequences"] for v in validation.values()),
+        "vocab_size": vocab_size, "buckets": buckets,
+        "seconds.tokenizer": t1 - t0, "seconds.encode_shuffle": t2 - t1, "seconds.pack": t3 - t2,
+    }
+    for source, counts in train_split["by_source"].items():
+        metrics[f"tokens.train.{source}"] = counts["tokens"]
+    for source, split in validation.items():
+        metrics[f"tokens.valid.{source}"] = split["tokens"]
+    return StageResult(documents, documents, {}, metrics)
+
+
+def tokenizer_name(config: TokenizeConfig, tok) -> str:
+    kind = "gpt2-bpe" if config.tokenizer.kind == "gpt2" else "bytelevel-bpe-trained"
+    return f"{kind}-{tok.get_vocab_size()}-{tokenizers.fingerprint(tok)}"

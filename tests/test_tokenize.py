@@ -1,0 +1,168 @@
+"""The tokenize stage on the sample corpus: every document's tokens accounted for, the order a pure
+function of the seed (not of how the work was split), validation per source, shards the loader reads."""
+
+from __future__ import annotations
+
+import collections
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import manifest, rows, stage_folder
+from corpus import tokenize, tokenizer
+from pipelines.config import TokenizerConfig, load_config
+from pipelines.dag import StageContext
+from test_tokenizer import write_gpt2_files
+from train.loader import TokenShards
+
+EOS = tokenizer.EOS
+
+
+def documents(stream: np.ndarray) -> tuple[list[tuple[int, ...]], list[int]]:
+    """A packed stream split at </s>: the whole documents, and the unfinished one at the end."""
+    ends = np.flatnonzero(stream == EOS)
+    docs, start = [], 0
+    for end in ends:
+        docs.append(tuple(stream[start:end + 1].tolist()))
+        start = end + 1
+    return docs, stream[start:].tolist()
+
+
+def packed(folder: Path, split: str) -> np.ndarray:
+    shards = TokenShards(folder, split)
+    return shards.rows(np.arange(len(shards))).reshape(-1) if len(shards) else np.zeros(0, shards.dtype)
+
+
+@pytest.fixture(scope="module")
+def tokenized(sample_run):
+    _, _, wd = sample_run
+    out = Path(manifest(wd, "tokenize")["output"])
+    index = json.loads((out / "index.json").read_text())
+    tok = tokenizer.load(str(out / "tokenizer.json"))
+    # Each kept document encoded here, independently of the stage: encode(text.rstrip()) + [</s>].
+    docs = rows(Path(manifest(wd, "dedup")["output"]))
+    encoded = {(d["source"], d["id"]): tuple(tok.encode(d["text"].rstrip(), add_special_tokens=False).ids) + (EOS,)
+               for d in docs}
+    return wd, out, index, encoded, {(d["source"], d["id"]): d for d in docs}
+
+
+def test_every_document_is_packed_once_or_named_in_a_dropped_tail(tokenized):
+    wd, out, index, encoded, _ = tokenized
+    by_tokens = collections.defaultdict(list)
+    for key, tokens in encoded.items():
+        by_tokens[tokens].append(key)
+    seen = []
+    splits = [("train", index["train"])] + list(index["validation"].items())
+    for name, split in splits:
+        whole, unfinished = documents(packed(out, name))
+        for tokens in whole:
+            assert by_tokens[tokens], f"{name}: a packed document that is no document's encoding"
+            seen.append(by_tokens[tokens].pop())
+        tail = split["dropped_tail_documents"]
+        assert sum(d["tokens_dropped"] for d in tail) == split["dropped_tail_tokens"] < index["block"]
+        if tail:  # the last document's start is packed, its end is in the dropped tail; any before it wholly dropped
+            last = encoded[(tail[0]["source"], tail[0]["id"])]
+            assert list(last[: len(last) - tail[0]["tokens_dropped"]]) == unfinished
+            assert all(d["tokens_dropped"] == d["tokens"] for d in tail[1:])
+        else:
+            assert unfinished == []
+        seen += [(d["source"], d["id"]) for d in tail]
+        assert split["sequences"] * index["block"] + split["dropped_tail_tokens"] == split["tokens"]
+    assert sorted(seen) == sorted(encoded)  # each kept document exactly once, in train or in validation
+    assert sum(len(t) for t in encoded.values()) == sum(s["tokens"] for _, s in splits)
+    counts = manifest(wd, "tokenize")["counts"]
+    assert counts["rows_in"] == counts["rows_out"] == len(encoded) == manifest(wd, "dedup")["counts"]["rows_out"]
+
+
+def test_token_counts_per_source_and_subset(tokenized):
+    _, out, index, encoded, docs = tokenized
+    expected = collections.Counter()
+    expected_subset = collections.Counter()
+    for key, tokens in encoded.items():
+        expected[key[0]] += len(tokens)
+        if docs[key]["subset"]:
+            expected_subset[(key[0], docs[key]["subset"])] += len(tokens)
+    got = collections.Counter()
+    got_subset = collections.Counter()
+    for source, c in index["train"]["by_source"].items():
+        got[source] += c["tokens"]
+    for source, subsets in index["train"]["by_subset"].items():
+        for subset, c in subsets.items():
+            got_subset[(source, subset)] += c["tokens"]
+    for source, split in index["validation"].items():
+        got[source] += split["tokens"]
+        for subset, c in split["by_subset"].items():
+            got_subset[(source, subset)] += c["tokens"]
+    assert got == expected and got_subset == expected_subset
+    assert len(index["train"]["by_subset"]["pile"]) == 8  # OPT's kept Pile subsets, each counted
+
+
+def test_validation_is_held_out_per_source_in_proportion(tokenized):
+    wd, out, index, encoded, _ = tokenized
+    assert index["validation_fraction"] == 0.05
+    held_out = sum(s["documents"] for s in index["validation"].values())
+    assert 0.02 * len(encoded) < held_out < 0.09 * len(encoded)
+    for source, split in index["validation"].items():
+        whole, _ = documents(packed(out, source))
+        sources = {k[0] for k, t in encoded.items() if t in set(whole)}
+        assert sources <= {source}  # a source's validation stream holds only that source
+        assert split["shards"] == [] or split["shards"][0]["file"].startswith(f"valid/{source}/")
+    metrics = manifest(wd, "tokenize")["metrics"]
+    assert metrics["documents.valid"] == held_out and metrics["sequences.train"] == index["sequences"]
+
+
+def test_shards_are_fixed_size_rows_the_loader_maps(tokenized):
+    _, out, index, _, _ = tokenized
+    assert index["seq_len"] == 64 and index["block"] == 65 and index["eos_id"] == 2
+    assert index["dtype"] == "uint16" and index["vocab_size"] % 8 == 0
+    tok = tokenizer.load(str(out / "tokenizer.json"))
+    assert index["tokenizer_vocab_size"] == tok.get_vocab_size() <= 1024
+    shards = TokenShards(out)
+    assert len(shards) == index["sequences"] == sum(s["sequences"] for s in index["train"]["shards"]) > 100
+    assert shards.rows(np.arange(len(shards))).max() < tok.get_vocab_size()
+
+
+def run_stage(sample_run, tmp_path, **changes) -> tuple[Path, dict]:
+    """The tokenize stage alone, into tmp_path, on the sample's dedup output, with config changes."""
+    sample, _, wd = sample_run
+    tmp_path.mkdir(parents=True)
+    config = load_config(sample.parent / "sample.yaml")
+    for key, value in changes.items():
+        setattr(config.tokenize, key, value)
+    ctx = StageContext("tokenize", config, config.tokenize, {"dedup": manifest(wd, "dedup")}, tmp_path,
+                       logging.getLogger("test"), "")
+    result = tokenize.run(ctx)
+    assert result.rows_in == result.rows_out == manifest(wd, "dedup")["counts"]["rows_out"]
+    assert not (tmp_path / "streams").exists()  # scratch removed
+    return ctx.output, json.loads((ctx.output / "index.json").read_text())
+
+
+def test_order_depends_on_the_seed_not_on_the_bucket_count(sample_run, tmp_path, monkeypatch):
+    _, _, wd = sample_run
+    reference = Path(manifest(wd, "tokenize")["output"])
+    monkeypatch.setattr(tokenize, "BUCKET_BYTES", 64 << 10)  # ~12 shuffle buckets instead of 1
+    monkeypatch.setattr(tokenize, "SHARD_BYTES", 64 * 65 * 2)  # shards of 64 sequences
+    out, index = run_stage(sample_run, tmp_path / "a")
+    assert json.loads((reference / "index.json").read_text())["train"]["shards"][0]["sequences"] > 64
+    assert len(index["train"]["shards"]) > 5
+    assert np.array_equal(packed(out, "train"), packed(reference, "train"))
+    for source in index["validation"]:
+        assert np.array_equal(packed(out, source), packed(reference, source))
+    reseeded, _ = run_stage(sample_run, tmp_path / "b", seed=1)
+    a, b = documents(packed(reference, "train"))[0], documents(packed(reseeded, "train"))[0]
+    assert a != b and len(set(a) & set(b)) > 0.8 * len(a)  # another order, and another held-out draw
+
+
+def test_gpt2_kind_through_the_stage(sample_run, tmp_path):
+    _, vocab, merges = write_gpt2_files(tmp_path)
+    out, index = run_stage(sample_run, tmp_path / "stage",
+                           tokenizer=TokenizerConfig(kind="gpt2", vocab=vocab, merges=merges))
+    assert index["tokenizer"]["kind"] == "gpt2" and index["tokenizer_vocab_size"] == 265
+    stream = packed(out, "train")
+    tok = tokenizer.load(str(out / "tokenizer.json"))
+    assert stream.max() < 265 and tok.id_to_token(int(stream[stream > 3][0])) is not None
+    whole, _ = documents(stream)
+    assert tok.decode(list(whole[0][:-1])) and tok.token_to_id("Ġthe") in stream
