@@ -1,6 +1,6 @@
 """Tokenize stage throughput against a bare encode_batch loop, and the loader against a training step.
 
-    python benchmarks/bench_tokenize.py [--mb 100] [--out /tmp/bench_tokenize] [--skip-stage] [--skip-loader]
+    python benchmarks/bench_tokenize.py [--mb 100] [--out /tmp/bench_tokenize] [--reuse] [--skip-stage] [--skip-loader]
 
 Stage: generates a Pile-format corpus of about `--mb` MB (bench_corpus's generator), runs
 ingest, normalize and dedup once, then `pipelines/full.py --only tokenize --force` on a local Ray
@@ -67,13 +67,19 @@ def bare_encode(tok_path: str, docs_folder: str) -> tuple[float, int]:
 
 
 def stage(args: argparse.Namespace, out: Path, cores: int) -> None:
-    text_bytes = generate(out / "pile", args.mb)
     config = out / "bench.yaml"
+    if args.reuse and (out / "work" / "dedup" / "manifest.json").is_file():
+        text_bytes = sum(len(t.encode()) for p in parquet_files(manifest(out / "work", "dedup")["output"])
+                         for t in pq.read_table(p, columns=["text"]).column("text").to_pylist())
+    else:
+        shutil.rmtree(out, ignore_errors=True)
+        text_bytes = generate(out / "pile", args.mb)
     config.write_text(
         f"workdir: {out}/work\nray: {{progress_bars: false}}\n"
         f"sources: [{{name: pile, format: pile, paths: ['{out}/pile/*.jsonl.zst']}}]\n"
         "tokenize: {seq_len: 2048, validation_fraction: 0.0025, tokenizer: {kind: train, vocab_size: 8192, train_bytes: 16000000}}\n")
-    full(config, "--only", "ingest,normalize,dedup")
+    if not (out / "work" / "dedup" / "manifest.json").is_file():
+        full(config, "--only", "ingest,normalize,dedup")
     runs = {}
     for cpus in sorted({1, cores}):
         full(config, "--only", "tokenize", "--force", "--set", f"ray.num_cpus={cpus}")
@@ -139,7 +145,7 @@ def step_seconds() -> float:
     times = []
     for _ in range(3):
         t0 = time.perf_counter()
-        loss = model.loss(tokens[:, :-1], tokens[:, 1:])
+        loss = model(tokens[:, :-1], tokens[:, 1:])
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -176,10 +182,12 @@ def main() -> None:
     parser.add_argument("--out", default="/tmp/bench_tokenize")
     parser.add_argument("--skip-stage", action="store_true")
     parser.add_argument("--skip-loader", action="store_true")
+    parser.add_argument("--reuse", action="store_true", help="reuse the corpus and dedup output of a previous run in --out")
     args = parser.parse_args()
     out = Path(args.out)
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
+    if not args.reuse:
+        shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True, exist_ok=True)
     cores = os.cpu_count() or 1
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
     print(f"commit {commit}; {platform.processor() or platform.machine()}, {cores} cores, Python {platform.python_version()}")

@@ -267,7 +267,8 @@ def run(ctx: StageContext) -> StageResult:
     t1 = time.perf_counter()
     text_bytes = parquet_bytes(parts)
     buckets = max(1, -(-text_bytes // task_bytes(text_bytes, BUCKET_BYTES)))
-    tasks = [json.dumps({"path": p, "row_groups": g}) for p, g in row_group_ranges(parts, task_bytes(text_bytes, TASK_BYTES))]
+    target = task_bytes(text_bytes, TASK_BYTES) // 2  # four tasks per CPU: documents encode at uneven speeds
+    tasks = [json.dumps({"path": p, "row_groups": g}) for p, g in row_group_ranges(parts, max(1, target))]
     streams = ctx.folder / "streams"  # scratch: deleted once the shards are written
     streams.mkdir()
     summaries = []
@@ -275,7 +276,8 @@ def run(ctx: StageContext) -> StageResult:
         encoded = ray.data.from_items([{"task": t} for t in tasks], override_num_blocks=len(tasks)).map_batches(
             encode_task, batch_size=1, fn_kwargs={
                 "tokenizer_path": tok_path, "seed": config.seed, "buckets": buckets,
-                "validation_fraction": config.validation_fraction, "sources": sources, "dtype": dtype})
+                "validation_fraction": config.validation_fraction, "sources": sources, "dtype": dtype}).materialize()
+        # Materialized first: streamed into the groupby, encoding ran on fewer cores (measured: 21 s vs 15 s on 2).
         grouped = encoded.groupby("group", num_partitions=buckets + len(sources)).map_groups(
             write_stream, batch_format="pyarrow", fn_kwargs={"streams": str(streams), "block_tokens": block})
         summaries = sorted((json.loads(r["summary"]) for r in grouped.take_all()), key=lambda s: s["group"])

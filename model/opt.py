@@ -94,8 +94,8 @@ class OPT(nn.Module):
             else:
                 nn.init.normal_(p, 0.0, std)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """(B, T) token ids -> (B, T, vocab_size) logits."""
+    def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, T) token ids -> (B, T, vocab_size) logits; with (B, T) targets, the mean cross-entropy."""
         B, T = input_ids.shape
         if T > self.config.max_seq_len:
             raise ValueError(f"sequence of {T} tokens, the model takes at most {self.config.max_seq_len}")
@@ -111,10 +111,9 @@ class OPT(nn.Module):
             x = d.final_layer_norm(x)
         with torch.no_grad():  # a tensor, so that no step waits for it unless it is read
             self.last_activation_norm = x.detach().float().norm(dim=-1).mean()
-        return F.linear(x, d.embed_tokens.weight)  # tied output projection
-
-    def loss(self, input_ids: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        logits = self(input_ids)
+        logits = F.linear(x, d.embed_tokens.weight)  # tied output projection
+        if targets is None:
+            return logits
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
 
     def block_grad_norms(self) -> list[float]:

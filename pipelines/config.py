@@ -189,33 +189,64 @@ class TokenizeConfig:
 
 
 @dataclass
+class InjectConfig:
+    """A fault to inject, for tests and demos; each fires once, even across restarts."""
+
+    kind: Literal["kill", "hang"]  # kill: a worker process dies; hang: a step stalls until the watchdog ends it
+    step: int
+    rank: int | None = None  # the worker it happens on (None: the last rank)
+
+    def validate(self, key: str) -> None:
+        _at_least(self, key, 1, "step")
+        _at_least(self, key, 0, "rank")
+
+
+@dataclass
 class TrainConfig:
     model: str = "tiny"  # a name from model.configs: tiny, 125m, ..., 175b
-    workers: int = 2  # Ray Train workers
+    num_workers: int = 2  # Ray Train workers (one per GPU on a cluster)
     gpus_per_worker: int = 0
     cpus_per_worker: float = 0.5  # fractional locally, so Ray Data can still schedule
     zero_stage: int = 2
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    micro_batch_size: int = 4  # sequences per worker per step
+    micro_batch_size: int = 1  # sequences per worker per forward/backward
     global_batch_tokens: int | None = None  # None: the model's batch from OPT's Table 1
     lr: float | None = None  # None: the model's peak LR from OPT's Table 1
-    warmup_tokens: int = 375_000_000
-    total_tokens: int = 300_000_000_000
-    max_steps: int | None = None
+    warmup_tokens: int = 375_000_000  # linear warmup (OPT: 375M tokens; 2000 steps for 175B)
+    total_tokens: int = 300_000_000_000  # linear decay to final_lr_ratio * lr over this many tokens
+    final_lr_ratio: float = 0.1
+    weight_decay: float = 0.1
+    max_steps: int | None = None  # None: total_tokens' worth of steps
     grad_clip: float = 1.0
     activation_checkpointing: bool = False
-    checkpoint_every: int = 100
+    checkpoint_every: int = 100  # steps
+    keep_checkpoints: int = 3  # the last K, plus every one marked healthy
+    eval_every: int = 100  # steps between validation losses per source (0: only at the end)
+    eval_batches: int = 10  # validation batches per source, at most, per evaluation
+    max_failures: int = 3  # worker restarts from the latest checkpoint before the stage fails
+    hang_seconds: float = 1800.0  # a step running longer than this is ended (the worker exits) and restarted
+    storage: str | None = None  # checkpoints; None: WORKDIR/train/runs (use shared storage on a cluster)
     seed: int = 0
+    inject: list[InjectConfig] = field(default_factory=list)
 
     def validate(self, key: str) -> None:
-        _at_least(self, key, 1, "workers", "micro_batch_size", "checkpoint_every", "max_steps", "global_batch_tokens")
-        _at_least(self, key, 0, "gpus_per_worker", "warmup_tokens")
+        _at_least(self, key, 1, "num_workers", "micro_batch_size", "checkpoint_every", "max_steps", "global_batch_tokens",
+                  "keep_checkpoints", "eval_batches")
+        _at_least(self, key, 0, "gpus_per_worker", "warmup_tokens", "eval_every", "max_failures", "weight_decay")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"{key}.zero_stage", f"expected 0, 1, 2 or 3, got {self.zero_stage}")
-        for name in ("cpus_per_worker", "grad_clip", "total_tokens", "lr"):
+        for name in ("cpus_per_worker", "grad_clip", "total_tokens", "lr", "hang_seconds"):
             value = getattr(self, name)
             if value is not None and value <= 0:
                 raise ConfigError(f"{key}.{name}", f"expected a positive number, got {value}")
+        if self.precision == "fp16" and self.gpus_per_worker == 0:
+            raise ConfigError(f"{key}.precision", "fp16 needs GPUs (DeepSpeed has no fp16 on CPU): use fp32 or bf16 "
+                              "with gpus_per_worker: 0")
+        if not 0.0 <= self.final_lr_ratio <= 1.0:
+            raise ConfigError(f"{key}.final_lr_ratio", f"expected a fraction in [0, 1], got {self.final_lr_ratio}")
+        for i, fault in enumerate(self.inject):
+            if fault.rank is not None and fault.rank >= self.num_workers:
+                raise ConfigError(f"{key}.inject[{i}].rank", f"expected a rank below num_workers={self.num_workers}, got {fault.rank}")
 
 
 @dataclass
@@ -242,6 +273,17 @@ class PipelineConfig:
                 raise ConfigError(f"sources[{i}].name", f"duplicate source name {n!r}")
         if not self.sources:
             raise ConfigError("sources", "expected at least one source")
+        from model.configs import CONFIGS
+
+        train = self.train
+        if train.model not in CONFIGS:
+            raise ConfigError("train.model", f"expected one of {', '.join(CONFIGS)}, got {train.model!r}")
+        batch_tokens = train.global_batch_tokens or CONFIGS[train.model].batch_tokens
+        sequences = batch_tokens // self.tokenize.seq_len
+        if sequences == 0 or sequences % (train.micro_batch_size * train.num_workers):
+            raise ConfigError("train.global_batch_tokens", f"{batch_tokens} tokens are {sequences} sequences of "
+                              f"tokenize.seq_len={self.tokenize.seq_len}: not a multiple of micro_batch_size x num_workers = "
+                              f"{train.micro_batch_size * train.num_workers}")
 
 
 # --------------------------------------------------------------------------- loading
@@ -453,6 +495,8 @@ def _resolve_paths(config: PipelineConfig) -> PipelineConfig:
     for name in TOKENIZER_FILES:
         path = getattr(tok, name)
         setattr(tok, name, os.path.abspath(os.path.expanduser(path)) if path else None)
+    if config.train.storage is not None:
+        config.train.storage = os.path.abspath(os.path.expanduser(config.train.storage))
     return config
 
 

@@ -66,6 +66,7 @@ class StageResult:
     rows_out: int
     set_aside: dict[str, int] = field(default_factory=dict)  # reason -> rows written beside the output
     metrics: dict[str, float] = field(default_factory=dict)  # anything else worth a number in MLflow
+    fields: dict[str, Any] = field(default_factory=dict)  # stage-specific manifest entries (train: steps, final_loss)
 
     def counts(self) -> dict[str, int]:
         return {"rows_in": self.rows_in, "rows_out": self.rows_out, **self.set_aside}
@@ -82,6 +83,8 @@ class StageContext:
     folder: Path  # the stage's fresh run folder
     log: logging.Logger
     mlflow_run_id: str  # log step metrics here (with config.mlflow.tracking_uri), from any process
+    fingerprint: str = ""
+    resumed: bool = False  # a resumable stage continuing an attempt that did not finish (same MLflow run)
 
     @property
     def output(self) -> Path:
@@ -109,12 +112,13 @@ class Stage:
     code: tuple[str, ...] = ()  # modules whose source text is the stage's code version
     external: Callable[[PipelineConfig], Any] | None = None  # identity of files read from outside the workdir
     issue: int | None = None  # the issue that builds it, while run is None
+    resumable: bool = False  # a rerun after an unfinished attempt continues it (its MLflow run; the stage its own state)
 
 
 class Tracker(Protocol):
     """What the runner needs from experiment tracking (pipelines.tracking.MlflowTracker)."""
 
-    def stage(self, name: str, params: dict, tags: dict) -> Any: ...
+    def stage(self, name: str, params: dict, tags: dict, resume_run_id: str | None = None) -> Any: ...
     def log_metrics(self, metrics: dict[str, float]) -> None: ...
 
 
@@ -248,6 +252,10 @@ def _write_json_atomic(path: Path, data: dict) -> None:
     os.replace(tmp, path)
 
 
+_MANIFEST_KEYS = ("stage", "fingerprint", "inputs", "config", "code_version", "counts", "metrics", "started",
+                  "finished", "mlflow_run_id", "output")
+
+
 def _now() -> str:
     return datetime.now(timezone.utc).isoformat(timespec="seconds")
 
@@ -344,17 +352,22 @@ class Runner:
         root.setLevel(min(previous_level, logging.INFO))
         config_section = section_dict(self.config, stage.section)
         started, t0 = _now(), time.perf_counter()
-        self.say(f"[{stage.name}] running ({fp[:12]}) in {folder}")
+        attempt = self.workdir.stage_dir(stage.name) / f".attempt-{fp[:16]}.json"  # an unfinished run of this fingerprint
+        resume = json.loads(attempt.read_text())["mlflow_run_id"] if stage.resumable and attempt.is_file() else None
+        self.say(f"[{stage.name}] {'resuming' if resume else 'running'} ({fp[:12]}) in {folder}")
         try:
             with tracker.stage(
                 stage.name,
                 params=config_section,
                 tags={"stage": stage.name, "fingerprint": fp, "cache_hit": "false"},
+                resume_run_id=resume,
             ) as run_id:
                 try:
+                    if stage.resumable:
+                        _write_json_atomic(attempt, {"mlflow_run_id": run_id, "started": started})
                     first = stage.section[0] if isinstance(stage.section, tuple) else stage.section
                     section = getattr(self.config, first)
-                    ctx = StageContext(stage.name, self.config, section, inputs, folder, stage_log, run_id)
+                    ctx = StageContext(stage.name, self.config, section, inputs, folder, stage_log, run_id, fp, bool(resume))
                     result = stage.run(ctx)
                     _check_result(stage.name, result)
                 except BaseException as exc:
@@ -378,8 +391,10 @@ class Runner:
                     "started": started,
                     "finished": _now(),
                     "mlflow_run_id": run_id,
+                    **{k: v for k, v in result.fields.items() if k not in _MANIFEST_KEYS},
                 }
                 manifest = self.workdir.commit(folder, manifest)
+                attempt.unlink(missing_ok=True)
         finally:
             root.removeHandler(handler)
             root.setLevel(previous_level)

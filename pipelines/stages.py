@@ -13,6 +13,7 @@ from corpus import ingest, normalize, tokenize
 from dedup import stage as dedup_stage
 from pipelines.config import TOKENIZER_FILES, PipelineConfig, source_files
 from pipelines.dag import Stage
+from train import stage as train_stage
 
 
 def raw_files_identity(config: PipelineConfig) -> list[list]:
@@ -46,5 +47,7 @@ STAGES: tuple[Stage, ...] = (
     # Tokenize reads dedup's documents until the screen (issue 9) is built; then it reads the screen's.
     Stage("tokenize", ("dedup",), "tokenize", run=tokenize.run, code=("corpus.tokenize", "corpus.tokenizer", "corpus.parts"),
           external=tokenizer_files_identity, issue=5),
-    Stage("train", ("tokenize",), "train", run=None, issue=7),
+    Stage("train", ("tokenize",), "train", run=train_stage.run, issue=7, resumable=True,
+          code=("train.stage", "train.loop", "train.loader", "train.checkpoint", "train.optim", "model.opt", "model.configs",
+                "model.hf")),
 )

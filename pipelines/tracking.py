@@ -63,15 +63,23 @@ class MlflowTracker:
             return found.experiment_id
 
     @contextlib.contextmanager
-    def _run(self, name: str, params: dict, tags: dict) -> Iterator[str]:
-        run_tags = dict(tags)
-        if self.parent_id is not None:
-            run_tags["mlflow.parentRunId"] = self.parent_id
-        run = self.client.create_run(self.experiment_id, run_name=name, tags=run_tags)
-        run_id = run.info.run_id
-        items = [Param(k, v) for k, v in flatten(params).items()]
-        for i in range(0, len(items), BATCH):
-            self.client.log_batch(run_id, params=items[i : i + BATCH])
+    def _run(self, name: str, params: dict, tags: dict, resume_run_id: str | None = None) -> Iterator[str]:
+        if resume_run_id is not None:  # the same run continues: its params are already there
+            run_id = resume_run_id
+            self.client.update_run(run_id, status="RUNNING")
+            resumes = int(self.client.get_run(run_id).data.tags.get("resumes", "0")) + 1
+            self.client.set_tag(run_id, "resumes", str(resumes))
+            if self.parent_id is not None:
+                self.client.set_tag(run_id, f"resumed_by.{resumes}", self.parent_id)
+        else:
+            run_tags = dict(tags)
+            if self.parent_id is not None:
+                run_tags["mlflow.parentRunId"] = self.parent_id
+            run = self.client.create_run(self.experiment_id, run_name=name, tags=run_tags)
+            run_id = run.info.run_id
+            items = [Param(k, v) for k, v in flatten(params).items()]
+            for i in range(0, len(items), BATCH):
+                self.client.log_batch(run_id, params=items[i : i + BATCH])
         status = "FAILED"
         try:
             yield run_id
@@ -93,8 +101,8 @@ class MlflowTracker:
                 self.parent_id = self._run_id = None
 
     @contextlib.contextmanager
-    def stage(self, name: str, params: dict, tags: dict) -> Iterator[str]:
-        with self._run(name, params, tags) as run_id:
+    def stage(self, name: str, params: dict, tags: dict, resume_run_id: str | None = None) -> Iterator[str]:
+        with self._run(name, params, tags, resume_run_id) as run_id:
             outer, self._run_id = self._run_id, run_id
             try:
                 yield run_id

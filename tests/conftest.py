@@ -50,6 +50,9 @@ sources:
   - {{name: ccnews,     format: jsonl,     paths: ["{s}/ccnews/*.jsonl"], text_field: text, id_field: id}}
 normalize: {{min_chars: 20}}
 tokenize: {{seq_len: 64, validation_fraction: 0.05, tokenizer: {{kind: train, vocab_size: 1024}}}}
+train: {{model: tiny, num_workers: 2, cpus_per_worker: 0.5, zero_stage: 2, precision: fp32, micro_batch_size: 4,
+         global_batch_tokens: 1024, lr: 3.0e-3, warmup_tokens: 5120, total_tokens: 100000, max_steps: 30,
+         checkpoint_every: 10, eval_every: 10, eval_batches: 2}}
 """
 
 

@@ -38,8 +38,9 @@ def test_shipped_configs_load(name):
 
 def test_real_run_configs_match_opt_table_1():
     big = load_config(ROOT / "configs" / "opt-175b.yaml")
-    assert (big.train.model, big.train.zero_stage, big.train.precision, big.train.workers) == ("175b", 3, "fp16", 992)
-    assert big.train.lr == 1.2e-4 and big.train.global_batch_tokens == 2 * 1024 * 1024
+    assert (big.train.model, big.train.zero_stage, big.train.precision, big.train.num_workers) == ("175b", 3, "fp16", 992)
+    # OPT's "2M tokens": 992 sequences of 2048 (one per GPU), the batch that splits over 992 data-parallel ranks.
+    assert big.train.lr == 1.2e-4 and big.train.global_batch_tokens == 992 * 2048
     assert big.tokenize.seq_len == 2048 and big.tokenize.tokenizer.vocab_size == 50272
     assert load_config(ROOT / "configs" / "opt-1.3b.yaml").train.lr == 2.0e-4
 
@@ -74,6 +75,12 @@ def test_defaults_and_resolved_paths(cfg, tmp_path, monkeypatch):
     ("tokenize: {tokenizer: {train_bytes: 0}}\n", "tokenize.tokenizer.train_bytes", "expected a value >= 1"),
     ("tokenize: {validation_fraction: 1}\n", "tokenize.validation_fraction", "expected a fraction in [0, 1)"),
     ("colour: blue\n", "colour", "unknown key"),
+    ("train: {model: 7b}\n", "train.model", "expected one of tiny, 125m"),
+    ("train: {precision: fp16}\n", "train.precision", "fp16 needs GPUs"),
+    ("train: {global_batch_tokens: 6144, micro_batch_size: 2}\n", "train.global_batch_tokens",
+     "6144 tokens are 3 sequences of tokenize.seq_len=2048: not a multiple of micro_batch_size x num_workers = 4"),
+    ("train: {inject: [{kind: explode, step: 3}]}\n", "train.inject[0].kind", "expected one of 'kill', 'hang'"),
+    ("train: {inject: [{kind: kill, step: 3, rank: 2}]}\n", "train.inject[0].rank", "expected a rank below num_workers=2"),
 ])
 def test_bad_values_name_their_key(cfg, text, key, expected):
     with pytest.raises(ConfigError) as exc:
@@ -160,7 +167,7 @@ def test_cli_exits_2_with_one_line_for_each_kind_of_mistake(cfg, capsys, tmp_pat
         (["--config", str(tmp_path / "nope.yaml")], "does not exist"),
         (["--config", str(cfg()), "--only", "dedupe"], "unknown stage 'dedupe'; stages are: ingest, normalize, dedup"),
         (["--config", str(cfg()), "--only", "dedup", "--from", "ingest"], "--only and --from cannot be used together"),
-        (["--config", str(cfg()), "--only", "train"], "stage 'train' is not built yet (issue #7)"),
+        (["--config", str(cfg()), "--only", "screen"], "stage 'screen' is not built yet (issue #9)"),
         (["--bogus"], "unrecognized arguments: --bogus"),
     ]
     for argv, message in cases:

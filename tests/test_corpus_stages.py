@@ -217,12 +217,12 @@ ingest: {{on_bad_input: fail}}
 sources:
   - {{name: misc, format: jsonl, paths: ["{raw}/*.jsonl"]}}
 """)
-    assert main(["--config", str(cfg)]) == 1
+    assert main(["--config", str(cfg), "--only", "ingest"]) == 1
     err = capsys.readouterr().err
     assert f"{raw}/a.jsonl:3" in err and "'text' is a int, not a string" in err
     assert not (tmp_path / "work" / "ingest" / "manifest.json").exists()
     # The same input with the default (reject) goes through, and says what it set aside.
-    assert main(["--config", str(cfg), "--set", "ingest.on_bad_input=reject"]) == 0
+    assert main(["--config", str(cfg), "--only", "ingest", "--set", "ingest.on_bad_input=reject"]) == 0
     counts = manifest(tmp_path / "work", "ingest")["counts"]
     assert (counts["rows_in"], counts["rows_out"], counts["rejected"]) == (4, 3, 1)
 

@@ -66,7 +66,7 @@ sources:
 @pytest.fixture(scope="module")
 def deduped(corpus, ray_session):
     root, cfg, _, _ = corpus
-    assert main(["--config", str(cfg)]) == 0
+    assert main(["--config", str(cfg), "--only", "ingest,normalize,dedup"]) == 0
     manifest = json.loads((root / "work" / "dedup" / "manifest.json").read_text())
     return manifest, Path(manifest["output"]).parent
 

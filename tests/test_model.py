@@ -27,7 +27,7 @@ def test_exported_model_gives_the_same_logits_and_loss_in_transformers(tmp_path,
     ids = torch.randint(0, ours.config.vocab_size, (3, 40), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert (ours(ids) - theirs(ids).logits).abs().max().item() < 1e-5
-        ours_loss = ours.loss(ids[:, :-1], ids[:, 1:])
+        ours_loss = ours(ids[:, :-1], ids[:, 1:])
         assert ours_loss.item() == pytest.approx(theirs(ids, labels=ids).loss.item(), abs=1e-5)
     assert (from_pretrained(tmp_path).eval()(ids) - ours(ids)).abs().max().item() == 0.0
 
@@ -87,7 +87,7 @@ def test_monitoring_hooks_and_activation_checkpointing():
     model = tiny().train()
     ids = torch.randint(0, model.config.vocab_size, (2, 32), generator=torch.Generator().manual_seed(4))
     torch.manual_seed(5)
-    model.loss(ids[:, :-1], ids[:, 1:]).backward()
+    model(ids[:, :-1], ids[:, 1:]).backward()
     assert model.last_activation_norm.item() > 0
     norms = model.block_grad_norms()
     assert len(norms) == model.config.n_layer and all(n > 0 for n in norms)
@@ -95,7 +95,7 @@ def test_monitoring_hooks_and_activation_checkpointing():
     checkpointed = OPT(model.config.replace(activation_checkpointing=True)).train()
     checkpointed.load_state_dict(model.state_dict())
     torch.manual_seed(5)  # the same dropout masks
-    checkpointed.loss(ids[:, :-1], ids[:, 1:]).backward()
+    checkpointed(ids[:, :-1], ids[:, 1:]).backward()
     for g, p in zip(grads, checkpointed.parameters()):
         assert torch.allclose(g, p.grad, atol=1e-6)
     with pytest.raises(ValueError, match="at most 128"):

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import manifest, rows, stage_folder
+from conftest import manifest, rows
 from corpus import tokenize, tokenizer
 from pipelines.config import TokenizerConfig, load_config
 from pipelines.dag import StageContext

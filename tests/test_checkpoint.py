@@ -1,0 +1,144 @@
+"""Checkpoints with real DeepSpeed in this process (one rank, gloo): complete or invisible, verified on
+load with a fallback, pruned to the last K plus the healthy ones; and OPT's optimizer and schedule."""
+
+from __future__ import annotations
+
+import json
+import logging
+import socket
+
+import pytest
+import torch
+
+from model.configs import get
+from model.opt import OPT
+from train import checkpoint
+from train.optim import Schedule, adamw, deepspeed_config, param_groups
+
+
+@pytest.fixture(scope="module")
+def engine_factory(monkeypatch_module):
+    import deepspeed
+    import torch.distributed as dist
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
+                       "LOCAL_RANK": "0", "DS_ACCELERATOR": "cpu"}.items():
+        monkeypatch_module.setenv(key, value)
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend="gloo")
+    engines = []
+
+    def make(seed: int = 0):
+        torch.manual_seed(seed)
+        model = OPT(get("tiny"))
+        engine, *_ = deepspeed.initialize(model=model, optimizer=adamw(model, 1e-3, 0.1), config=deepspeed_config(
+            micro_batch=2, accumulation=1, world_size=1, zero_stage=2, precision="fp32", grad_clip=1.0))
+        engines.append(engine)
+        return engine
+
+    yield make
+    for engine in engines:
+        engine.destroy()
+    dist.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def monkeypatch_module():
+    with pytest.MonkeyPatch.context() as mp:
+        yield mp
+
+
+def train_step(engine, seed: int) -> None:
+    ids = torch.randint(0, 512, (2, 17), generator=torch.Generator().manual_seed(seed))
+    engine.backward(engine(ids[:, :-1], ids[:, 1:]))
+    engine.step()
+
+
+def weights(engine) -> torch.Tensor:
+    return torch.cat([p.detach().flatten().clone() for p in engine.module.parameters()])
+
+
+def test_save_verify_fall_back_and_prune(engine_factory, tmp_path, caplog):
+    engine = engine_factory()
+    saved = {}
+    for step in (1, 2, 3):
+        train_step(engine, step)
+        path = checkpoint.save(engine, tmp_path, step, {"loader": {"epoch": 0, "step": step}, "health": {"healthy": step == 1}})
+        saved[step] = weights(engine)
+        assert path.name == f"step-{step:08d}" and checkpoint.verify(path) is None
+    meta = checkpoint.read_meta(tmp_path / "step-00000003")
+    assert meta["step"] == 3 and meta["loader"] == {"epoch": 0, "step": 3} and meta["world_size"] == 1
+    assert any(name.startswith("ds/") for name in meta["files"]) and "rng-rank00000.pt" in meta["files"]
+    (tmp_path / ".tmp-step-00000004").mkdir()  # a save that died before its publish: never read
+
+    # Corrupt the newest: one byte of DeepSpeed's model file.
+    model_file = next(p for p in (tmp_path / "step-00000003" / "ds").iterdir() if "model_states" in p.name)
+    data = bytearray(model_file.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    model_file.write_bytes(bytes(data))
+    skipped = []
+    fresh = engine_factory(seed=1)
+    with caplog.at_level(logging.WARNING):
+        loaded = checkpoint.load_latest(fresh, tmp_path, on_skip=skipped.append)
+    assert loaded["step"] == 2 and torch.equal(weights(fresh), saved[2])
+    assert skipped == [f"step-00000003: ds/{model_file.name} does not match its SHA-256 in meta.json"]
+    assert "skipping checkpoint step-00000003" in caplog.text
+
+    # A checkpoint without its meta.json is partial: the one before it is loaded.
+    (tmp_path / "step-00000002" / "meta.json").unlink()
+    loaded = checkpoint.load_latest(engine_factory(seed=2), tmp_path, on_skip=skipped.append)
+    assert loaded["step"] == 1 and "step-00000002: no readable meta.json" in skipped
+
+    # Keep the newest K and every healthy one.
+    assert checkpoint.prune(tmp_path, keep=1) == ["step-00000002"]
+    assert [p.name for p in checkpoint.published(tmp_path)] == ["step-00000003", "step-00000001"]
+    assert checkpoint.load_latest(engine_factory(seed=3), tmp_path / "nothing") is None
+
+
+def test_resume_continues_rng_and_optimizer_exactly(engine_factory, tmp_path):
+    a = engine_factory()
+    a.train()
+    train_step(a, 1)
+    checkpoint.save(a, tmp_path, 1, {})
+    train_step(a, 2)
+    after = weights(a)
+    b = engine_factory(seed=9)  # another init, another RNG state: both come back from the checkpoint
+    b.train()
+    torch.rand(3)
+    checkpoint.load_latest(b, tmp_path)
+    train_step(b, 2)  # dropout masks and Adam moments as in a's second step
+    assert torch.equal(weights(b), after)
+
+
+def test_schedule_is_opt_s():
+    s = Schedule(peak=6e-4, warmup_steps=100, total_steps=1100, final_ratio=0.1)
+    assert s.lr(1) == pytest.approx(6e-6) and s.lr(100) == pytest.approx(6e-4)
+    assert s.lr(600) == pytest.approx(6e-4 * (1 - 0.9 * 0.5))
+    assert s.lr(1100) == pytest.approx(6e-5) and s.lr(5000) == pytest.approx(6e-5)
+    s.factor = 0.5
+    assert s.lr(100) == pytest.approx(3e-4)
+
+
+def test_no_weight_decay_on_biases_and_layer_norms():
+    model = OPT(get("tiny"))
+    decay, no_decay = param_groups(model, 0.1)
+    names = {id(p): n for n, p in model.named_parameters()}
+    assert decay["weight_decay"] == 0.1 and no_decay["weight_decay"] == 0.0
+    assert all(names[id(p)].endswith("bias") or "layer_norm" in names[id(p)] for p in no_decay["params"])
+    assert {names[id(p)] for p in decay["params"]} >= {"decoder.embed_tokens.weight", "decoder.layers.0.fc1.weight"}
+    opt = adamw(model, 1e-3, 0.1)
+    assert opt.defaults["betas"] == (0.9, 0.95) and opt.defaults["eps"] == 1e-8
+
+
+def test_deepspeed_config_per_precision():
+    common = dict(micro_batch=2, accumulation=4, world_size=8, grad_clip=1.0)
+    fp16 = deepspeed_config(zero_stage=3, precision="fp16", **common)
+    assert fp16["train_batch_size"] == 64 and fp16["fp16"]["loss_scale"] == 0  # dynamic loss scaling
+    assert fp16["zero_optimization"] == {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}
+    assert deepspeed_config(zero_stage=2, precision="bf16", **common)["bf16"] == {"enabled": True}
+    fp32 = deepspeed_config(zero_stage=2, precision="fp32", **common)
+    assert "fp16" not in fp32 and "bf16" not in fp32 and fp32["gradient_clipping"] == 1.0
+    json.dumps(fp32)

@@ -1,0 +1,136 @@
+"""Training for real (Ray Train + DeepSpeed ZeRO-2 on CPU, tiny model, the sample's shards): the loss
+falls, restarts after a killed or hung worker continue exactly, a rerun after the driver died
+resumes the same run, the export loads in transformers."""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from mlflow import MlflowClient
+
+from conftest import ROOT, manifest
+from pipelines.full import main
+from train.loader import TokenShards
+
+
+def losses(path: Path) -> dict[int, float]:
+    """Training loss per step from metrics.jsonl; a step logged twice (before and after a restart): the last."""
+    out = {}
+    for line in path.read_text().splitlines():
+        row = json.loads(line)
+        if "loss" in row:
+            out[row["step"]] = row["loss"]
+    return out
+
+
+@pytest.fixture(scope="module")
+def baseline(sample_run):
+    """The sample pipeline's own training run (30 steps, checkpoints every 10), as it was first made."""
+    sample, _, wd = sample_run
+    train = manifest(wd, "train")
+    return sample.parent / "sample.yaml", wd, train, losses(Path(train["output"]) / "metrics.jsonl")
+
+
+def test_loss_falls_and_the_curves_reach_mlflow(baseline):
+    _, wd, train, curve = baseline
+    assert sorted(curve) == list(range(1, 31))
+    vocab = json.loads((Path(manifest(wd, "tokenize")["output"]) / "index.json").read_text())["vocab_size"]
+    assert abs(curve[1] - math.log(vocab)) < 0.3  # starts at chance
+    assert curve[30] < curve[1] - 0.7  # from chance (6.9) to about 6.0 in 30 tiny steps
+    assert train["steps"] == 30 and train["final_loss"] == curve[30]
+    run = MlflowClient(f"sqlite:///{wd}/mlflow.db").get_run(train["mlflow_run_id"])
+    history = MlflowClient(f"sqlite:///{wd}/mlflow.db").get_metric_history(run.info.run_id, "loss")
+    assert sorted(m.step for m in history) == list(range(1, 31))
+    for key in ("lr", "grad_norm", "tokens_per_second", "activation_norm", "val_loss", "val_loss.pile", "steps"):
+        assert key in run.data.metrics, key
+    assert "mfu" not in run.data.metrics  # CPU: no MFU
+    rows = [json.loads(line) for line in (Path(train["output"]) / "metrics.jsonl").read_text().splitlines()]
+    lr = {r["step"]: r["lr"] for r in rows if "lr" in r}
+    assert lr[1] == pytest.approx(3e-3 / 5) and lr[5] == pytest.approx(3e-3) and lr[30] < lr[6] < 3e-3  # warmup, decay
+    assert sorted(r["step"] for r in rows if "val_loss" in r) == [10, 20, 30]
+
+
+def test_export_loads_in_transformers_with_the_same_loss(baseline):
+    from transformers import AutoTokenizer, OPTForCausalLM
+
+    from model.hf import from_pretrained
+
+    _, wd, train, _ = baseline
+    export = Path(train["output"]) / "model"
+    shards = TokenShards(manifest(wd, "tokenize")["output"])
+    tokens = torch.from_numpy(shards.rows(np.arange(4)).astype(np.int64))
+    ours = from_pretrained(export).eval()
+    theirs = OPTForCausalLM.from_pretrained(export).eval()
+    with torch.no_grad():
+        our_loss = ours(tokens[:, :-1], tokens[:, 1:]).item()
+        their_loss = theirs(input_ids=tokens, labels=tokens).loss.item()  # HF shifts the labels itself
+    assert their_loss == pytest.approx(our_loss, rel=1e-5)
+    assert our_loss < math.log(ours.config.vocab_size) - 0.5  # the trained weights, not an init
+    assert AutoTokenizer.from_pretrained(export).eos_token_id == 2
+
+
+def test_killed_and_hung_workers_restart_from_checkpoints_exactly(baseline):
+    cfg, wd, _, curve = baseline
+    faults = "train.inject=[{kind: kill, step: 15}, {kind: hang, step: 25, rank: 0}]"
+    assert main(["--config", str(cfg), "--only", "train", "--set", faults, "--set", "train.hang_seconds=4"]) == 0
+    train = manifest(wd, "train")
+    incidents = [json.loads(line)["what"] for line in (Path(train["output"]) / "incidents.jsonl").read_text().splitlines()]
+    assert "injected kill on rank 1" in incidents and "injected hang on rank 0" in incidents
+    assert any(w.startswith("step 25 has run") and "ending this worker" in w for w in incidents)
+    assert [w for w in incidents if w.startswith("resumed")] == ["resumed from step-00000010", "resumed from step-00000020"]
+    restarted = losses(Path(train["output"]) / "metrics.jsonl")
+    assert sorted(restarted) == sorted(curve)
+    for step in curve:  # the same curve as the uninterrupted run, step for step
+        assert restarted[step] == pytest.approx(curve[step], rel=1e-6), step
+    assert train["final_loss"] == pytest.approx(curve[30], rel=1e-6)
+
+
+def test_rerun_after_the_driver_died_resumes_the_same_run(baseline):
+    cfg, wd, _, _ = baseline
+    args = ["--config", str(cfg), "--only", "train", "--set", "train.seed=1"]
+    runs_before = set(glob.glob(f"{wd}/train/runs/*"))
+    proc = subprocess.Popen([sys.executable, str(ROOT / "pipelines" / "full.py"), *args], start_new_session=True,
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    try:
+        deadline = time.monotonic() + 240
+        while time.monotonic() < deadline:
+            new = set(glob.glob(f"{wd}/train/runs/*")) - runs_before
+            if new and (Path(next(iter(new))) / "checkpoints" / "step-00000010").is_dir():
+                break
+            assert proc.poll() is None, "the first attempt ended before its first checkpoint"
+            time.sleep(0.2)
+        else:
+            pytest.fail("no checkpoint within 240 s")
+    finally:
+        os.killpg(proc.pid, signal.SIGKILL)  # the driver and the local Ray it started
+        proc.wait()
+    run_dir = Path(next(iter(new)))
+    attempt = json.loads(next((wd / "train").glob(".attempt-*.json")).read_text())
+    assert main(args) == 0
+    train = manifest(wd, "train")
+    assert train["mlflow_run_id"] == attempt["mlflow_run_id"] and train["steps"] == 30
+    assert train["run_dir"] == str(run_dir)
+    incidents = [json.loads(line)["what"] for line in (run_dir / "incidents.jsonl").read_text().splitlines()]
+    resumed = [w for w in incidents if w.startswith("resumed from step-")]
+    assert len(resumed) == 1 and int(resumed[0][-8:]) >= 10
+    assert not list((wd / "train").glob(".attempt-*.json"))  # finished: the next change starts a new run
+    tags = MlflowClient(f"sqlite:///{wd}/mlflow.db").get_run(train["mlflow_run_id"]).data.tags
+    assert tags["resumes"] == "1"
+
+
+def test_too_little_data_for_one_batch_fails_before_any_worker_starts(baseline, capsys):
+    cfg, wd, _, _ = baseline
+    assert main(["--config", str(cfg), "--only", "train", "--set", "train.global_batch_tokens=4096000"]) == 1
+    err = capsys.readouterr().err
+    assert "stage 'train' failed" in err and "fewer than one global batch of 64000" in err

@@ -1,0 +1,190 @@
+"""Checkpoints that are complete or invisible, verified on load, with a fallback to the previous one.
+
+OPT-175B lost days to partially written checkpoints and to storage hangs while loading one.
+Here a checkpoint is DeepSpeed's own sharded files (every rank writes its shard) plus:
+
+- `rng-rank<R>.pt`: every rank's torch/numpy/python RNG states (dropout continues exactly);
+- `meta.json`: the step, the loader state, the schedule, the loss scale, health (the autopilot
+  fills it in), the metrics at that step, and the SHA-256 and size of every file.
+
+Write: all ranks write into `.tmp-step-<N>/`; each rank hashes its share of the files; rank 0
+writes meta.json last and renames the folder to `step-<N>/` (the publish). A crash before the
+rename leaves a `.tmp-*` folder that nothing reads and the next save of that step replaces.
+Load: the newest `step-*` whose files all match meta.json; a corrupt or partial one is skipped
+with a logged reason and the previous one is tried. Keep: the newest K plus every checkpoint
+whose meta says healthy.
+
+Collective calls (barrier, all_reduce) go through `torch.distributed` when it is initialized, so
+the same code runs in one process (tests) and on every rank of a Ray Train job.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+log = logging.getLogger(__name__)
+
+META = "meta.json"
+TAG = "ds"  # DeepSpeed's tag: its files live in step-<N>/ds/
+
+
+def _dist() -> tuple[int, int]:
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def _barrier() -> None:
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+
+
+def _all_ok(ok: bool) -> bool:
+    """True on every rank when every rank says ok."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return ok
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
+
+
+def step_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def _files(folder: Path) -> list[str]:
+    """The checkpoint's data files (not meta.json, nor the per-rank checksum lists being written)."""
+    return sorted(str(p.relative_to(folder)) for p in folder.rglob("*")
+                  if p.is_file() and p.name != META and not p.name.startswith(".sha256-"))
+
+
+def _sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def rng_state() -> dict:
+    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+
+
+def set_rng_state(state: dict) -> None:
+    torch.set_rng_state(state["torch"])
+    np.random.set_state(state["numpy"])
+    random.setstate(state["python"])
+
+
+def save(engine, root: Path, step: int, meta: dict) -> Path:
+    """Every rank calls this at the same step; returns the published folder."""
+    rank, world = _dist()
+    tmp, final = root / f".tmp-{step_name(step)}", root / step_name(step)
+    if rank == 0:
+        shutil.rmtree(tmp, ignore_errors=True)  # a save of this step that died before its publish
+        tmp.mkdir(parents=True)
+    _barrier()
+    engine.save_checkpoint(str(tmp), tag=TAG)  # collective: each rank writes its shard
+    torch.save(rng_state(), tmp / f"rng-rank{rank:05d}.pt")
+    _barrier()
+    files = _files(tmp)
+    mine = {name: [_sha256(tmp / name), (tmp / name).stat().st_size] for name in files[rank::world]}
+    (tmp / f".sha256-rank{rank:05d}.json").write_text(json.dumps(mine))
+    _barrier()
+    if rank == 0:
+        sums: dict = {}
+        for r in range(world):
+            part = tmp / f".sha256-rank{r:05d}.json"
+            sums.update(json.loads(part.read_text()))
+            part.unlink()
+        full = {**meta, "step": step, "world_size": world, "saved_at": time.time(), "files": sums}
+        with open(tmp / META, "w") as f:
+            json.dump(full, f, indent=1)
+            f.flush()
+            os.fsync(f.fileno())
+        if final.exists():  # the same step saved again after a rollback: replace it
+            shutil.rmtree(final)
+        tmp.rename(final)
+    _barrier()
+    return final
+
+
+def published(root: Path) -> list[Path]:
+    """Published checkpoints, newest first."""
+    if not root.is_dir():
+        return []
+    return sorted((p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-")), reverse=True)
+
+
+def read_meta(path: Path) -> dict | None:
+    try:
+        return json.loads((path / META).read_text())
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def verify(path: Path, rank: int = 0, world: int = 1) -> str | None:
+    """Why this checkpoint cannot be used (checking this rank's share of its files), or None."""
+    meta = read_meta(path)
+    if meta is None:
+        return f"{path.name}: no readable {META}"
+    names = sorted(meta.get("files", {}))
+    if not names:
+        return f"{path.name}: {META} lists no files"
+    for name in names[rank::world]:
+        digest, size = meta["files"][name]
+        file = path / name
+        if not file.is_file():
+            return f"{path.name}: {name} is missing"
+        if file.stat().st_size != size:
+            return f"{path.name}: {name} has {file.stat().st_size} bytes, {META} says {size}"
+        if _sha256(file) != digest:
+            return f"{path.name}: {name} does not match its SHA-256 in {META}"
+    return None
+
+
+def load_latest(engine, root: Path, on_skip=None) -> dict | None:
+    """Load the newest checkpoint that verifies on every rank; its meta, or None to start fresh.
+
+    `on_skip(reason)` is called (on rank 0) for every checkpoint passed over.
+    """
+    rank, world = _dist()
+    for path in published(root):
+        reason = verify(path, rank, world)
+        if not _all_ok(reason is None):
+            if rank == 0:
+                why = reason or f"{path.name}: another rank found a file that does not verify"
+                log.warning("skipping checkpoint %s", why)
+                if on_skip is not None:
+                    on_skip(why)
+            continue
+        meta = read_meta(path)
+        engine.load_checkpoint(str(path), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=False)
+        rng = path / f"rng-rank{rank:05d}.pt"
+        if meta["world_size"] == world and rng.is_file():
+            set_rng_state(torch.load(rng, weights_only=False))
+        elif rank == 0:
+            log.warning("checkpoint %s was written by %d ranks, now %d: RNG states not restored", path.name,
+                        meta["world_size"], world)
+        return {**meta, "path": str(path)}
+    return None
+
+
+def prune(root: Path, keep: int) -> list[str]:
+    """Delete all but the newest `keep` checkpoints and the healthy ones (rank 0 only); returns what went."""
+    removed = []
+    for path in published(root)[keep:]:
+        meta = read_meta(path) or {}
+        if meta.get("health", {}).get("healthy"):
+            continue
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path.name)
+    return removed

@@ -1,0 +1,71 @@
+"""OPT's optimizer and schedule, and the DeepSpeed config generated from ours.
+
+AdamW with betas (0.9, 0.95), eps 1e-8, weight decay 0.1 on matrices only (not on biases or
+LayerNorm parameters); the LR warms up linearly, then decays linearly to `final_lr_ratio` of
+its peak at `total_tokens`, and stays there (opt-facts.md). The schedule is a pure function of
+the step, so a restart needs no scheduler state; `factor` is where the stability autopilot's
+"lower the LR" goes (a multiplier on the whole schedule from then on).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+BETAS = (0.9, 0.95)
+EPS = 1e-8
+
+
+def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():
+        if p.requires_grad:
+            (decay if p.ndim >= 2 else no_decay).append(p)  # biases and LayerNorm weights are 1-D
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def adamw(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
+    return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=BETAS, eps=EPS)
+
+
+@dataclass
+class Schedule:
+    peak: float
+    warmup_steps: int
+    total_steps: int
+    final_ratio: float = 0.1
+    factor: float = 1.0
+
+    def lr(self, step: int) -> float:
+        """The LR for optimizer step `step` (1-based: step 1 is the first update)."""
+        if step <= self.warmup_steps:
+            base = self.peak * step / max(1, self.warmup_steps)
+        else:
+            done = min(1.0, (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
+            base = self.peak * (1.0 - (1.0 - self.final_ratio) * done)
+        return base * self.factor
+
+
+def deepspeed_config(*, micro_batch: int, accumulation: int, world_size: int, zero_stage: int, precision: str,
+                     grad_clip: float) -> dict:
+    """DeepSpeed's JSON config for our settings. The optimizer and schedule are ours (above)."""
+    config = {
+        "train_micro_batch_size_per_gpu": micro_batch,
+        "gradient_accumulation_steps": accumulation,
+        "train_batch_size": micro_batch * accumulation * world_size,
+        "gradient_clipping": grad_clip,
+        "zero_optimization": {"stage": zero_stage},
+        "zero_allow_untested_optimizer": True,  # torch's AdamW, as OPT used
+        "steps_per_print": 1 << 30,  # our own progress line instead
+        "wall_clock_breakdown": False,
+    }
+    if zero_stage == 3:
+        config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+    if precision == "bf16":
+        config["bf16"] = {"enabled": True}
+    elif precision == "fp16":
+        # fp16 weights, fp32 master weights and Adam state, dynamic loss scale (OPT-175B's setup).
+        config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
+                          "hysteresis": 2, "min_loss_scale": 1}
+    return config

@@ -1,0 +1,97 @@
+"""The train stage: Ray Train's TorchTrainer running `train.loop.train_loop` on every worker.
+
+The run lives in a folder of its own, `<train.storage or WORKDIR/train/runs>/<config>-<fingerprint>/`,
+outside the stage's attempt folder: checkpoints, metrics.jsonl, incidents.jsonl and Ray Train's
+storage. The same command after a crash of the driver finds the same folder (same fingerprint),
+and the workers resume from its newest checkpoint; the runner resumes the same MLflow run
+(the stage is `resumable`). A dead or hung worker is restarted by Ray Train
+(`FailureConfig(max_failures)`) from the newest checkpoint that verifies.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+from model.configs import get
+from pipelines.config import TrainConfig
+from pipelines.dag import StageContext, StageResult
+from train.loader import read_index
+
+
+def run_dir(ctx: StageContext) -> Path:
+    storage = Path(ctx.section.storage) if ctx.section.storage else Path(ctx.config.workdir) / "train" / "runs"
+    return storage / f"{ctx.config.name}-{ctx.fingerprint[:16]}"
+
+
+def loop_config(ctx: StageContext, folder: Path) -> dict:
+    """Everything a worker needs, as plain data; batch and schedule in steps from our token-based config."""
+    cfg: TrainConfig = ctx.section
+    shards = str(ctx.input_output("tokenize"))
+    index = read_index(shards)
+    seq_len = index["seq_len"]
+    model = get(cfg.model)
+    model = model.replace(vocab_size=index["vocab_size"], max_seq_len=max(seq_len, model.max_seq_len),
+                          activation_checkpointing=cfg.activation_checkpointing)
+    batch_tokens = cfg.global_batch_tokens or model.batch_tokens
+    global_batch = max(1, batch_tokens // seq_len)
+    per_rank = cfg.micro_batch_size * cfg.num_workers
+    if global_batch % per_rank:
+        raise ValueError(f"a global batch of {global_batch} sequences ({batch_tokens} tokens / seq_len {seq_len}) does "
+                         f"not split into micro-batches of {cfg.micro_batch_size} on {cfg.num_workers} workers")
+    if index["sequences"] < global_batch:
+        raise ValueError(f"{shards}: {index['sequences']} training sequences of {seq_len} tokens, fewer than one "
+                         f"global batch of {global_batch}: more data, a shorter tokenize.seq_len or a smaller batch")
+    tokens_per_step = global_batch * seq_len
+    total_steps = max(1, cfg.total_tokens // tokens_per_step)
+    return {
+        "run_dir": str(folder), "shards": shards, "export_dir": str(ctx.output / "model"),
+        "model": dataclasses.asdict(model), "seq_len": seq_len, "global_batch": global_batch,
+        "micro_batch": cfg.micro_batch_size, "accumulation": global_batch // per_rank,
+        "zero_stage": cfg.zero_stage, "precision": cfg.precision, "grad_clip": cfg.grad_clip,
+        "lr": cfg.lr or model.lr, "weight_decay": cfg.weight_decay, "final_lr_ratio": cfg.final_lr_ratio,
+        "warmup_steps": cfg.warmup_tokens // tokens_per_step, "total_steps": total_steps,
+        "max_steps": cfg.max_steps or total_steps, "checkpoint_every": cfg.checkpoint_every,
+        "keep_checkpoints": cfg.keep_checkpoints, "eval_every": cfg.eval_every, "eval_batches": cfg.eval_batches,
+        "validation_sources": sorted(s for s, v in index["validation"].items() if v["sequences"] > 0),
+        "hang_seconds": cfg.hang_seconds, "seed": cfg.seed, "inject": [dataclasses.asdict(f) for f in cfg.inject],
+        "tracking_uri": ctx.config.mlflow.tracking_uri, "mlflow_run_id": ctx.mlflow_run_id,
+    }
+
+
+def run(ctx: StageContext) -> StageResult:
+    from ray.train import FailureConfig, RunConfig, ScalingConfig
+    from ray.train.torch import TorchTrainer
+
+    from train.loop import train_loop
+
+    cfg: TrainConfig = ctx.section
+    folder = run_dir(ctx)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = loop_config(ctx, folder)
+    (folder / "loop_config.json").write_text(json.dumps(config, indent=1))
+    ctx.log.info("run folder %s: %d steps of %d sequences x %d tokens on %d workers", folder, config["max_steps"],
+                 config["global_batch"], config["seq_len"], cfg.num_workers)
+    resources = {"CPU": cfg.cpus_per_worker}
+    if cfg.gpus_per_worker:
+        resources["GPU"] = cfg.gpus_per_worker
+    trainer = TorchTrainer(
+        train_loop, train_loop_config=config,
+        scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.gpus_per_worker > 0,
+                                     resources_per_worker=resources),
+        run_config=RunConfig(name="ray", storage_path=str(folder), failure_config=FailureConfig(max_failures=cfg.max_failures)),
+    )
+    trainer.fit()
+    summary = json.loads((folder / "summary.json").read_text())
+    index = read_index(config["shards"])
+    sequences = summary["steps"] * config["global_batch"]
+    incidents = (folder / "incidents.jsonl").read_text().splitlines() if (folder / "incidents.jsonl").exists() else []
+    for name in ("metrics.jsonl", "incidents.jsonl", "loop_config.json"):
+        if (folder / name).exists():
+            (ctx.output / name).write_bytes((folder / name).read_bytes())
+    metrics = {"steps": summary["steps"], "final_loss": summary["final_loss"], "sequences_trained": sequences,
+               "tokens_trained": sequences * config["seq_len"], "incidents": len(incidents)}
+    return StageResult(index["sequences"], index["sequences"], {}, metrics,
+                       fields={"steps": summary["steps"], "final_loss": summary["final_loss"], "run_dir": str(folder)})
+
