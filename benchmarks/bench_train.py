@@ -1,11 +1,11 @@
 """Training throughput: the train stage's step against a bare PyTorch loop, on this machine.
 
-    python benchmarks/bench_train.py [--models tiny,125m] [--steps 8] [--out /tmp/bench_train]
+    python benchmarks/bench_train.py [--models tiny,125m] [--out /tmp/bench_train]
 
 For each model: token shards of random ids (seq_len 128 for tiny, 2048 for 125M), then
 - ours: the train stage itself (`train.stage.run`: Ray Train, one worker with every core,
   DeepSpeed ZeRO-2 fp32, our loader, metrics to MLflow and metrics.jsonl every step), tokens/s
-  from its metrics.jsonl (median over the steps after the first two);
+  from its metrics.jsonl (median over the steps after the first two; 30 steps for tiny, 6 for 125M);
 - baseline, in this process: the same model and batch, torch.optim.AdamW with the same
   settings, `loss.backward(); clip_grad_norm_; step()`, no DeepSpeed, no Ray, no loader, the
   same number of threads; tokens/s as the median step.
@@ -40,7 +40,8 @@ from model.configs import flops_per_token, get  # noqa: E402
 from model.opt import OPT  # noqa: E402
 from train.optim import adamw  # noqa: E402
 
-SETUPS = {"tiny": {"seq_len": 128, "batch": 32, "micro": 8}, "125m": {"seq_len": 2048, "batch": 2, "micro": 1}}
+SETUPS = {"tiny": {"seq_len": 128, "batch": 32, "micro": 8, "steps": 30},
+          "125m": {"seq_len": 2048, "batch": 2, "micro": 1, "steps": 6}}
 
 
 def make_shards(folder: Path, vocab: int, seq_len: int, sequences: int) -> None:
@@ -103,7 +104,6 @@ def bare(name: str, vocab: int, steps: int, threads: int, device: str, precision
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="tiny,125m")
-    parser.add_argument("--steps", type=int, default=8)
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
     parser.add_argument("--out", default="/tmp/bench_train")
@@ -121,9 +121,10 @@ def main() -> None:
     for name in args.models.split(","):
         vocab = 512 if name == "tiny" else 50272
         shards = out / name / "shards"
-        make_shards(shards, vocab, SETUPS[name]["seq_len"], sequences=SETUPS[name]["batch"] * (args.steps + 1))
-        results[name] = (statistics.median(ours(name, shards, out, args.steps, cores, args.device, args.precision)),
-                         statistics.median(bare(name, vocab, args.steps, cores, args.device, args.precision)), vocab)
+        steps = SETUPS[name]["steps"]
+        make_shards(shards, vocab, SETUPS[name]["seq_len"], sequences=SETUPS[name]["batch"] * (steps + 1))
+        results[name] = (statistics.median(ours(name, shards, out, steps, cores, args.device, args.precision)),
+                         statistics.median(bare(name, vocab, steps, cores, args.device, args.precision)), vocab)
     ray.shutdown()
 
     commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()

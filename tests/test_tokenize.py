@@ -136,7 +136,7 @@ def run_stage(sample_run, tmp_path, **changes) -> tuple[Path, dict]:
                        logging.getLogger("test"), "")
     result = tokenize.run(ctx)
     assert result.rows_in == result.rows_out == manifest(wd, "dedup")["counts"]["rows_out"]
-    assert not (tmp_path / "streams").exists()  # scratch removed
+    assert not (tmp_path / "streams").exists() and not (tmp_path / "encoded").exists()  # scratch removed
     return ctx.output, json.loads((ctx.output / "index.json").read_text())
 
 
