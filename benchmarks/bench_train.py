@@ -54,8 +54,6 @@ def make_shards(folder: Path, vocab: int, seq_len: int, sequences: int) -> None:
 
 
 def ours(name: str, shards: Path, out: Path, steps: int, cpus: int, device: str, precision: str) -> list[float]:
-    import ray
-
     from pipelines.config import load_config
     from pipelines.dag import StageContext
     from pipelines.tracking import MlflowTracker

@@ -189,12 +189,48 @@ class TokenizeConfig:
 
 
 @dataclass
+class AutopilotConfig:
+    """The stability autopilot (train/autopilot.py); defaults modelled on OPT, PaLM and OLMo."""
+
+    enabled: bool = True
+    window: int = 50  # steps of history for the rolling mean and sigma
+    warmup: int = 20  # steps before the spike detectors arm
+    loss_sigma: float = 6.0
+    loss_ratio: float = 0.1  # and at least 10% above the rolling mean
+    grad_sigma: float = 6.0
+    grad_ratio: float = 2.0  # and at least three times the rolling mean (grad norms are heavy-tailed)
+    patience: int = 1  # consecutive steps over the line before it is an incident
+    scale_floor: float = 1.0  # fp16: a loss scale under this is a collapse (OPT: healthy means >= 1)
+    overflow_window: int = 50
+    overflow_limit: int = 10  # overflow-skipped steps within overflow_window
+    activation_window: int = 100  # 0: off
+    activation_growth: float = 0.5  # the second half of the window's mean over the first's, minus one
+    rollback_steps: int = 0  # the checkpoint rolled back to is at least this many steps before the incident
+    skip_margin: int = 10  # batches skipped past the incident's
+    repeat_window: int = 500  # another incident within this many steps escalates
+    lr_factor: float = 0.5
+    clip_to: float = 0.3
+    rewarm_steps: int = 50  # after an optimizer reset
+    budget: int = 8  # interventions, after which the run stops
+
+    def validate(self, key: str) -> None:
+        _at_least(self, key, 1, "window", "patience", "overflow_window", "overflow_limit", "repeat_window")
+        _at_least(self, key, 0, "warmup", "activation_window", "rollback_steps", "skip_margin", "rewarm_steps", "budget")
+        for name in ("loss_sigma", "grad_sigma", "lr_factor", "clip_to"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{key}.{name}", f"expected a positive number, got {getattr(self, name)}")
+
+
+@dataclass
 class InjectConfig:
     """A fault to inject, for tests and demos; each fires once, even across restarts."""
 
-    kind: Literal["kill", "hang"]  # kill: a worker process dies; hang: a step stalls until the watchdog ends it
+    kind: Literal["kill", "hang", "spike", "nan"]
+    # kill: a worker process dies; hang: a step stalls until the watchdog ends it;
+    # spike: the LR is multiplied by `factor` for that step; nan: that step's gradients are NaN
     step: int
-    rank: int | None = None  # the worker it happens on (None: the last rank)
+    rank: int | None = None  # kill, hang: the worker it happens on (None: the last rank)
+    factor: float = 50.0  # spike
 
     def validate(self, key: str) -> None:
         _at_least(self, key, 1, "step")
@@ -220,7 +256,8 @@ class TrainConfig:
     grad_clip: float = 1.0
     activation_checkpointing: bool = False
     checkpoint_every: int = 100  # steps
-    keep_checkpoints: int = 3  # the last K, plus every one marked healthy
+    keep_checkpoints: int = 3  # the last K ...
+    keep_healthy: int = 5  # ... plus the newest H marked healthy (the autopilot's rollback targets)
     eval_every: int = 100  # steps between validation losses per source (0: only at the end)
     eval_batches: int = 10  # validation batches per source, at most, per evaluation
     max_failures: int = 3  # worker restarts from the latest checkpoint before the stage fails
@@ -228,11 +265,13 @@ class TrainConfig:
     storage: str | None = None  # checkpoints; None: WORKDIR/train/runs (use shared storage on a cluster)
     seed: int = 0
     inject: list[InjectConfig] = field(default_factory=list)
+    autopilot: AutopilotConfig = field(default_factory=AutopilotConfig)
 
     def validate(self, key: str) -> None:
         _at_least(self, key, 1, "num_workers", "micro_batch_size", "checkpoint_every", "max_steps", "global_batch_tokens",
                   "keep_checkpoints", "eval_batches")
-        _at_least(self, key, 0, "gpus_per_worker", "warmup_tokens", "eval_every", "max_failures", "weight_decay")
+        _at_least(self, key, 0, "gpus_per_worker", "warmup_tokens", "eval_every", "max_failures", "weight_decay",
+                  "keep_healthy")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"{key}.zero_stage", f"expected 0, 1, 2 or 3, got {self.zero_stage}")
         for name in ("cpus_per_worker", "grad_clip", "total_tokens", "lr", "hang_seconds"):

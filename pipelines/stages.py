@@ -48,6 +48,6 @@ STAGES: tuple[Stage, ...] = (
     Stage("tokenize", ("dedup",), "tokenize", run=tokenize.run, code=("corpus.tokenize", "corpus.tokenizer", "corpus.parts"),
           external=tokenizer_files_identity, issue=5),
     Stage("train", ("tokenize",), "train", run=train_stage.run, issue=7, resumable=True,
-          code=("train.stage", "train.loop", "train.loader", "train.checkpoint", "train.optim", "model.opt", "model.configs",
-                "model.hf")),
+          code=("train.stage", "train.loop", "train.loader", "train.checkpoint", "train.optim", "train.autopilot",
+                "train.plot", "model.opt", "model.configs", "model.hf")),
 )

@@ -92,8 +92,8 @@ def test_save_verify_fall_back_and_prune(engine_factory, tmp_path, caplog):
     loaded = checkpoint.load_latest(engine_factory(seed=2), tmp_path, on_skip=skipped.append)
     assert loaded["step"] == 1 and "step-00000002: no readable meta.json" in skipped
 
-    # Keep the newest K and every healthy one.
-    assert checkpoint.prune(tmp_path, keep=1) == ["step-00000002"]
+    # Keep the newest K and the newest healthy ones.
+    assert checkpoint.prune(tmp_path, keep=1, keep_healthy=1) == ["step-00000002"]
     assert [p.name for p in checkpoint.published(tmp_path)] == ["step-00000003", "step-00000001"]
     assert checkpoint.load_latest(engine_factory(seed=3), tmp_path / "nothing") is None
 

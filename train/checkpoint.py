@@ -151,13 +151,14 @@ def verify(path: Path, rank: int = 0, world: int = 1) -> str | None:
     return None
 
 
-def load_latest(engine, root: Path, on_skip=None) -> dict | None:
-    """Load the newest checkpoint that verifies on every rank; its meta, or None to start fresh.
-
-    `on_skip(reason)` is called (on rank 0) for every checkpoint passed over.
-    """
+def load_latest(engine, root: Path, on_skip=None, accept=None) -> dict | None:
+    """Load the newest checkpoint that verifies on every rank (and that `accept(meta)` takes, when
+    given); its meta, or None to start fresh. `on_skip(reason)` is called (on rank 0) for every
+    checkpoint passed over for being corrupt or partial."""
     rank, world = _dist()
     for path in published(root):
+        if accept is not None and not accept(read_meta(path) or {}):
+            continue
         reason = verify(path, rank, world)
         if not _all_ok(reason is None):
             if rank == 0:
@@ -166,24 +167,44 @@ def load_latest(engine, root: Path, on_skip=None) -> dict | None:
                 if on_skip is not None:
                     on_skip(why)
             continue
-        meta = read_meta(path)
-        engine.load_checkpoint(str(path), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=False)
-        rng = path / f"rng-rank{rank:05d}.pt"
-        if meta["world_size"] == world and rng.is_file():
-            set_rng_state(torch.load(rng, weights_only=False))
-        elif rank == 0:
-            log.warning("checkpoint %s was written by %d ranks, now %d: RNG states not restored", path.name,
-                        meta["world_size"], world)
-        return {**meta, "path": str(path)}
+        return load(engine, path)
     return None
 
 
-def prune(root: Path, keep: int) -> list[str]:
-    """Delete all but the newest `keep` checkpoints and the healthy ones (rank 0 only); returns what went."""
-    removed = []
-    for path in published(root)[keep:]:
+def load(engine, path: Path) -> dict:
+    """Load one (verified) checkpoint into the engine and this rank's RNGs; returns its meta."""
+    rank, world = _dist()
+    meta = read_meta(path)
+    engine.load_checkpoint(str(path), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=False)
+    rng = path / f"rng-rank{rank:05d}.pt"
+    if meta["world_size"] == world and rng.is_file():
+        set_rng_state(torch.load(rng, weights_only=False))
+    elif rank == 0:
+        log.warning("checkpoint %s was written by %d ranks, now %d: RNG states not restored", path.name,
+                    meta["world_size"], world)
+    return {**meta, "path": str(path)}
+
+
+def abandon_after(root: Path, step: int, before: float) -> list[str]:
+    """Rename checkpoints newer than `step` and saved before time `before` (a rollback past them) out of
+    sight: `abandoned-step-N`, never loaded, kept for a post-mortem. Idempotent; rank 0 only."""
+    out = []
+    for path in published(root):
         meta = read_meta(path) or {}
-        if meta.get("health", {}).get("healthy"):
+        if int(path.name[5:]) > step and meta.get("saved_at", 0) < before:
+            path.rename(path.with_name(f"abandoned-{path.name}-{int(meta.get('saved_at', 0))}"))
+            out.append(path.name)
+    return out
+
+
+def prune(root: Path, keep: int, keep_healthy: int) -> list[str]:
+    """Delete all but the newest `keep` checkpoints and the newest `keep_healthy` healthy ones (rank 0
+    only); returns what went. Healthy ones are the autopilot's rollback targets."""
+    removed, healthy = [], 0
+    for i, path in enumerate(published(root)):
+        is_healthy = bool((read_meta(path) or {}).get("health", {}).get("healthy"))
+        if i < keep or (is_healthy and healthy < keep_healthy):
+            healthy += is_healthy and i >= keep
             continue
         shutil.rmtree(path, ignore_errors=True)
         removed.append(path.name)

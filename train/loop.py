@@ -31,7 +31,8 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from train import checkpoint
+from pipelines.config import AutopilotConfig
+from train import autopilot, checkpoint
 from train.loader import Loader, TokenShards
 from train.optim import Schedule, adamw, deepspeed_config
 
@@ -122,20 +123,46 @@ class Faults:
         except (FileNotFoundError, json.JSONDecodeError):
             return set()
 
-    def before_step(self, step: int, hang_seconds: float) -> None:
-        for fault in self.faults:
-            rank = self.ctx.world - 1 if fault["rank"] is None else fault["rank"]
-            if fault["step"] != step or rank != self.ctx.rank or fault["index"] in self._fired():
+    def _record(self, index: int) -> None:
+        fired = sorted(self._fired() | {index})
+        tmp = self.path.with_suffix(f".{self.ctx.rank}.tmp")
+        tmp.write_text(json.dumps(fired))
+        os.replace(tmp, self.path)
+
+    def before_step(self, step: int, hang_seconds: float) -> dict:
+        """Fire this step's faults; returns the effects the step applies: {"lr_factor": x, "nan": True}."""
+        due = [f for f in self.faults if f["step"] == step]
+        if not due:
+            return {}
+        fired = self._fired()
+        if dist.is_initialized():
+            dist.barrier()  # every rank has read the same record before rank 0 adds to it
+        effects: dict = {}
+        for fault in due:
+            if fault["index"] in fired:
                 continue
-            fired = sorted(self._fired() | {fault["index"]})
-            tmp = self.path.with_suffix(f".{self.ctx.rank}.tmp")
-            tmp.write_text(json.dumps(fired))
-            os.replace(tmp, self.path)
+            if fault["kind"] in ("spike", "nan"):  # on every rank alike
+                if self.ctx.leader:
+                    self._record(fault["index"])
+                    incident(self.ctx, step, f"injected {fault['kind']}" +
+                             (f" (LR x {fault['factor']:g})" if fault["kind"] == "spike" else ""))
+                if fault["kind"] == "spike":
+                    effects["lr_factor"] = fault["factor"]
+                else:
+                    effects["nan"] = True
+                continue
+            rank = self.ctx.world - 1 if fault["rank"] is None else fault["rank"]
+            if rank != self.ctx.rank:
+                continue
+            self._record(fault["index"])
             incident(self.ctx, step, f"injected {fault['kind']} on rank {rank}")
             if fault["kind"] == "kill":
                 os._exit(1)  # the worker process dies, as on a lost GPU or an ECC error
             if fault["kind"] == "hang":
                 time.sleep(10 * hang_seconds)  # stalls until the watchdog ends the process
+        if dist.is_initialized():
+            dist.barrier()
+        return effects
 
 
 def incident(ctx: Context, step: int, what: str) -> None:
@@ -262,6 +289,14 @@ def train_loop(config: dict) -> None:
                                 world_size=ctx.world, zero_stage=config["zero_stage"], precision=config["precision"],
                                 grad_clip=config["grad_clip"]))
     schedule = Schedule(config["lr"], config["warmup_steps"], config["total_steps"], config["final_lr_ratio"])
+    settings = AutopilotConfig(**config["autopilot"])
+    fp16 = config["precision"] == "fp16"
+    state_file = ctx.run_dir / "autopilot.json"
+    saved = autopilot.load_state(state_file)  # written before every intervention: newer than any checkpoint
+    if saved is not None and ctx.leader:  # a rollback decided before a crash: its abandoned checkpoints stay out
+        checkpoint.abandon_after(ckpt_dir, saved[1]["rolled_back_to"], saved[1]["decided_at"])
+    if dist.is_initialized():
+        dist.barrier()
 
     def skipped(reason: str) -> None:
         incident(ctx, 0, f"checkpoint skipped on load: {reason}")
@@ -269,14 +304,20 @@ def train_loop(config: dict) -> None:
     resumed = checkpoint.load_latest(engine, ckpt_dir, on_skip=skipped)
     step = 0
     loader_state = None
+    pilot = saved[0] if saved is not None else autopilot.State()
     if resumed is not None:
         step, loader_state = resumed["step"], resumed["loader"]
-        schedule.factor = resumed.get("schedule", {}).get("factor", 1.0)
+        if saved is None and "autopilot" in resumed:
+            pilot = autopilot.State.from_dict(resumed["autopilot"])
         if ctx.leader:
             incident(ctx, step, f"resumed from {Path(resumed['path']).name}")
+    apply_settings(engine, schedule, pilot, config)
     loader = Loader(config["shards"], config["global_batch"], rank=ctx.rank, world_size=ctx.world, seed=config["seed"],
-                    state=loader_state)
+                    skip_ranges=pilot.skip_ranges, state=loader_state)
     batches = iter(loader)
+    detectors = autopilot.Detectors(settings)
+    logbook = autopilot.Logbook(ctx.run_dir)
+    clean_steps = 0  # steps since the last incident: a checkpoint is healthy after a window of them
 
     sink = MetricSink(ctx, config["tracking_uri"], config["mlflow_run_id"]) if ctx.leader else None
 
@@ -289,33 +330,50 @@ def train_loop(config: dict) -> None:
     tokens_per_step = config["global_batch"] * seq_len
     flops = flops_per_token(model_config, seq_len) * tokens_per_step
     peak = peak_tflops(device, config["precision"])
-    skipped_before = engine.skipped_steps
     loss = float("nan")
     progress_at = 0.0
+    stopped = None
+
+    def save(at: int, healthy: bool) -> Path:
+        meta = {"loader": loader.state_dict(), "schedule": {"factor": schedule.factor},
+                "loss_scale": loss_scale(engine), "metrics": {"loss": loss}, "health": {"healthy": healthy},
+                "autopilot": pilot.to_dict()}
+        path = checkpoint.save(engine, ckpt_dir, at, meta)
+        if ctx.leader:
+            checkpoint.prune(ckpt_dir, config["keep_checkpoints"], config["keep_healthy"])
+        return path
+
+    if resumed is None and settings.enabled:
+        save(0, healthy=True)  # the initial weights: a rollback target before the first checkpoint
 
     while step < config["max_steps"]:
-        faults.before_step(step + 1, config["hang_seconds"])
+        effects = faults.before_step(step + 1, config["hang_seconds"])
         t0 = time.perf_counter()
         g, tokens = next(batches)
         tokens = torch.from_numpy(tokens.astype(np.int64)).to(device)
-        lr = schedule.lr(step + 1)
+        lr = schedule.lr(step + 1) * effects.get("lr_factor", 1.0)
         for group in engine.optimizer.param_groups:
             group["lr"] = lr
         losses = []
+        skipped_before = engine.skipped_steps
         for micro in tokens.split(config["micro_batch"]):
             micro_loss = engine(micro[:, :-1], micro[:, 1:])
+            if effects.get("nan"):
+                micro_loss = micro_loss * float("nan")
             engine.backward(micro_loss)
             engine.step()  # the optimizer steps at the last micro-batch (gradient_accumulation_steps)
             losses.append(micro_loss.item())
         step += 1
         grad_norm = engine.get_global_grad_norm()
+        grad_norm = None if grad_norm is None else float(grad_norm)
         loss, act_norm = all_mean([float(np.mean(losses)), float(model.last_activation_norm)])
         seconds = time.perf_counter() - t0
         watchdog.beat(step)
+        observed = {"loss": loss, "grad_norm": grad_norm, "loss_scale": loss_scale(engine), "fp16": fp16,
+                    "overflow": engine.skipped_steps > skipped_before, "activation_norm": act_norm}
         if ctx.leader:
-            metrics = {"loss": loss, "lr": lr, "grad_norm": None if grad_norm is None else float(grad_norm),
-                       "loss_scale": float(getattr(engine.optimizer, "loss_scale", 1.0) or 1.0),
-                       "skipped_steps": engine.skipped_steps - skipped_before, "activation_norm": act_norm,
+            metrics = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "loss_scale": observed["loss_scale"],
+                       "skipped_steps": engine.skipped_steps, "activation_norm": act_norm,
                        "tokens_per_second": tokens_per_step / seconds, "batch": g,
                        "tflops_per_device": flops / seconds / ctx.world / 1e12}
             if peak:
@@ -325,6 +383,23 @@ def train_loop(config: dict) -> None:
                 progress_at = time.monotonic()
                 log.info("step %d/%d loss %.4f lr %.2e tokens/s %s", step, config["max_steps"], loss, lr,
                          f"{tokens_per_step / seconds:,.0f}")
+        found = detectors.observe(step, observed) if settings.enabled else None
+        if found is None:
+            clean_steps += 1
+        else:
+            clean_steps = 0
+            decision = autopilot.decide(pilot, found, settings, fp16)
+            if decision.stop:
+                stopped = f"autopilot stopped the run at step {step}: {found.kind} ({found.detail}); {decision.why}"
+                if ctx.leader:
+                    logbook.append({"time": time.time(), "step": step, "kind": found.kind, "detail": found.detail,
+                                    "actions": ["stop"], "why": decision.why})
+                break
+            step, loader = intervene(engine, decision, pilot, settings, g, loader, schedule, config, ctx, logbook,
+                                     state_file, ckpt_dir)
+            batches = iter(loader)
+            watchdog.beat(step)
+            continue
         evaluate = config["eval_every"] and step % config["eval_every"] == 0
         if evaluate or step == config["max_steps"]:
             val = validation_losses(engine, config["shards"], config["validation_sources"], config["micro_batch"],
@@ -333,20 +408,82 @@ def train_loop(config: dict) -> None:
                 sink.log(step, {f"val_loss.{s}": v for s, v in val.items()} | {"val_loss": float(np.mean(list(val.values())))})
             watchdog.beat(step)
         if step % config["checkpoint_every"] == 0 or step == config["max_steps"]:
-            meta = {"loader": loader.state_dict(), "schedule": {"factor": schedule.factor, "lr": lr},
-                    "loss_scale": float(getattr(engine.optimizer, "loss_scale", 1.0) or 1.0),
-                    "metrics": {"loss": loss}, "health": {}}
-            path = checkpoint.save(engine, ckpt_dir, step, meta)
-            if ctx.leader:
-                checkpoint.prune(ckpt_dir, config["keep_checkpoints"])
+            healthy = clean_steps >= min(settings.window, step) and not (fp16 and loss_scale(engine) < settings.scale_floor) \
+                and not detectors.trending_up()
+            path = save(step, healthy)
             watchdog.beat(step)
             report_checkpoint(step, loss, path, ctx)
 
     watchdog.stop()
-    export(engine, model, config, ctx)
+    if stopped is None:
+        export(engine, model, config, ctx)
     if ctx.leader:
-        (ctx.run_dir / "summary.json").write_text(json.dumps({"steps": step, "final_loss": loss}))
+        (ctx.run_dir / "summary.json").write_text(json.dumps({"steps": step, "final_loss": loss, "stopped": stopped}))
         sink.close()
+
+
+def loss_scale(engine) -> float:
+    return float(getattr(engine.optimizer, "loss_scale", 1.0) or 1.0)
+
+
+def apply_settings(engine, schedule: Schedule, pilot, config: dict) -> None:
+    """The autopilot's standing changes: LR factor, a fresh warmup after an optimizer reset, the clip."""
+    schedule.factor = pilot.lr_factor
+    schedule.rewarm_from, schedule.rewarm_steps = pilot.rewarm_from, config["autopilot"]["rewarm_steps"]
+    clip = pilot.clip if pilot.clip is not None else config["grad_clip"]
+    if hasattr(engine.optimizer, "clip_grad"):
+        engine.optimizer.clip_grad = clip  # ZeRO 1-3 and the fp16/bf16 wrappers read this
+    engine._config.gradient_clipping = clip  # ZeRO 0 fp32 reads the config
+
+
+def intervene(engine, decision, pilot, settings, g: int, loader: Loader, schedule: Schedule, config: dict,
+              ctx: Context, logbook, state_file: Path, ckpt_dir: Path) -> tuple[int, Loader]:
+    """Roll back, skip, lower the LR or the clip, reset the scaler or Adam: the state is written first
+    (so a crash from here on neither loses nor repeats the intervention), then applied."""
+    incident_step = decision.incident.step
+    before = incident_step - settings.rollback_steps
+
+    def healthy_before(meta: dict) -> bool:
+        return meta.get("step", 10**18) <= before and meta.get("health", {}).get("healthy", False)
+
+    candidates = [p for p in checkpoint.published(ckpt_dir) if healthy_before(checkpoint.read_meta(p) or {})]
+    target_meta = checkpoint.read_meta(candidates[0]) if candidates else None
+    if target_meta is None:
+        raise RuntimeError(f"autopilot: no healthy checkpoint at or before step {before} to roll back to")
+    target_step = target_meta["step"]
+    batch_from = target_meta["loader"]["epoch"] * loader.batches_per_epoch + target_meta["loader"]["step"]
+    autopilot.apply_to_state(pilot, decision, settings, batch_from, g)
+    if "reset_optimizer" in decision.actions:
+        pilot.rewarm_from = target_step
+    decided_at = time.time()
+    if ctx.leader:
+        autopilot.save_state(state_file, pilot, {"rolled_back_to": target_step, "decided_at": decided_at})
+        logbook.append({
+            "time": decided_at, "step": incident_step, "kind": decision.incident.kind, "detail": decision.incident.detail,
+            "actions": list(decision.actions), "why": decision.why, "rolled_back_to": target_step,
+            "skipped_batches": pilot.skip_ranges[-1] if "skip" in decision.actions else None,
+            "lr_factor": pilot.lr_factor, "clip": pilot.clip, "intervention": pilot.interventions})
+        incident(ctx, incident_step, f"autopilot: {decision.incident.kind}: {', '.join(decision.actions)} "
+                                     f"(back to step {target_step})")
+    if dist.is_initialized():
+        dist.barrier()
+    if ctx.leader:
+        checkpoint.abandon_after(ckpt_dir, target_step, decided_at)
+    if dist.is_initialized():
+        dist.barrier()
+    meta = checkpoint.load_latest(engine, ckpt_dir, accept=lambda m: m.get("step") == target_step)
+    if meta is None:
+        raise RuntimeError(f"autopilot: checkpoint step {target_step} no longer verifies")
+    if "reset_optimizer" in decision.actions:
+        inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
+        inner.state.clear()  # Adam's moments and step counts; a fresh warmup follows
+    if "reset_loss_scale" in decision.actions and hasattr(engine.optimizer, "loss_scaler"):
+        scaler = engine.optimizer.loss_scaler
+        scaler.cur_scale = 2.0 ** 16
+        scaler.cur_iter, scaler.last_overflow_iter = 0, -1
+    apply_settings(engine, schedule, pilot, config)
+    return target_step, Loader(config["shards"], config["global_batch"], rank=ctx.rank, world_size=ctx.world,
+                               seed=config["seed"], skip_ranges=pilot.skip_ranges, state=meta["loader"])
 
 
 def report_checkpoint(step: int, loss: float, path: Path, ctx: Context) -> None:

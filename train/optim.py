@@ -36,6 +36,8 @@ class Schedule:
     total_steps: int
     final_ratio: float = 0.1
     factor: float = 1.0
+    rewarm_from: int | None = None  # after the autopilot resets Adam: warm up again from this step
+    rewarm_steps: int = 0
 
     def lr(self, step: int) -> float:
         """The LR for optimizer step `step` (1-based: step 1 is the first update)."""
@@ -44,6 +46,8 @@ class Schedule:
         else:
             done = min(1.0, (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
             base = self.peak * (1.0 - (1.0 - self.final_ratio) * done)
+        if self.rewarm_from is not None and step > self.rewarm_from:
+            base *= min(1.0, (step - self.rewarm_from) / max(1, self.rewarm_steps))
         return base * self.factor
 
 

@@ -17,7 +17,9 @@ from pathlib import Path
 from model.configs import get
 from pipelines.config import TrainConfig
 from pipelines.dag import StageContext, StageResult
+from train import autopilot
 from train.loader import read_index
+from train.plot import plot_run
 
 
 def run_dir(ctx: StageContext) -> Path:
@@ -53,9 +55,10 @@ def loop_config(ctx: StageContext, folder: Path) -> dict:
         "lr": cfg.lr or model.lr, "weight_decay": cfg.weight_decay, "final_lr_ratio": cfg.final_lr_ratio,
         "warmup_steps": cfg.warmup_tokens // tokens_per_step, "total_steps": total_steps,
         "max_steps": cfg.max_steps or total_steps, "checkpoint_every": cfg.checkpoint_every,
-        "keep_checkpoints": cfg.keep_checkpoints, "eval_every": cfg.eval_every, "eval_batches": cfg.eval_batches,
+        "keep_checkpoints": cfg.keep_checkpoints, "keep_healthy": cfg.keep_healthy, "eval_every": cfg.eval_every, "eval_batches": cfg.eval_batches,
         "validation_sources": sorted(s for s, v in index["validation"].items() if v["sequences"] > 0),
         "hang_seconds": cfg.hang_seconds, "seed": cfg.seed, "inject": [dataclasses.asdict(f) for f in cfg.inject],
+        "autopilot": dataclasses.asdict(cfg.autopilot),
         "tracking_uri": ctx.config.mlflow.tracking_uri, "mlflow_run_id": ctx.mlflow_run_id,
     }
 
@@ -84,14 +87,33 @@ def run(ctx: StageContext) -> StageResult:
     )
     trainer.fit()
     summary = json.loads((folder / "summary.json").read_text())
+    for name in ("metrics.jsonl", "incidents.jsonl", "loop_config.json", "logbook.jsonl", "LOGBOOK.md"):
+        if (folder / name).exists():
+            (ctx.output / name).write_bytes((folder / name).read_bytes())
+    logbook = autopilot.Logbook(folder).entries()
+    chart = plot_run(folder / "metrics.jsonl", logbook, ctx.output / "training.png")
+    track_logbook(ctx, logbook, [chart] + [ctx.output / n for n in ("LOGBOOK.md", "logbook.jsonl") if (ctx.output / n).exists()])
+    if summary.get("stopped"):
+        raise RuntimeError(f"{summary['stopped']} (logbook: {folder / 'LOGBOOK.md'})")
     index = read_index(config["shards"])
     sequences = summary["steps"] * config["global_batch"]
     incidents = (folder / "incidents.jsonl").read_text().splitlines() if (folder / "incidents.jsonl").exists() else []
-    for name in ("metrics.jsonl", "incidents.jsonl", "loop_config.json"):
-        if (folder / name).exists():
-            (ctx.output / name).write_bytes((folder / name).read_bytes())
     metrics = {"steps": summary["steps"], "final_loss": summary["final_loss"], "sequences_trained": sequences,
-               "tokens_trained": sequences * config["seq_len"], "incidents": len(incidents)}
+               "tokens_trained": sequences * config["seq_len"], "incidents": len(incidents),
+               "interventions": len(logbook)}
     return StageResult(index["sequences"], index["sequences"], {}, metrics,
-                       fields={"steps": summary["steps"], "final_loss": summary["final_loss"], "run_dir": str(folder)})
+                       fields={"steps": summary["steps"], "final_loss": summary["final_loss"], "run_dir": str(folder),
+                               "interventions": [{k: e[k] for k in ("step", "kind", "actions")} for e in logbook]})
 
+
+def track_logbook(ctx: StageContext, logbook: list[dict], files: list[Path]) -> None:
+    """The interventions as tags of the stage's MLflow run (autopilot.N = "step S: kind -> actions"),
+    the logbook and the chart as its artifacts."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(ctx.config.mlflow.tracking_uri)
+    client.set_tag(ctx.mlflow_run_id, "autopilot.interventions", str(len(logbook)))
+    for i, entry in enumerate(logbook, 1):
+        client.set_tag(ctx.mlflow_run_id, f"autopilot.{i}", f"step {entry['step']}: {entry['kind']} -> {', '.join(entry['actions'])}")
+    for path in files:
+        client.log_artifact(ctx.mlflow_run_id, str(path))

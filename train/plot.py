@@ -1,0 +1,51 @@
+"""The run's chart, like the OPT chronicles' figures: loss, grad norm, loss scale and LR against steps,
+each restart or rollback a new segment, every autopilot intervention marked."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+PANELS = (("loss", "loss"), ("grad_norm", "grad norm"), ("loss_scale", "loss scale"), ("lr", "learning rate"))
+
+
+def segments(rows: list[dict]) -> list[list[dict]]:
+    """metrics.jsonl rows in the order written, cut wherever the step goes back (a rollback or restart)."""
+    out: list[list[dict]] = []
+    for row in rows:
+        if "loss" not in row:
+            continue
+        if not out or row["step"] <= out[-1][-1]["step"]:
+            out.append([])
+        out[-1].append(row)
+    return out
+
+
+def plot_run(metrics_path: Path, logbook: list[dict], out: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
+    fig, axes = plt.subplots(len(PANELS), 1, figsize=(10, 9), sharex=True)
+    for i, segment in enumerate(segments(rows)):
+        for ax, (key, _) in zip(axes, PANELS):
+            points = [(r["step"], r[key]) for r in segment if r.get(key) is not None]
+            if points:
+                ax.plot(*zip(*points), linewidth=1, color=f"C{i % 10}", label=f"segment {i + 1}" if key == "loss" else None)
+    for ax, (key, title) in zip(axes, PANELS):
+        ax.set_ylabel(title)
+        if key in ("grad_norm", "loss_scale", "lr"):
+            ax.set_yscale("log")
+        for entry in logbook:
+            ax.axvline(entry["step"], color="red", linestyle="--", linewidth=0.8)
+    for entry in logbook:
+        axes[0].annotate(f"{entry['kind']}: {', '.join(entry['actions'])}", (entry["step"], 1.0),
+                         xycoords=("data", "axes fraction"), rotation=90, va="top", ha="right", fontsize=7, color="red")
+    axes[-1].set_xlabel("step")
+    axes[0].legend(loc="upper right", fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
