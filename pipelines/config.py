@@ -225,15 +225,17 @@ class AutopilotConfig:
 class InjectConfig:
     """A fault to inject, for tests and demos; each fires once, even across restarts."""
 
-    kind: Literal["kill", "hang", "spike", "nan"]
+    kind: Literal["kill", "hang", "spike", "nan", "overflow"]
     # kill: a worker process dies; hang: a step stalls until the watchdog ends it;
-    # spike: the LR is multiplied by `factor` for that step; nan: that step's gradients are NaN
+    # spike: the LR is multiplied by `factor` for that step; nan: that step's gradients are NaN;
+    # overflow: `count` steps from `step` overflow (fp16's scaler skips them; on fp32/bf16 a simulated scaler)
     step: int
     rank: int | None = None  # kill, hang: the worker it happens on (None: the last rank)
     factor: float = 50.0  # spike
+    count: int = 1  # overflow
 
     def validate(self, key: str) -> None:
-        _at_least(self, key, 1, "step")
+        _at_least(self, key, 1, "step", "count")
         _at_least(self, key, 0, "rank")
 
 
@@ -284,6 +286,9 @@ class TrainConfig:
         if not 0.0 <= self.final_lr_ratio <= 1.0:
             raise ConfigError(f"{key}.final_lr_ratio", f"expected a fraction in [0, 1], got {self.final_lr_ratio}")
         for i, fault in enumerate(self.inject):
+            if fault.kind == "overflow" and self.zero_stage == 0:
+                raise ConfigError(f"{key}.inject[{i}].kind", "overflow needs zero_stage >= 1 (ZeRO's optimizer skips "
+                                  "the overflowing step; ZeRO 0 would apply it)")
             if fault.rank is not None and fault.rank >= self.num_workers:
                 raise ConfigError(f"{key}.inject[{i}].rank", f"expected a rank below num_workers={self.num_workers}, got {fault.rank}")
 

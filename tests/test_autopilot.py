@@ -7,7 +7,7 @@ import math
 import random
 
 from pipelines.config import AutopilotConfig
-from train.autopilot import Detectors, Incident, Logbook, State, apply_to_state, decide
+from train.autopilot import Detectors, Incident, Logbook, SimulatedScaler, State, apply_to_state, decide
 
 
 def clean(steps: int, seed: int = 0):
@@ -99,3 +99,22 @@ def test_state_round_trip_and_logbook(tmp_path):
     assert [e["step"] for e in book.entries()] == [81]
     text = (tmp_path / "LOGBOOK.md").read_text()
     assert "## Step 81: loss_spike" in text and "- Done: rollback, skip" in text and "rolled back to: 50" in text
+
+
+def test_overflow_steps_are_not_divergence_and_the_simulated_scaler_collapses():
+    def burst(start, count):
+        for t, m in clean(300):
+            yield t, ({**m, "overflow": True, "grad_norm": math.inf} if start <= t < start + count else m)
+    # Overflow-skipped steps with infinite gradients: the scaler's business, not a non-finite incident;
+    # ten of them within the window are a loss-scale collapse.
+    assert run(burst(100, 3), fp16=True) == []
+    assert [(i.step, i.kind) for i in run(burst(100, 12), fp16=True)] == [(109, "loss_scale_collapse")]
+    scaler = SimulatedScaler(window=4)
+    for _ in range(17):
+        scaler.update(overflow=True)
+    assert scaler.scale == 0.5  # 2^16 halved 17 times: under OPT's floor of 1.0
+    for _ in range(4):
+        scaler.update(overflow=False)
+    assert scaler.scale == 1.0
+    scaler.reset()
+    assert scaler.scale == 2.0 ** 16

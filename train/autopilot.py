@@ -41,6 +41,26 @@ class Incident:
     detail: str  # what was seen, with the numbers
 
 
+class SimulatedScaler:
+    """fp16's dynamic loss scale where there is no fp16 (CPU): halves on an overflow, doubles after
+    `window` clean steps, as DeepSpeed's does, so a loss-scale collapse can be staged and handled."""
+
+    def __init__(self, initial: float = 2.0 ** 16, window: int = 1000):
+        self.initial, self.window = initial, window
+        self.scale, self.clean = initial, 0
+
+    def update(self, overflow: bool) -> None:
+        if overflow:
+            self.scale, self.clean = self.scale / 2, 0
+        else:
+            self.clean += 1
+            if self.clean >= self.window:
+                self.scale, self.clean = self.scale * 2, 0
+
+    def reset(self) -> None:
+        self.scale, self.clean = self.initial, 0
+
+
 class RollingStats:
     def __init__(self, window: int):
         self.values: deque = deque(maxlen=window)
@@ -82,10 +102,12 @@ class Detectors:
         return None
 
     def observe(self, step: int, m: dict) -> Incident | None:
-        loss, grad = m["loss"], m.get("grad_norm")
+        loss, grad, overflow = m["loss"], m.get("grad_norm"), bool(m.get("overflow"))
+        if overflow:
+            grad = None  # the scaler skipped this step: its gradients overflowed by design, not a divergence
         if not math.isfinite(loss) or (grad is not None and not math.isfinite(grad)):
             return Incident(step, "non_finite", f"loss {loss}, grad norm {grad}")
-        self.overflows.append(1 if m.get("overflow") else 0)
+        self.overflows.append(1 if overflow else 0)
         scale = m.get("loss_scale")
         if m.get("fp16") and scale is not None and scale < self.s.scale_floor:
             return Incident(step, "loss_scale_collapse", f"loss scale {scale:g} < floor {self.s.scale_floor:g}")

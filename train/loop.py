@@ -116,6 +116,7 @@ class Faults:
     def __init__(self, faults: list[dict], ctx: Context):
         self.ctx, self.path = ctx, ctx.run_dir / "injected.json"
         self.faults = [dict(f, index=i) for i, f in enumerate(faults)]
+        self.overflow_until = 0  # the last step of an overflow burst under way
 
     def _fired(self) -> set[int]:
         try:
@@ -130,10 +131,11 @@ class Faults:
         os.replace(tmp, self.path)
 
     def before_step(self, step: int, hang_seconds: float) -> dict:
-        """Fire this step's faults; returns the effects the step applies: {"lr_factor": x, "nan": True}."""
+        """Fire this step's faults; returns the effects the step applies: {"lr_factor": x, "nan": True,
+        "overflow": True}."""
         due = [f for f in self.faults if f["step"] == step]
         if not due:
-            return {}
+            return {"overflow": True} if step <= self.overflow_until else {}
         fired = self._fired()
         if dist.is_initialized():
             dist.barrier()  # every rank has read the same record before rank 0 adds to it
@@ -141,15 +143,19 @@ class Faults:
         for fault in due:
             if fault["index"] in fired:
                 continue
-            if fault["kind"] in ("spike", "nan"):  # on every rank alike
+            if fault["kind"] in ("spike", "nan", "overflow"):  # on every rank alike
                 if self.ctx.leader:
                     self._record(fault["index"])
                     incident(self.ctx, step, f"injected {fault['kind']}" +
-                             (f" (LR x {fault['factor']:g})" if fault["kind"] == "spike" else ""))
+                             {"spike": f" (LR x {fault['factor']:g})", "nan": "",
+                              "overflow": f" ({fault['count']} steps)"}[fault["kind"]])
                 if fault["kind"] == "spike":
                     effects["lr_factor"] = fault["factor"]
-                else:
+                elif fault["kind"] == "nan":
                     effects["nan"] = True
+                else:
+                    self.overflow_until = step + fault["count"] - 1
+                    effects["overflow"] = True
                 continue
             rank = self.ctx.world - 1 if fault["rank"] is None else fault["rank"]
             if rank != self.ctx.rank:
@@ -290,7 +296,10 @@ def train_loop(config: dict) -> None:
                                 grad_clip=config["grad_clip"]))
     schedule = Schedule(config["lr"], config["warmup_steps"], config["total_steps"], config["final_lr_ratio"])
     settings = AutopilotConfig(**config["autopilot"])
-    fp16 = config["precision"] == "fp16"
+    # Without fp16 there is no loss scale to collapse; when overflows are injected, a simulated one.
+    scaler = autopilot.SimulatedScaler() if config["precision"] != "fp16" and any(
+        f["kind"] == "overflow" for f in config["inject"]) else None
+    fp16 = config["precision"] == "fp16" or scaler is not None
     state_file = ctx.run_dir / "autopilot.json"
     saved = autopilot.load_state(state_file)  # written before every intervention: newer than any checkpoint
     if saved is not None and ctx.leader:  # a rollback decided before a crash: its abandoned checkpoints stay out
@@ -309,6 +318,8 @@ def train_loop(config: dict) -> None:
         step, loader_state = resumed["step"], resumed["loader"]
         if saved is None and "autopilot" in resumed:
             pilot = autopilot.State.from_dict(resumed["autopilot"])
+        if scaler is not None:
+            scaler.scale = resumed.get("loss_scale", scaler.initial)
         if ctx.leader:
             incident(ctx, step, f"resumed from {Path(resumed['path']).name}")
     apply_settings(engine, schedule, pilot, config)
@@ -336,12 +347,15 @@ def train_loop(config: dict) -> None:
 
     def save(at: int, healthy: bool) -> Path:
         meta = {"loader": loader.state_dict(), "schedule": {"factor": schedule.factor},
-                "loss_scale": loss_scale(engine), "metrics": {"loss": loss}, "health": {"healthy": healthy},
+                "loss_scale": current_scale(), "metrics": {"loss": loss}, "health": {"healthy": healthy},
                 "autopilot": pilot.to_dict()}
         path = checkpoint.save(engine, ckpt_dir, at, meta)
         if ctx.leader:
             checkpoint.prune(ckpt_dir, config["keep_checkpoints"], config["keep_healthy"])
         return path
+
+    def current_scale() -> float:
+        return scaler.scale if scaler is not None else loss_scale(engine)
 
     if resumed is None and settings.enabled:
         save(0, healthy=True)  # the initial weights: a rollback target before the first checkpoint
@@ -358,19 +372,24 @@ def train_loop(config: dict) -> None:
         skipped_before = engine.skipped_steps
         for micro in tokens.split(config["micro_batch"]):
             micro_loss = engine(micro[:, :-1], micro[:, 1:])
+            losses.append(micro_loss.item())
             if effects.get("nan"):
                 micro_loss = micro_loss * float("nan")
+            if effects.get("overflow"):
+                micro_loss = micro_loss * 1e38  # the gradients overflow; the loss itself was fine
             engine.backward(micro_loss)
             engine.step()  # the optimizer steps at the last micro-batch (gradient_accumulation_steps)
-            losses.append(micro_loss.item())
         step += 1
         grad_norm = engine.get_global_grad_norm()
         grad_norm = None if grad_norm is None else float(grad_norm)
         loss, act_norm = all_mean([float(np.mean(losses)), float(model.last_activation_norm)])
         seconds = time.perf_counter() - t0
         watchdog.beat(step)
-        observed = {"loss": loss, "grad_norm": grad_norm, "loss_scale": loss_scale(engine), "fp16": fp16,
-                    "overflow": engine.skipped_steps > skipped_before, "activation_norm": act_norm}
+        overflow = engine.skipped_steps > skipped_before
+        if scaler is not None:
+            scaler.update(overflow)
+        observed = {"loss": loss, "grad_norm": grad_norm, "loss_scale": current_scale(), "fp16": fp16,
+                    "overflow": overflow, "activation_norm": act_norm}
         if ctx.leader:
             metrics = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "loss_scale": observed["loss_scale"],
                        "skipped_steps": engine.skipped_steps, "activation_norm": act_norm,
@@ -395,8 +414,12 @@ def train_loop(config: dict) -> None:
                     logbook.append({"time": time.time(), "step": step, "kind": found.kind, "detail": found.detail,
                                     "actions": ["stop"], "why": decision.why})
                 break
-            step, loader = intervene(engine, decision, pilot, settings, g, loader, schedule, config, ctx, logbook,
-                                     state_file, ckpt_dir)
+            step, loader, meta = intervene(engine, decision, pilot, settings, g, loader, schedule, config, ctx, logbook,
+                                           state_file, ckpt_dir)
+            if scaler is not None:
+                scaler.scale = meta.get("loss_scale", scaler.initial)
+                if "reset_loss_scale" in decision.actions:
+                    scaler.reset()
             batches = iter(loader)
             watchdog.beat(step)
             continue
@@ -408,7 +431,7 @@ def train_loop(config: dict) -> None:
                 sink.log(step, {f"val_loss.{s}": v for s, v in val.items()} | {"val_loss": float(np.mean(list(val.values())))})
             watchdog.beat(step)
         if step % config["checkpoint_every"] == 0 or step == config["max_steps"]:
-            healthy = clean_steps >= min(settings.window, step) and not (fp16 and loss_scale(engine) < settings.scale_floor) \
+            healthy = clean_steps >= min(settings.window, step) and not (fp16 and current_scale() < settings.scale_floor) \
                 and not detectors.trending_up()
             path = save(step, healthy)
             watchdog.beat(step)
@@ -437,7 +460,7 @@ def apply_settings(engine, schedule: Schedule, pilot, config: dict) -> None:
 
 
 def intervene(engine, decision, pilot, settings, g: int, loader: Loader, schedule: Schedule, config: dict,
-              ctx: Context, logbook, state_file: Path, ckpt_dir: Path) -> tuple[int, Loader]:
+              ctx: Context, logbook, state_file: Path, ckpt_dir: Path) -> tuple[int, Loader, dict]:
     """Roll back, skip, lower the LR or the clip, reset the scaler or Adam: the state is written first
     (so a crash from here on neither loses nor repeats the intervention), then applied."""
     incident_step = decision.incident.step
@@ -482,8 +505,9 @@ def intervene(engine, decision, pilot, settings, g: int, loader: Loader, schedul
         scaler.cur_scale = 2.0 ** 16
         scaler.cur_iter, scaler.last_overflow_iter = 0, -1
     apply_settings(engine, schedule, pilot, config)
-    return target_step, Loader(config["shards"], config["global_batch"], rank=ctx.rank, world_size=ctx.world,
-                               seed=config["seed"], skip_ranges=pilot.skip_ranges, state=meta["loader"])
+    loader = Loader(config["shards"], config["global_batch"], rank=ctx.rank, world_size=ctx.world, seed=config["seed"],
+                    skip_ranges=pilot.skip_ranges, state=meta["loader"])
+    return target_step, loader, meta
 
 
 def report_checkpoint(step: int, loss: float, path: Path, ctx: Context) -> None:
