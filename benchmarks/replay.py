@@ -41,15 +41,25 @@ def scenario(steps: int) -> list[dict]:
 
 
 def run(out: Path, steps: int, inject: list[dict]) -> dict:
+    """One run; its results read from its run folder (written even when the stage stops)."""
+    runs = out / "work" / "train" / "runs"
+    before = set(runs.iterdir()) if runs.exists() else set()
     cmd = [sys.executable, str(ROOT / "pipelines" / "full.py"), "--workdir", str(out / "work"),
            "--set", f"train.max_steps={steps}", "--set", "train.hang_seconds=10",
            "--set", f"train.inject={json.dumps(inject)}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=out)
-    manifest = json.loads((out / "work" / "train" / "manifest.json").read_text())
-    output = Path(manifest["output"])
-    read = lambda name: [json.loads(line) for line in (output / name).read_text().splitlines()] if (output / name).exists() else []  # noqa: E731
-    return {"rc": proc.returncode, "manifest": manifest, "logbook": read("logbook.jsonl"),
-            "incidents": read("incidents.jsonl"), "metrics": read("metrics.jsonl"), "output": output}
+    (folder,) = set(runs.iterdir()) - before
+    read = lambda name: [json.loads(line) for line in (folder / name).read_text().splitlines()] if (folder / name).exists() else []  # noqa: E731
+    summary = json.loads((folder / "summary.json").read_text()) if (folder / "summary.json").exists() else {}
+    return {"rc": proc.returncode, "summary": summary, "logbook": read("logbook.jsonl"),
+            "incidents": read("incidents.jsonl"), "metrics": read("metrics.jsonl"), "folder": folder}
+
+
+def skipped_at(metrics: list[dict], step: int) -> bool:
+    """Whether DeepSpeed skipped the update of `step` (its cumulative skipped_steps went up there)."""
+    before = [m["skipped_steps"] for m in metrics if "skipped_steps" in m and m["step"] == step - 1]
+    at = [m["skipped_steps"] for m in metrics if "skipped_steps" in m and m["step"] == step]
+    return bool(before and at and at[-1] > before[-1])
 
 
 def main() -> None:
@@ -75,26 +85,33 @@ def main() -> None:
         if fault["kind"] in ("kill", "hang"):
             what = "worker killed" if fault["kind"] == "kill" else "step hung"
             seen = [i for i in replay["incidents"] if i["step"] >= fault["step"] and
-                    ("ending this worker" in i["what"] if fault["kind"] == "hang" else f"injected kill" in i["what"])]
+                    ("ending this worker" in i["what"] if fault["kind"] == "hang" else "injected kill" in i["what"])]
             print(f"| {fault['step']} | {what} | {'worker exit, Ray Train restart' if seen else 'not seen'} | "
                   f"restart from the newest checkpoint |")
             continue
-        match = next((e for e in book if e["step"] >= fault["step"]), None)
+        last = fault["step"] + fault.get("count", 1) + 10  # an incident this soon after it is its doing
+        match = next((e for e in book if fault["step"] <= e["step"] <= last), None)
         if match is not None:
             book.remove(match)
+            seen, done = f"{match['kind']} at step {match['step']}", ", ".join(match["actions"])
+        elif skipped_at(replay["metrics"], fault["step"]):
+            seen, done = "overflow: DeepSpeed skipped the update", "none needed (weights untouched)"
+        else:
+            seen, done = "not detected", "-"
         label = {"spike": f"LR x {fault.get('factor')} for one step", "overflow": f"{fault.get('count')} overflowing steps",
                  "nan": "NaN gradients"}[fault["kind"]]
-        print(f"| {fault['step']} | {label} | {match['kind'] + ' at step ' + str(match['step']) if match else 'not detected'} | "
-              f"{', '.join(match['actions']) if match else '-'} |")
+        print(f"| {fault['step']} | {label} | {seen} | {done} |")
     computed = sum(1 for m in replay["metrics"] if "loss" in m)
-    clean_loss, replay_loss = clean["manifest"]["final_loss"], replay["manifest"]["final_loss"]
+    clean_loss, replay_loss = clean["summary"].get("final_loss", float("nan")), replay["summary"].get("final_loss", float("nan"))
     print()
     print(f"- finished with no human action: {'yes' if replay['rc'] == 0 else 'no (exit ' + str(replay['rc']) + ')'}; "
           f"interventions: {len(replay['logbook'])}; restarts: {len(restarts)}; unmatched logbook entries: {len(book)}")
     print(f"- final loss: {replay_loss:.4f} against {clean_loss:.4f} for the clean run ({replay_loss / clean_loss - 1:+.1%})")
     print(f"- steps computed: {computed} for {args.steps} steps ({computed - args.steps} lost to rollbacks and restarts)")
     print(f"- false alarms on the clean run: {len(clean['logbook'])}")
-    print(f"- logbook: {replay['output'] / 'LOGBOOK.md'}; chart: {replay['output'] / 'training.png'}")
+    if replay["summary"].get("stopped"):
+        print(f"- stopped: {replay['summary']['stopped']}")
+    print(f"- logbook: {replay['folder'] / 'LOGBOOK.md'}; chart: the train stage's output/training.png")
 
 
 if __name__ == "__main__":

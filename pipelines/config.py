@@ -199,13 +199,16 @@ class AutopilotConfig:
     loss_ratio: float = 0.1  # and at least 10% above the rolling mean
     grad_sigma: float = 6.0
     grad_ratio: float = 2.0  # and at least three times the rolling mean (grad norms are heavy-tailed)
-    patience: int = 1  # consecutive steps over the line before it is an incident
+    patience: int = 1  # consecutive steps with the loss over the line before it is an incident
+    grad_patience: int = 3  # the same for the grad norm: a single-step grad-norm burst is common and harmless
     scale_floor: float = 1.0  # fp16: a loss scale under this is a collapse (OPT: healthy means >= 1)
     overflow_window: int = 50
     overflow_limit: int = 10  # overflow-skipped steps within overflow_window
     activation_window: int = 100  # 0: off
     activation_growth: float = 0.5  # the second half of the window's mean over the first's, minus one
-    rollback_steps: int = 0  # the checkpoint rolled back to is at least this many steps before the incident
+    # The checkpoint rolled back to is older than the step before the incident by at least this many steps
+    # (an incident seen at step s was caused by an update at step s - 1 or earlier; PaLM went ~100 steps back).
+    rollback_steps: int = 10
     skip_margin: int = 10  # batches skipped past the incident's
     repeat_window: int = 500  # another incident within this many steps escalates
     lr_factor: float = 0.5
@@ -214,7 +217,7 @@ class AutopilotConfig:
     budget: int = 8  # interventions, after which the run stops
 
     def validate(self, key: str) -> None:
-        _at_least(self, key, 1, "window", "patience", "overflow_window", "overflow_limit", "repeat_window")
+        _at_least(self, key, 1, "window", "patience", "grad_patience", "overflow_window", "overflow_limit", "repeat_window")
         _at_least(self, key, 0, "warmup", "activation_window", "rollback_steps", "skip_margin", "rewarm_steps", "budget")
         for name in ("loss_sigma", "grad_sigma", "lr_factor", "clip_to"):
             if getattr(self, name) <= 0:

@@ -136,28 +136,41 @@ def test_too_little_data_for_one_batch_fails_before_any_worker_starts(baseline, 
     assert "stage 'train' failed" in err and "fewer than one global batch of 64000" in err
 
 
+def lr_at(step: int) -> float:
+    """The sample config's schedule: peak 3e-3, 5 warmup steps, decay to 10% at 100000 / 1024 = 97 steps."""
+    from train.optim import Schedule
+
+    return Schedule(3e-3, 5, 97, 0.1).lr(step)
+
+
 def test_autopilot_rolls_back_skips_escalates_and_survives_a_kill_during_recovery(baseline):
     cfg, wd, _, curve = baseline
-    faults = "train.inject=[{kind: spike, step: 14, factor: 300}, {kind: kill, step: 17}, {kind: spike, step: 24, factor: 300}]"
-    assert main(["--config", str(cfg), "--only", "train", "--set", faults,
+    faults = ("train.inject=[{kind: spike, step: 14, factor: 300}, {kind: kill, step: 17}, {kind: spike, step: 24, factor: 300}, "
+              "{kind: spike, step: 34, factor: 300}]")
+    assert main(["--config", str(cfg), "--only", "train", "--set", faults, "--set", "train.max_steps=40",
                  "--set", "train.autopilot.warmup=5", "--set", "train.autopilot.window=10",
-                 "--set", "train.autopilot.grad_ratio=100"]) == 0  # loss spikes only: 10 steps of history is little
+                 "--set", "train.autopilot.grad_ratio=100",  # loss spikes only: 10 steps of history is little
+                 "--set", "train.autopilot.rollback_steps=0"]) == 0
     train = manifest(wd, "train")
     out = Path(train["output"])
     book = [json.loads(line) for line in (out / "logbook.jsonl").read_text().splitlines()]
     # The LR spike at step 14 shows in step 15's loss. One entry per spike, none lost or repeated across the
     # kill at step 17 (while recovering from the first: the run is back at step 10 then).
     assert [(e["step"], e["kind"], e["actions"]) for e in book] == [
-        (15, "loss_spike", ["rollback", "skip"]), (25, "loss_spike", ["rollback", "skip", "lower_lr"])]
-    assert [e["rolled_back_to"] for e in book] == [10, 20] and book[1]["lr_factor"] == 0.5
+        (15, "loss_spike", ["rollback", "skip"]), (25, "loss_spike", ["rollback", "skip", "lower_lr"]),
+        (35, "loss_spike", ["rollback", "skip", "lower_lr", "lower_clip"])]
+    assert [e["rolled_back_to"] for e in book] == [10, 20, 30]
+    assert [(e["lr_factor"], e["clip"]) for e in book] == [(1.0, None), (0.5, None), (0.25, 0.3)]
+    lr = {r["step"]: r["lr"] for r in (json.loads(x) for x in (out / "metrics.jsonl").read_text().splitlines()) if "lr" in r}
+    assert lr[40] == pytest.approx(0.25 * lr_at(40), rel=1e-6)  # the schedule continues, lowered twice
     # From the checkpoint's batch (10) to the incident's (14) + 1 + skip_margin (10).
     assert book[0]["skipped_batches"] == [10, 25]
     incidents = [json.loads(line)["what"] for line in (out / "incidents.jsonl").read_text().splitlines()]
     assert "injected kill on rank 1" in incidents and "resumed from step-00000010" in incidents
     assert train["interventions"] == [{k: e[k] for k in ("step", "kind", "actions")} for e in book]
-    assert train["steps"] == 30 and train["final_loss"] < curve[1] - 0.5  # recovered: it still learned
+    assert train["steps"] == 40 and train["final_loss"] < curve[1] - 0.5  # recovered: it still learned
     assert "LOGBOOK.md" in os.listdir(out) and (out / "training.png").stat().st_size > 10_000
     client = MlflowClient(f"sqlite:///{wd}/mlflow.db")
     tags = client.get_run(train["mlflow_run_id"]).data.tags
-    assert tags["autopilot.interventions"] == "2" and tags["autopilot.2"] == "step 25: loss_spike -> rollback, skip, lower_lr"
+    assert tags["autopilot.interventions"] == "3" and tags["autopilot.2"] == "step 25: loss_spike -> rollback, skip, lower_lr"
     assert {a.path for a in client.list_artifacts(train["mlflow_run_id"])} >= {"training.png", "LOGBOOK.md", "logbook.jsonl"}

@@ -8,7 +8,8 @@ non-finite loss or gradient, a loss-scale collapse (the scale under a floor, or 
 overflow-skipped steps in a window) and final-layer activation norms trending up.
 
 The policy answers an incident with escalating actions (OPT's chronicles, PaLM section 5.1):
-roll back to the newest healthy checkpoint at least `rollback_steps` before the incident and
+roll back to the newest healthy checkpoint older than the incident's step - 1 (whose update shows
+in the incident's loss) by at least `rollback_steps`, and
 skip the batches from there to the incident plus `skip_margin` (the spike is a batch meeting a
 parameter state: PaLM); if it happens again within `repeat_window` steps, also lower the LR;
 then lower the clip (1.0 -> 0.3); then reset the loss scale; as a last resort reset Adam's
@@ -87,12 +88,19 @@ class Detectors:
         self.overflows: deque = deque(maxlen=s.overflow_window)
         self.over = {"loss": 0, "grad": 0}
 
+    def rolled_back(self) -> None:
+        """The steps since the rollback target are undone: what they left in the windows goes too
+        (the rolling loss and grad-norm levels stay: they describe the run, not those steps)."""
+        self.overflows.clear()
+        self.activation.clear()
+        self.over = {"loss": 0, "grad": 0}
+
     def _spike(self, name: str, stats: RollingStats, value: float, sigma: float, ratio: float, step: int) -> Incident | None:
         if len(stats.values) >= self.s.warmup:
             mean, std = stats.mean_std()
             if value > mean + sigma * std and value > mean * (1 + ratio):
                 self.over[name] += 1
-                if self.over[name] >= self.s.patience:
+                if self.over[name] >= (self.s.patience if name == "loss" else self.s.grad_patience):
                     self.over[name] = 0
                     return Incident(step, f"{name}_spike", f"{name} {value:.4g} > rolling mean {mean:.4g} + "
                                     f"{sigma:g} sigma ({std:.3g}) and > mean x {1 + ratio:g}, over {self.s.window} steps")

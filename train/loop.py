@@ -416,6 +416,8 @@ def train_loop(config: dict) -> None:
                 break
             step, loader, meta = intervene(engine, decision, pilot, settings, g, loader, schedule, config, ctx, logbook,
                                            state_file, ckpt_dir)
+            detectors.rolled_back()
+            faults.overflow_until = 0  # an injected overflow burst belongs to the steps that were undone
             if scaler is not None:
                 scaler.scale = meta.get("loss_scale", scaler.initial)
                 if "reset_loss_scale" in decision.actions:
@@ -464,15 +466,15 @@ def intervene(engine, decision, pilot, settings, g: int, loader: Loader, schedul
     """Roll back, skip, lower the LR or the clip, reset the scaler or Adam: the state is written first
     (so a crash from here on neither loses nor repeats the intervention), then applied."""
     incident_step = decision.incident.step
-    before = incident_step - settings.rollback_steps
+    before = incident_step - 1 - settings.rollback_steps  # the update of step s - 1 shows in the loss of step s
 
     def healthy_before(meta: dict) -> bool:
-        return meta.get("step", 10**18) <= before and meta.get("health", {}).get("healthy", False)
+        return meta.get("step", 10**18) < before and meta.get("health", {}).get("healthy", False)
 
     candidates = [p for p in checkpoint.published(ckpt_dir) if healthy_before(checkpoint.read_meta(p) or {})]
     target_meta = checkpoint.read_meta(candidates[0]) if candidates else None
     if target_meta is None:
-        raise RuntimeError(f"autopilot: no healthy checkpoint at or before step {before} to roll back to")
+        raise RuntimeError(f"autopilot: no healthy checkpoint before step {before} to roll back to")
     target_step = target_meta["step"]
     batch_from = target_meta["loader"]["epoch"] * loader.batches_per_epoch + target_meta["loader"]["step"]
     autopilot.apply_to_state(pilot, decision, settings, batch_from, g)
