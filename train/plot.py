@@ -40,9 +40,10 @@ def plot_run(metrics_path: Path, logbook: list[dict], out: Path) -> Path:
             ax.set_yscale("log")
         for entry in logbook:
             ax.axvline(entry["step"], color="red", linestyle="--", linewidth=0.8)
-    for entry in logbook:
-        axes[0].annotate(f"{entry['kind']}: {', '.join(entry['actions'])}", (entry["step"], 1.0),
-                         xycoords=("data", "axes fraction"), rotation=90, va="top", ha="right", fontsize=7, color="red")
+    for n, entry in enumerate(logbook, 1):  # numbered as in LOGBOOK.md; the actions are there
+        label = axes[0].annotate(f"{n}: {entry['kind']}", (entry["step"], 0.97), xycoords=("data", "axes fraction"),
+                                 rotation=90, va="top", ha="right", fontsize=7, color="red")
+        label.set_in_layout(False)
     axes[-1].set_xlabel("step")
     axes[0].legend(loc="upper right", fontsize=7)
     fig.tight_layout()
