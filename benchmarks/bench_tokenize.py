@@ -108,16 +108,17 @@ def rss_anon_mb() -> float:
     return float("nan")
 
 
-def make_shards(folder: Path, sequences: int) -> None:
+def make_shards(folder: Path, sequences: int, seq_len: int = SEQ_LEN, vocab: int = 50272) -> None:
+    """Token shards of random ids, as the tokenize stage lays them out (bench_train.py uses them too)."""
     rng = np.random.default_rng(0)
-    block, per_shard, shards = SEQ_LEN + 1, 8192, []
+    block, per_shard, shards = seq_len + 1, 8192, []
     for k, first in enumerate(range(0, sequences, per_shard)):
         n = min(per_shard, sequences - first)
-        write_rows(folder / "train" / f"{k:05d}.arrow", rng.integers(4, 50272, (n, block), dtype=np.uint16))
+        write_rows(folder / "train" / f"{k:05d}.arrow", rng.integers(4, vocab, (n, block), dtype=np.uint16))
         shards.append({"file": f"train/{k:05d}.arrow", "sequences": n})
     (folder / INDEX).write_text(json.dumps({
-        "format": FORMAT, "seq_len": SEQ_LEN, "block": block, "dtype": "uint16", "vocab_size": 50272, "eos_id": 2,
-        "train": {"sequences": sequences, "shards": shards}, "validation": {}}))
+        "format": FORMAT, "seq_len": seq_len, "block": block, "dtype": "uint16", "vocab_size": vocab, "eos_id": 2,
+        "sequences": sequences, "train": {"sequences": sequences, "shards": shards}, "validation": {}}))
 
 
 def loader_rate(folder: Path, batches: int, batch: int) -> tuple[float, float, float]:

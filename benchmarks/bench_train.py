@@ -34,23 +34,15 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from corpus.tokenize import FORMAT, INDEX, write_rows  # noqa: E402
+from bench_tokenize import make_shards  # noqa: E402
 from model.configs import flops_per_token, get  # noqa: E402
 from model.opt import OPT  # noqa: E402
 from train.optim import adamw  # noqa: E402
 
 SETUPS = {"tiny": {"seq_len": 128, "batch": 32, "micro": 8, "steps": 30},
           "125m": {"seq_len": 2048, "batch": 2, "micro": 1, "steps": 6}}
-
-
-def make_shards(folder: Path, vocab: int, seq_len: int, sequences: int) -> None:
-    rows = np.random.default_rng(0).integers(4, vocab, (sequences, seq_len + 1), dtype=np.uint16)
-    write_rows(folder / "train" / "00000.arrow", rows)
-    (folder / INDEX).write_text(json.dumps({
-        "format": FORMAT, "seq_len": seq_len, "block": seq_len + 1, "dtype": "uint16", "vocab_size": vocab, "eos_id": 2,
-        "sequences": sequences, "train": {"sequences": sequences, "shards": [{"file": "train/00000.arrow", "sequences": sequences}]},
-        "validation": {}}))
 
 
 def ours(name: str, shards: Path, out: Path, steps: int, cpus: int, device: str, precision: str) -> list[float]:
@@ -120,7 +112,7 @@ def main() -> None:
         vocab = 512 if name == "tiny" else 50272
         shards = out / name / "shards"
         steps = SETUPS[name]["steps"]
-        make_shards(shards, vocab, SETUPS[name]["seq_len"], sequences=SETUPS[name]["batch"] * (steps + 1))
+        make_shards(shards, SETUPS[name]["batch"] * (steps + 1), seq_len=SETUPS[name]["seq_len"], vocab=vocab)
         results[name] = (statistics.median(ours(name, shards, out, steps, cores, args.device, args.precision)),
                          statistics.median(bare(name, vocab, steps, cores, args.device, args.precision)), vocab)
     ray.shutdown()

@@ -81,11 +81,12 @@ def test_policy_escalates_then_stops():
         decision = decide(state, Incident(step, "loss_spike", "x"), s, fp16=True)
         seen.append(("stop",) if decision.stop else decision.actions)
         if not decision.stop:
-            apply_to_state(state, decision, s, batch_from=step - 40, batch_incident=step)
+            apply_to_state(state, decision, s, target_step=step - 50, batch_from=step - 40, batch_incident=step)
     assert seen == [("rollback", "skip"), ("rollback", "skip", "lower_lr"), ("rollback", "skip", "lower_lr", "lower_clip"),
                     ("rollback", "skip", "reset_loss_scale"), ("rollback", "skip", "reset_optimizer"),
                     ("rollback", "skip", "reset_optimizer"), ("stop",)]
     assert state.lr_factor == 0.25 and state.clip == 0.3 and state.interventions == 6
+    assert state.rewarm_from == 1240 - 50  # Adam reset: a fresh warmup from the checkpoint rolled back to
     assert state.skip_ranges[0] == [960, 1000 + 1 + s.skip_margin]
     # Far apart, incidents start over at the first level; without fp16 there is no scaler to reset.
     calm = State(level=3, last_incident_step=0, interventions=3)

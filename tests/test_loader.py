@@ -115,6 +115,10 @@ def test_state_from_another_layout_is_refused(shards):
 
 def test_validation_batches_cover_the_split_in_order(shards):
     assert [ids(b) for b in validation_batches(shards, "web", 3)] == [[0, 1, 2], [3, 4, 5], [6]]
+    # Over ranks: every rank the same number of sequences, disjoint, the remainder left out; `limit` first.
+    split = [[s for b in validation_batches(shards, "web", 2, rank=r, world_size=2) for s in ids(b)] for r in range(2)]
+    assert split == [[0, 2, 4], [1, 3, 5]]
+    assert [ids(b) for b in validation_batches(shards, "web", 2, rank=1, world_size=2, limit=5)] == [[1, 3]]
     with pytest.raises(ShardError, match="no split 'books'"):
         TokenShards(shards, "books")
 

@@ -166,7 +166,6 @@ class State:
     lr_factor: float = 1.0
     clip: float | None = None  # None: the configured clip
     rewarm_from: int | None = None  # optimizer reset: a fresh warmup from this step
-    last_step_seen: int = 0  # the newest step whose metrics were observed (a restart re-observes none twice)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -212,8 +211,10 @@ def decide(state: State, incident: Incident, s: AutopilotConfig, fp16: bool) -> 
     return Decision(incident, actions, why)
 
 
-def apply_to_state(state: State, decision: Decision, s: AutopilotConfig, batch_from: int, batch_incident: int) -> None:
-    """The state after the decision: skip ranges, LR factor, clip, warmup restart, counters."""
+def apply_to_state(state: State, decision: Decision, s: AutopilotConfig, target_step: int, batch_from: int,
+                   batch_incident: int) -> None:
+    """The state after the decision, rolling back to `target_step` whose data position is global batch
+    `batch_from`: skip ranges, LR factor, clip, warmup restart, counters."""
     repeat = decision.incident.step - state.last_incident_step <= s.repeat_window
     state.level = (state.level + 1) if repeat else 1
     state.interventions += 1
@@ -224,6 +225,8 @@ def apply_to_state(state: State, decision: Decision, s: AutopilotConfig, batch_f
         state.lr_factor *= s.lr_factor
     if "lower_clip" in decision.actions:
         state.clip = s.clip_to
+    if "reset_optimizer" in decision.actions:
+        state.rewarm_from = target_step
 
 
 # --------------------------------------------------------------------------- the logbook and the saved state

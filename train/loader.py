@@ -144,14 +144,18 @@ class Loader:
         self.batches_per_epoch = len(self.shards) // global_batch
         if self.batches_per_epoch == 0:
             raise ShardError(f"{folder}: {len(self.shards)} sequences, fewer than one global batch of {global_batch}")
-        for start, end in skip_ranges:
-            if not 0 <= start < end:
-                raise ValueError(f"skip range ({start}, {end}): expected 0 <= start < end (end exclusive)")
-        self.skip_ranges = sorted((int(a), int(b)) for a, b in skip_ranges)
+        self.set_skip_ranges(skip_ranges)
         self._permutations: dict[int, Permutation] = {}
         self.position = 0  # the next global batch to consider
         if state is not None:
             self.load_state_dict(state)
+
+    def set_skip_ranges(self, skip_ranges: Sequence[tuple[int, int]]) -> None:
+        """The global batches to leave out, [start, end) each; the autopilot adds to them mid-run."""
+        for start, end in skip_ranges:
+            if not 0 <= start < end:
+                raise ValueError(f"skip range ({start}, {end}): expected 0 <= start < end (end exclusive)")
+        self.skip_ranges = sorted((int(a), int(b)) for a, b in skip_ranges)
 
     def _permutation(self, epoch: int) -> Permutation:
         if epoch not in self._permutations:
@@ -191,11 +195,20 @@ class Loader:
             if key in state and state[key] != mine[key]:
                 raise ValueError(f"loader state is for {key}={state[key]}, this loader has {key}={mine[key]}: "
                                  "resuming would not continue the same batches")
-        self.position = state["epoch"] * self.batches_per_epoch + state["step"]
+        self.position = self.position_of(state)
+
+    def position_of(self, state: dict) -> int:
+        """The global batch a saved state continues at."""
+        return state["epoch"] * self.batches_per_epoch + state["step"]
 
 
-def validation_batches(folder: str | Path, source: str, batch_size: int) -> Iterator[np.ndarray]:
-    """Every validation sequence of `source`, in order, in batches (the last one may be smaller)."""
+def validation_batches(folder: str | Path, source: str, batch_size: int, *, rank: int = 0, world_size: int = 1,
+                       limit: int | None = None) -> Iterator[np.ndarray]:
+    """The validation sequences of `source` (the first `limit`), in order, in batches (the last one may
+    be smaller). Over several ranks each takes every world_size-th one, and every rank the same number
+    (the remainder is left out), as collectives such as ZeRO-3's forward need."""
     shards = TokenShards(folder, source)
-    for first in range(0, len(shards), batch_size):
-        yield shards.rows(np.arange(first, min(first + batch_size, len(shards))))
+    n = len(shards) if limit is None else min(len(shards), limit)
+    mine = np.arange(rank, n // world_size * world_size, world_size)
+    for first in range(0, len(mine), batch_size):
+        yield shards.rows(mine[first:first + batch_size])

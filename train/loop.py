@@ -33,14 +33,14 @@ import torch.distributed as dist
 
 from pipelines.config import AutopilotConfig
 from train import autopilot, checkpoint
-from train.loader import Loader, TokenShards
+from train.loader import Loader, validation_batches
 from train.optim import Schedule, adamw, deepspeed_config
 
 log = logging.getLogger("train")
 
-# Dense peak TFLOP/s per device for MFU, by a substring of torch.cuda.get_device_name().
 FLUSH_SECONDS = 2.0  # rank 0 sends metrics to MLflow this often
 
+# Dense peak TFLOP/s per device for MFU, by a substring of torch.cuda.get_device_name().
 PEAK_TFLOPS = {"H200": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0}, "H100": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
                "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5}}
 
@@ -231,22 +231,19 @@ class MetricSink:
 
 
 def validation_losses(engine, shards_dir: str, sources: list[str], micro: int, max_batches: int, ctx: Context) -> dict:
-    """Mean loss per source over its first validation sequences, split evenly over the ranks
-    (every rank runs the same number of forwards, as ZeRO-3 needs)."""
+    """Mean loss per source over its first validation sequences, split evenly over the ranks."""
     engine.eval()
     out = {}
     with torch.no_grad():
         for source in sources:
-            shards = TokenShards(shards_dir, source)
-            n = min(len(shards), max_batches * micro * ctx.world) // ctx.world * ctx.world
-            if n == 0:
-                continue
-            mine = np.arange(ctx.rank, n, ctx.world)
-            total = 0.0
-            for first in range(0, len(mine), micro):
-                tokens = torch.from_numpy(shards.rows(mine[first:first + micro]).astype(np.int64)).to(ctx.device)
+            total, count = 0.0, 0
+            for rows in validation_batches(shards_dir, source, micro, rank=ctx.rank, world_size=ctx.world,
+                                           limit=max_batches * micro * ctx.world):
+                tokens = torch.from_numpy(rows.astype(np.int64)).to(ctx.device)
                 total += engine(tokens[:, :-1], tokens[:, 1:]).item() * len(tokens)
-            out[source] = all_mean([total / len(mine)])[0]
+                count += len(tokens)
+            if count:  # the same on every rank: each gets the same number of sequences
+                out[source] = all_mean([total / count])[0]
     engine.train()
     return out
 
@@ -414,8 +411,8 @@ def train_loop(config: dict) -> None:
                     logbook.append({"time": time.time(), "step": step, "kind": found.kind, "detail": found.detail,
                                     "actions": ["stop"], "why": decision.why})
                 break
-            step, loader, meta = intervene(engine, decision, pilot, settings, g, loader, schedule, config, ctx, logbook,
-                                           state_file, ckpt_dir)
+            step, meta = intervene(engine, decision, pilot, settings, g, loader, schedule, config, ctx, logbook,
+                                   state_file, ckpt_dir)
             detectors.rolled_back()
             faults.overflow_until = 0  # an injected overflow burst belongs to the steps that were undone
             if scaler is not None:
@@ -462,24 +459,22 @@ def apply_settings(engine, schedule: Schedule, pilot, config: dict) -> None:
 
 
 def intervene(engine, decision, pilot, settings, g: int, loader: Loader, schedule: Schedule, config: dict,
-              ctx: Context, logbook, state_file: Path, ckpt_dir: Path) -> tuple[int, Loader, dict]:
+              ctx: Context, logbook, state_file: Path, ckpt_dir: Path) -> tuple[int, dict]:
     """Roll back, skip, lower the LR or the clip, reset the scaler or Adam: the state is written first
-    (so a crash from here on neither loses nor repeats the intervention), then applied."""
+    (so a crash from here on neither loses nor repeats the intervention), then applied; the loader
+    continues from the target with the new skip ranges."""
     incident_step = decision.incident.step
     before = incident_step - 1 - settings.rollback_steps  # the update of step s - 1 shows in the loss of step s
 
     def healthy_before(meta: dict) -> bool:
         return meta.get("step", 10**18) < before and meta.get("health", {}).get("healthy", False)
 
-    candidates = [p for p in checkpoint.published(ckpt_dir) if healthy_before(checkpoint.read_meta(p) or {})]
-    target_meta = checkpoint.read_meta(candidates[0]) if candidates else None
+    metas = (checkpoint.read_meta(p) or {} for p in checkpoint.published(ckpt_dir))
+    target_meta = next((m for m in metas if healthy_before(m)), None)
     if target_meta is None:
         raise RuntimeError(f"autopilot: no healthy checkpoint before step {before} to roll back to")
     target_step = target_meta["step"]
-    batch_from = target_meta["loader"]["epoch"] * loader.batches_per_epoch + target_meta["loader"]["step"]
-    autopilot.apply_to_state(pilot, decision, settings, batch_from, g)
-    if "reset_optimizer" in decision.actions:
-        pilot.rewarm_from = target_step
+    autopilot.apply_to_state(pilot, decision, settings, target_step, loader.position_of(target_meta["loader"]), g)
     decided_at = time.time()
     if ctx.leader:
         autopilot.save_state(state_file, pilot, {"rolled_back_to": target_step, "decided_at": decided_at})
@@ -507,9 +502,9 @@ def intervene(engine, decision, pilot, settings, g: int, loader: Loader, schedul
         scaler.cur_scale = 2.0 ** 16
         scaler.cur_iter, scaler.last_overflow_iter = 0, -1
     apply_settings(engine, schedule, pilot, config)
-    loader = Loader(config["shards"], config["global_batch"], rank=ctx.rank, world_size=ctx.world, seed=config["seed"],
-                    skip_ranges=pilot.skip_ranges, state=meta["loader"])
-    return target_step, loader, meta
+    loader.set_skip_ranges(pilot.skip_ranges)
+    loader.load_state_dict(meta["loader"])
+    return target_step, meta
 
 
 def report_checkpoint(step: int, loss: float, path: Path, ctx: Context) -> None:
