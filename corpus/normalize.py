@@ -25,10 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import ftfy
-import pyarrow as pa
-
-from corpus.parts import (DOCUMENT_SCHEMA, Parts, check_read, check_written, iter_rows, parquet_bytes, parquet_files,
-                          row_group_ranges, run_tasks, task_bytes)
+from corpus.parts import (DOCUMENT_SCHEMA, DROPPED_SCHEMA, Parts, check_read, check_written, iter_rows, parquet_bytes,
+                          parquet_files, row_group_ranges, run_tasks, task_bytes)
 from pipelines.config import NormalizeConfig
 from pipelines.dag import StageContext, StageResult
 
@@ -121,8 +119,6 @@ def _one_pass(out: Normalized, config: NormalizeConfig) -> None:
 # --------------------------------------------------------------------------- the stage
 
 TASK_BYTES = 64 << 20  # of ingest's documents per task, at most
-
-DROPPED_SCHEMA = DOCUMENT_SCHEMA.append(pa.field("reason", pa.string()))  # the text as it came in
 
 
 def normalize_task(task: dict) -> dict:

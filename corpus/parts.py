@@ -22,6 +22,7 @@ import pyarrow.parquet as pq
 # design.md's documents contract: what ingest, normalize and dedup write to their output/.
 DOCUMENT_SCHEMA = pa.schema([("id", pa.string()), ("text", pa.string()), ("source", pa.string()),
                              ("subset", pa.string()), ("meta", pa.string())])
+DROPPED_SCHEMA = DOCUMENT_SCHEMA.append(pa.field("reason", pa.string()))  # a document set aside, and why
 
 GROUP_ROWS = 2048  # rows per Parquet row group at most (also what a reader holds at once) ...
 GROUP_BYTES = 32 << 20  # ... and about this many bytes of strings at most (books are megabytes each)

@@ -1,6 +1,6 @@
 """A small, deterministic sample corpus in the real on-disk formats of every OPT source.
 
-    python -m corpus.sample OUT [--seed N]
+    python -m corpus.sample OUT [--seed N] [--spiky-subset NAME]
 
 Nothing is downloaded: the text is generated from a fixed vocabulary with a seeded RNG, so
 the same seed gives the same bytes on every machine. The layout and formats are the real ones:
@@ -18,6 +18,11 @@ tests can check their counts against it: exact and near duplicates across source
 true word-5-gram Jaccard), messy whitespace, mojibake and HTML entities, Gutenberg licence
 boilerplate, malformed JSON lines, a document that is not UTF-8, and a truncated .zst file.
 Reddit threads span two monthly files, as real threads do.
+
+`--spiky-subset NAME` plants a subset built to destabilise training (the screen's honest check):
+one in six of the Pile subset NAME's documents carries a long run of one rare character, a
+different one per document (a thousand and more identical rare tokens: every position pushes
+the same embedding row, so a batch that holds some has a grad norm far above its neighbours').
 """
 
 from __future__ import annotations
@@ -156,6 +161,17 @@ def pile_text(rng: random.Random, subset: str, i: int) -> str:
     return prose(rng)
 
 
+SPIKY_EVERY = 6  # one in this many of the spiky subset's documents is spiky
+SPIKY_RUN = 1500  # characters in a spiky document's run
+
+
+def spiky(rng: random.Random, text: str) -> str:
+    """`text` with a run of one rare character (a CJK ideograph) in the middle, space-separated so
+    that a BPE cannot merge the run into a few long tokens: SPIKY_RUN identical rare tokens."""
+    cut = text.find(". ") + 2
+    return text[:cut] + " ".join([chr(rng.randint(0x4E00, 0x9FFF))] * SPIKY_RUN) + " " + text[cut:]
+
+
 def messy(rng: random.Random, text: str, kind: str) -> str:
     """Damage real dumps have: what normalize must repair without touching anything else."""
     if kind == "whitespace":
@@ -209,12 +225,15 @@ MALFORMED_JSONL = [
 ]
 
 
-def _pile(out: Path, seed: int, planted: _Planted, shared: dict) -> None:
+def _pile(out: Path, seed: int, planted: _Planted, shared: dict, spiky_subset: str | None) -> None:
     (out / "pile").mkdir()
     docs: list[dict] = []
     for subset in PILE_SUBSETS:
         for i in range(40 if subset in PILE_SUBSETS_KEPT_BY_OPT else 15):
             text = pile_text(_rng(seed, "pile", subset, i), subset, i)
+            if subset == spiky_subset and i % SPIKY_EVERY == 1:
+                text = spiky(_rng(seed, "spiky", i), text)
+                shared["spiky"].append(text)
             docs.append({"text": text, "meta": {"pile_set_name": subset}})
     # Text that breaks naive re-encoding: backslashes, quotes, JSON escapes, emoji, CJK, U+2028.
     docs.append({"text": 'Path C:\\new\\table, a "quoted" \\u0041 that is not an escape, \U0001f600 \u4e2d\u6587\u2028end\n',
@@ -229,6 +248,8 @@ def _pile(out: Path, seed: int, planted: _Planted, shared: dict) -> None:
     docs[11] = {"text": docs[11]["text"], "meta": {}}  # a record whose meta has no pile_set_name
     for idx, kind in ((5, "whitespace"), (7, "mojibake")):
         shared["messy"].append({"source": "pile", "index": idx, "kind": kind})
+    planted_spiky = set(shared["spiky"])  # those the defects above did not overwrite
+    shared["spiky"] = [d["text"] for d in docs if d["text"] in planted_spiky]
 
     half = len(docs) // 2
     parts = {"00.jsonl.zst": docs[:half], "01.jsonl.zst": docs[half:]}
@@ -397,8 +418,10 @@ def _ccnews(out: Path, seed: int, planted: _Planted, shared: dict) -> None:
         planted.file(f"ccnews/{year}.jsonl", documents=len(records), lines=len(lines))
 
 
-def write_sample(out: str | os.PathLike, seed: int = 0) -> dict:
+def write_sample(out: str | os.PathLike, seed: int = 0, spiky_subset: str | None = None) -> dict:
     """Write the sample corpus to `out` (atomically: a crash leaves no half corpus); returns PLANTED."""
+    if spiky_subset is not None and spiky_subset not in PILE_SUBSETS:
+        raise ValueError(f"--spiky-subset: {spiky_subset!r} is not a Pile subset; they are: {', '.join(PILE_SUBSETS)}")
     out = Path(out)
     if out.exists():
         raise FileExistsError(f"{out} exists; the sample corpus is written to a new folder")
@@ -411,8 +434,8 @@ def write_sample(out: str | os.PathLike, seed: int = 0) -> dict:
         borderline = mutate_to_below(_rng(seed, "borderline"), base, 0.95)  # J just under: must stay
         far = mutate(_rng(seed, "far"), base, changes=40)
         shared = {"base": base, "near": near, "borderline": borderline, "far": far, "messy": [], "pile_files": {},
-                  "pile_self_dup": prose(_rng(seed, "selfdup"), (4, 6)) + "\n"}
-        _pile(tmp, seed, planted, shared)
+                  "pile_self_dup": prose(_rng(seed, "selfdup"), (4, 6)) + "\n", "spiky": []}
+        _pile(tmp, seed, planted, shared, spiky_subset)
         _reddit(tmp, seed, planted)
         _books(tmp, seed, planted, shared)
         _stories(tmp, seed, planted, shared)
@@ -431,6 +454,9 @@ def write_sample(out: str | os.PathLike, seed: int = 0) -> dict:
              "jaccard": round(jaccard(base, far), 4)},
         ]
         planted.data["messy"] = shared["messy"]
+        if spiky_subset is not None:
+            planted.data["spiky"] = {"subset": spiky_subset, "documents": len(shared["spiky"]), "run": SPIKY_RUN,
+                                     "note": "each carries a run of one rare character (screen/ should drop the subset)"}
         (tmp / "PLANTED.json").write_text(json.dumps(planted.data, indent=2, sort_keys=True) + "\n")
         tmp.rename(out)
     except BaseException:
@@ -443,8 +469,13 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m corpus.sample", description="Write the sample corpus.")
     p.add_argument("out", help="a folder that does not exist yet")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--spiky-subset", metavar="NAME", help="make this Pile subset spiky (documents built to destabilise "
+                   "training), for the screen to catch")
     args = p.parse_args(argv)
-    planted = write_sample(args.out, args.seed)
+    try:
+        planted = write_sample(args.out, args.seed, args.spiky_subset)
+    except (ValueError, FileExistsError) as exc:
+        p.error(str(exc))
     total = sum(f["documents"] for f in planted["files"].values())
     print(f"wrote {len(planted['files'])} files, {total} documents, {len(planted['malformed'])} malformed lines to {args.out}")
     return 0

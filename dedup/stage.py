@@ -231,7 +231,7 @@ def run(ctx: StageContext) -> StageResult:
     partitions = max(1, -(-parquet_bytes(parts) // PARTITION_BYTES))
     work = ctx.folder / "work"
 
-    docs = ray.data.read_parquet(parts, columns=["id", "source", "text"])
+    docs = ray.data.read_parquet(parts).select_columns(["id", "source", "text"])  # projected into the read
     band_ds = docs.map_batches(band_rows, batch_format="pyarrow", batch_size=500,
                                fn_kwargs={"config": config, "bands": bands, "rows": rows, "partitions": partitions})
     band_ds.groupby("part").map_groups(candidate_pairs, batch_format="pyarrow").write_parquet(str(work / "pairs"))

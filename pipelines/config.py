@@ -139,17 +139,6 @@ class DedupConfig:
             raise ConfigError(f"{key}.bands", f"{self.bands} bands x {self.rows} rows needs more than num_perm={self.num_perm} permutations")
 
 
-@dataclass
-class ScreenConfig:
-    enabled: bool = True
-    proxy_model: str = "tiny"  # OPT screened at 1.3B
-    steps: int = 50
-    seeds: int = 2
-
-    def validate(self, key: str) -> None:
-        _at_least(self, key, 1, "steps", "seeds")
-
-
 TOKENIZER_FILES = ("vocab", "merges", "fairseq_dict")  # kind gpt2 reads these; paths resolved at load
 
 
@@ -173,6 +162,68 @@ class TokenizerConfig:
             for name in TOKENIZER_FILES:
                 if getattr(self, name) is not None:
                     raise ConfigError(f"{key}.{name}", f"only read when kind is 'gpt2' (kind is {self.kind!r})")
+
+
+@dataclass
+class ProxyConfig:
+    """The proxy model of the screen: every proxy run trains it with these settings (only the data and seed differ)."""
+
+    model: str = "tiny"  # OPT measured spikes at 1.3B
+    seq_len: int = 2048
+    global_batch_tokens: int | None = None  # None: the model's batch (OPT's Table 1)
+    lr: float | None = None  # None: the model's peak LR (Table 1); constant after warmup
+    warmup_steps: int = 10
+    micro_batch_size: int = 1
+    num_workers: int = 1  # Ray Train workers per proxy run
+    gpus_per_worker: int = 0
+    cpus_per_worker: float = 1.0
+    zero_stage: int = 0
+    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+
+    def validate(self, key: str) -> None:
+        _at_least(self, key, 1, "seq_len", "global_batch_tokens", "micro_batch_size", "num_workers")
+        _at_least(self, key, 0, "warmup_steps", "gpus_per_worker")
+        for name in ("cpus_per_worker", "lr"):
+            value = getattr(self, name)
+            if value is not None and value <= 0:
+                raise ConfigError(f"{key}.{name}", f"expected a positive number, got {value}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"{key}.zero_stage", f"expected 0, 1, 2 or 3, got {self.zero_stage}")
+        if self.precision == "fp16" and self.gpus_per_worker == 0:
+            raise ConfigError(f"{key}.precision", "fp16 needs GPUs (DeepSpeed has no fp16 on CPU): use fp32 or bf16")
+        check_batch(key, self.model, self.global_batch_tokens, self.seq_len, self.micro_batch_size, self.num_workers)
+
+
+@dataclass
+class ScreenConfig:
+    """The subset screen (screen/): proxy runs per subset, spike scores, the drop rule (screen/score.py)."""
+
+    enabled: bool = True  # false: every document passes, no proxy runs
+    sources: list[str] | None = None  # whose subsets are screened; None: every source of format pile (as OPT)
+    subsets: list[str] | None = None  # None: every subset of `sources` that reaches the screen
+    steps: int = 100  # per proxy run
+    seeds: int = 3  # proxy runs per mixture (seed, seed + 1, ...)
+    seed: int = 0  # also the sample's
+    upweight: float = 0.3  # the candidate subset's share of its mixture's tokens
+    window: int = 9  # steps around each step whose median is its reference
+    spike_ratio: float = 0.25  # a step this far above its reference is counted as a spike
+    burn_in: int = 10  # first steps not scored
+    margin: float = 15.0  # score points above the baseline's mean before a subset is dropped ...
+    sigmas: float = 3.0  # ... and at least this many of the baseline's standard deviations over seeds
+    concurrent_runs: int = 2  # Ray Train jobs of proxy runs at a time
+    runs_per_job: int = 1  # proxy runs per Ray Train job, one after another (a laptop: several; a job starts in seconds)
+    proxy: ProxyConfig = field(default_factory=ProxyConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)  # the proxy runs' (set it as tokenize's)
+
+    def validate(self, key: str) -> None:
+        _at_least(self, key, 1, "seeds", "window", "concurrent_runs", "runs_per_job")
+        _at_least(self, key, 0, "burn_in", "margin", "sigmas", "spike_ratio")
+        if self.steps < self.burn_in + 2:
+            raise ConfigError(f"{key}.steps", f"expected at least burn_in + 2 = {self.burn_in + 2} steps, got {self.steps}")
+        if not 0.0 < self.upweight < 1.0:
+            raise ConfigError(f"{key}.upweight", f"expected a fraction in (0, 1), got {self.upweight}")
+        if self.subsets == []:
+            raise ConfigError(f"{key}.subsets", "expected at least one subset (or leave it out: every subset of `sources`)")
 
 
 @dataclass
@@ -260,7 +311,7 @@ class TrainConfig:
     max_steps: int | None = None  # None: total_tokens' worth of steps
     grad_clip: float = 1.0
     activation_checkpointing: bool = False
-    checkpoint_every: int = 100  # steps
+    checkpoint_every: int = 100  # steps (0: never, for throwaway runs such as the screen's proxies)
     keep_checkpoints: int = 3  # the last K ...
     keep_healthy: int = 5  # ... plus the newest H marked healthy (the autopilot's rollback targets)
     eval_every: int = 100  # steps between validation losses per source (0: only at the end)
@@ -273,9 +324,9 @@ class TrainConfig:
     autopilot: AutopilotConfig = field(default_factory=AutopilotConfig)
 
     def validate(self, key: str) -> None:
-        _at_least(self, key, 1, "num_workers", "micro_batch_size", "checkpoint_every", "max_steps", "global_batch_tokens",
+        _at_least(self, key, 1, "num_workers", "micro_batch_size", "max_steps", "global_batch_tokens",
                   "keep_checkpoints", "eval_batches")
-        _at_least(self, key, 0, "gpus_per_worker", "warmup_tokens", "eval_every", "max_failures", "weight_decay",
+        _at_least(self, key, 0, "checkpoint_every", "gpus_per_worker", "warmup_tokens", "eval_every", "max_failures", "weight_decay",
                   "keep_healthy")
         if self.zero_stage not in (0, 1, 2, 3):
             raise ConfigError(f"{key}.zero_stage", f"expected 0, 1, 2 or 3, got {self.zero_stage}")
@@ -320,17 +371,27 @@ class PipelineConfig:
                 raise ConfigError(f"sources[{i}].name", f"duplicate source name {n!r}")
         if not self.sources:
             raise ConfigError("sources", "expected at least one source")
-        from model.configs import CONFIGS
-
+        for i, source in enumerate(self.screen.sources or []):
+            if source not in names:
+                raise ConfigError(f"screen.sources[{i}]", f"expected the name of a source ({', '.join(names)}), got {source!r}")
         train = self.train
-        if train.model not in CONFIGS:
-            raise ConfigError("train.model", f"expected one of {', '.join(CONFIGS)}, got {train.model!r}")
-        batch_tokens = train.global_batch_tokens or CONFIGS[train.model].batch_tokens
-        sequences = batch_tokens // self.tokenize.seq_len
-        if sequences == 0 or sequences % (train.micro_batch_size * train.num_workers):
-            raise ConfigError("train.global_batch_tokens", f"{batch_tokens} tokens are {sequences} sequences of "
-                              f"tokenize.seq_len={self.tokenize.seq_len}: not a multiple of micro_batch_size x num_workers = "
-                              f"{train.micro_batch_size * train.num_workers}")
+        check_batch("train", train.model, train.global_batch_tokens, self.tokenize.seq_len, train.micro_batch_size,
+                    train.num_workers, seq_len_key="tokenize.seq_len")
+
+
+def check_batch(key: str, model: str, batch_tokens: int | None, seq_len: int, micro: int, workers: int,
+                seq_len_key: str | None = None) -> None:
+    """The model exists, and its global batch splits into micro-batches on every worker."""
+    from model.configs import CONFIGS
+
+    if model not in CONFIGS:
+        raise ConfigError(f"{key}.model", f"expected one of {', '.join(CONFIGS)}, got {model!r}")
+    batch_tokens = batch_tokens or CONFIGS[model].batch_tokens
+    sequences = batch_tokens // seq_len
+    if sequences == 0 or sequences % (micro * workers):
+        raise ConfigError(f"{key}.global_batch_tokens", f"{batch_tokens} tokens are {sequences} sequences of "
+                          f"{seq_len_key or key + '.seq_len'}={seq_len}: not a multiple of micro_batch_size x num_workers = "
+                          f"{micro * workers}")
 
 
 # --------------------------------------------------------------------------- loading
@@ -538,22 +599,27 @@ def _resolve_paths(config: PipelineConfig) -> PipelineConfig:
         config.sample_corpus = os.path.abspath(config.sample_corpus)
     for source in config.sources:
         source.paths = [os.path.abspath(os.path.expanduser(p)) for p in source.paths]
-    tok = config.tokenize.tokenizer
-    for name in TOKENIZER_FILES:
-        path = getattr(tok, name)
-        setattr(tok, name, os.path.abspath(os.path.expanduser(path)) if path else None)
+    for _, tok in tokenizers_of(config):
+        for name in TOKENIZER_FILES:
+            path = getattr(tok, name)
+            setattr(tok, name, os.path.abspath(os.path.expanduser(path)) if path else None)
     if config.train.storage is not None:
         config.train.storage = os.path.abspath(os.path.expanduser(config.train.storage))
     return config
 
 
+def tokenizers_of(config: PipelineConfig) -> list[tuple[str, TokenizerConfig]]:
+    """Every tokenizer section, by its dotted key."""
+    return [("tokenize.tokenizer", config.tokenize.tokenizer), ("screen.tokenizer", config.screen.tokenizer)]
+
+
 def check_inputs_exist(config: PipelineConfig) -> None:
     """Every input file named in the config must exist: checked before any stage starts."""
-    tok = config.tokenize.tokenizer
-    for name in TOKENIZER_FILES:
-        path = getattr(tok, name)
-        if path is not None and not os.path.isfile(path):
-            raise ConfigError(f"tokenize.tokenizer.{name}", f"file {path!r} does not exist")
+    for key, tok in tokenizers_of(config):
+        for name in TOKENIZER_FILES:
+            path = getattr(tok, name)
+            if path is not None and not os.path.isfile(path):
+                raise ConfigError(f"{key}.{name}", f"file {path!r} does not exist")
     for i, source in enumerate(config.sources):
         for j, pattern in enumerate(source.paths):
             if not any(os.path.isfile(p) for p in glob.glob(pattern)):

@@ -108,10 +108,9 @@ class Stage:
     name: str
     inputs: tuple[str, ...]
     section: str | tuple[str, ...]  # the config section(s) whose values are part of the fingerprint
-    run: Callable[[StageContext], StageResult] | None  # None: not built yet
+    run: Callable[[StageContext], StageResult]
     code: tuple[str, ...] = ()  # modules whose source text is the stage's code version
     external: Callable[[PipelineConfig], Any] | None = None  # identity of files read from outside the workdir
-    issue: int | None = None  # the issue that builds it, while run is None
     resumable: bool = False  # a rerun after an unfinished attempt continues it (its MLflow run; the stage its own state)
 
 
@@ -120,21 +119,21 @@ class Tracker(Protocol):
 
     def stage(self, name: str, params: dict, tags: dict, resume_run_id: str | None = None) -> Any: ...
     def log_metrics(self, metrics: dict[str, float]) -> None: ...
+    def set_tag(self, key: str, value: str) -> None: ...
 
 
 @dataclass
 class Plan:
-    actions: dict[str, str]  # stage -> run | cached | not built | not selected
+    actions: dict[str, str]  # stage -> run | cached | not selected
     fingerprints: dict[str, str]
 
 
 @dataclass
 class StageOutcome:
     stage: str
-    status: str  # ran | cached | not built | not selected | blocked
+    status: str  # ran | cached
     fingerprint: str
-    manifest: dict | None = None
-    note: str = ""
+    manifest: dict
 
 
 def code_version(modules: tuple[str, ...]) -> str:
@@ -174,8 +173,8 @@ def check_dag(stages: list[Stage]) -> None:
         seen.add(stage.name)
 
 
-def select(stages: list[Stage], only: list[str] | None, from_: str | None) -> tuple[list[str], bool]:
-    """The stages asked for, and whether they were named explicitly (--only/--from)."""
+def select(stages: list[Stage], only: list[str] | None, from_: str | None) -> list[str]:
+    """The stages asked for (all of them without --only/--from)."""
     names = [s.name for s in stages]
     if only and from_:
         raise UsageError("--only and --from cannot be used together")
@@ -183,10 +182,10 @@ def select(stages: list[Stage], only: list[str] | None, from_: str | None) -> tu
         if name not in names:
             raise UsageError(f"unknown stage {name!r}; stages are: {', '.join(names)}")
     if only:
-        return [n for n in names if n in only], True
+        return [n for n in names if n in only]
     if from_:
-        return names[names.index(from_):], True
-    return names, False
+        return names[names.index(from_):]
+    return names
 
 
 class Workdir:
@@ -279,19 +278,12 @@ class Runner:
 
     def plan(self, only: list[str] | None = None, from_: str | None = None, force: bool = False) -> Plan:
         """What each stage will do; raises UsageError for a selection that cannot run. No side effects."""
-        selected, explicit = select(self.stages, only, from_)
-        by_name = {s.name: s for s in self.stages}
-        if explicit:
-            unbuilt = [n for n in selected if by_name[n].run is None]
-            if unbuilt:
-                raise UsageError(", ".join(f"stage '{n}' is not built yet (issue #{by_name[n].issue})" for n in unbuilt))
+        selected = select(self.stages, only, from_)
         prints = fingerprints(self.config, self.stages)
         actions: dict[str, str] = {}
         for stage in self.stages:
             if stage.name not in selected:
                 actions[stage.name] = "not selected"
-            elif stage.run is None:
-                actions[stage.name] = "not built"
             elif not force and self.workdir.completed(stage.name, prints[stage.name]) is not None:
                 actions[stage.name] = "cached"
             else:
@@ -318,13 +310,6 @@ class Runner:
                 manifest = self.workdir.completed(stage.name, fp)
                 if manifest is not None:
                     available[stage.name] = manifest
-                continue
-            if action == "not built":
-                outcomes.append(StageOutcome(stage.name, "not built", fp, note=f"issue #{stage.issue}"))
-                continue
-            blocked = [i for i in stage.inputs if i not in available]
-            if blocked:
-                outcomes.append(StageOutcome(stage.name, "blocked", fp, note=f"needs {', '.join(blocked)}"))
                 continue
             inputs = {i: available[i] for i in stage.inputs}
             if action == "cached":
@@ -359,7 +344,7 @@ class Runner:
             with tracker.stage(
                 stage.name,
                 params=config_section,
-                tags={"stage": stage.name, "fingerprint": fp, "cache_hit": "false"},
+                tags={"stage": stage.name, "fingerprint": fp, "cache_hit": "false"},  # + "counts" when done
                 resume_run_id=resume,
             ) as run_id:
                 try:
@@ -380,6 +365,7 @@ class Runner:
                 if seconds > 0:
                     metrics["rows_per_second"] = result.rows_in / seconds
                 tracker.log_metrics(metrics)
+                tracker.set_tag("counts", ",".join(counts))  # which metrics are row counts (pipelines/compare.py)
                 manifest = {
                     "stage": stage.name,
                     "fingerprint": fp,
@@ -416,6 +402,7 @@ class Runner:
                 "fingerprint": manifest["fingerprint"],
                 "cache_hit": "true",
                 "cached_from_run": str(manifest.get("mlflow_run_id")),
+                "counts": ",".join(manifest["counts"]),
             },
         ):
             tracker.log_metrics({**manifest["counts"], **manifest.get("metrics", {})})
@@ -437,7 +424,6 @@ def _check_result(stage: str, result: Any) -> None:
 
 def iter_outcomes_table(outcomes: list[StageOutcome]) -> Iterator[str]:
     for o in outcomes:
-        where = o.manifest["output"] if o.manifest else o.note
-        counts = " ".join(f"{k}={v}" for k, v in (o.manifest or {}).get("counts", {}).items())
-        yield f"  {o.stage:<10} {o.status:<10} {counts:<40} {where}"
+        counts = " ".join(f"{k}={v}" for k, v in o.manifest["counts"].items())
+        yield f"  {o.stage:<10} {o.status:<10} {counts:<40} {o.manifest['output']}"
 

@@ -10,6 +10,7 @@ Exit codes: 0 done; 2 bad config or arguments (one line naming the key); 1 a sta
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import subprocess
 import sys
@@ -21,6 +22,10 @@ if __package__ in (None, ""):  # run as a script: make the project importable wi
 from pipelines.config import ConfigError, PipelineConfig, check_inputs_exist, load_config
 from pipelines.dag import Runner, Stage, StageFailed, UsageError, iter_outcomes_table
 from pipelines.stages import STAGES
+from pipelines.tracking import flatten
+
+
+MAX_TAG = 5000  # characters of an MLflow tag value (its limit is 8000)
 
 
 class _Parser(argparse.ArgumentParser):
@@ -38,6 +43,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--force", action="store_true", help="ignore the cache for the selected stages")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set dedup.threshold=0.9 (repeatable)")
+    p.add_argument("--ablation", metavar="NAME", help="name this run's data ablation: its MLflow runs are tagged with the "
+                   "name and its differences from the config file (default: 'base' without --set, else the --set list); "
+                   "compare ablations with pipelines/compare.py")
     return p.parse_args(argv)
 
 
@@ -49,13 +57,14 @@ def main(argv: list[str] | None = None, stages: tuple[Stage, ...] = STAGES) -> i
     only = [s.strip() for s in args.only.split(",") if s.strip()] if args.only else None
     try:
         config = load_config(args.config, args.overrides, args.workdir)
+        ablation = ablation_tags(args, config)
         if config.sample_corpus and not os.path.isdir(config.sample_corpus):
             from corpus.sample import write_sample
 
             print(f"generating the sample corpus in {config.sample_corpus}")
             write_sample(config.sample_corpus)
         check_inputs_exist(config)
-        return run(config, args, only, list(stages))
+        return run(config, args, only, list(stages), ablation)
     except (ConfigError, UsageError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -64,7 +73,18 @@ def main(argv: list[str] | None = None, stages: tuple[Stage, ...] = STAGES) -> i
         return 1
 
 
-def run(config: PipelineConfig, args: argparse.Namespace, only: list[str] | None, stages: list[Stage]) -> int:
+def ablation_tags(args: argparse.Namespace, config: PipelineConfig) -> dict[str, str]:
+    """{"ablation": name, "ablation.diff": "key: base -> this; ..."}: what this run changes in the config file."""
+    base = flatten(dataclasses.asdict(load_config(args.config, [], args.workdir)))
+    this = flatten(dataclasses.asdict(config))
+    diff = [f"{k}: {base.get(k, '(none)')} -> {v}" for k, v in this.items() if base.get(k) != v]
+    diff += [f"{k}: {v} -> (none)" for k, v in base.items() if k not in this]
+    name = args.ablation or ("base" if not diff else " ".join(args.overrides))
+    return {"ablation": name, "ablation.diff": ("; ".join(diff) or "(none)")[:MAX_TAG]}
+
+
+def run(config: PipelineConfig, args: argparse.Namespace, only: list[str] | None, stages: list[Stage],
+        ablation: dict[str, str]) -> int:
     from pipelines.engines import start_ray
     from pipelines.tracking import MlflowTracker
 
@@ -73,11 +93,11 @@ def run(config: PipelineConfig, args: argparse.Namespace, only: list[str] | None
     plan = runner.plan(only, args.from_, args.force)  # a bad selection fails here, before any run
     os.makedirs(config.workdir, exist_ok=True)
     tracker = MlflowTracker(config.mlflow.tracking_uri, config.mlflow.experiment,
-                            artifact_location=Path(config.workdir, "mlartifacts").as_uri())
+                            artifact_location=Path(config.workdir, "mlartifacts").as_uri(), tags=ablation)
     params = {"config": args.config or "configs/local.yaml", "workdir": config.workdir,
               "only": args.only, "from": args.from_, "force": args.force, "set": args.overrides}
     try:
-        with tracker.pipeline(config.name, params=params, tags=_pipeline_tags(config)) as parent:
+        with tracker.pipeline(f"{config.name} [{ablation['ablation']}]", params=params, tags=_pipeline_tags(config)) as parent:
             outcomes = runner.execute(plan, tracker)
     finally:
         if any(ray_started):
@@ -87,11 +107,10 @@ def run(config: PipelineConfig, args: argparse.Namespace, only: list[str] | None
     print(f"\npipeline '{config.name}' finished; workdir {config.workdir}")
     for line in iter_outcomes_table(outcomes):
         print(line)
-    not_built = [o.stage for o in outcomes if o.status in ("not built", "blocked")]
-    if not_built:
-        print(f"  not run (not built yet, or waiting on a stage that is not): {', '.join(not_built)}")
     print(f"\nMLflow: experiment '{config.mlflow.experiment}', run {parent}, store {config.mlflow.tracking_uri}")
     print(f"  look at it with: mlflow ui --backend-store-uri {config.mlflow.tracking_uri}")
+    print(f"  ablation '{ablation['ablation']}'; compare ablations with: python pipelines/compare.py"
+          + (f" --config {args.config}" if args.config else ""))
     return 0
 
 

@@ -42,11 +42,13 @@ def flatten(data: Any, prefix: str = "") -> dict[str, str]:
 
 
 class MlflowTracker:
-    def __init__(self, tracking_uri: str, experiment: str, artifact_location: str | None = None):
+    def __init__(self, tracking_uri: str, experiment: str, artifact_location: str | None = None,
+                 tags: dict[str, str] | None = None):
         for name in ("mlflow", "alembic"):  # "creating database tables..." on every new store
             logging.getLogger(name).setLevel(logging.WARNING)
         self.client = MlflowClient(tracking_uri)
         self.experiment_id = self._experiment(experiment, artifact_location)
+        self.tags = dict(tags or {})  # on every run this tracker creates (the ablation's name and diff)
         self.parent_id: str | None = None
         self._run_id: str | None = None  # the run metrics go to: the stage's, else the parent's
 
@@ -72,7 +74,7 @@ class MlflowTracker:
             if self.parent_id is not None:
                 self.client.set_tag(run_id, f"resumed_by.{resumes}", self.parent_id)
         else:
-            run_tags = dict(tags)
+            run_tags = {**self.tags, **tags}
             if self.parent_id is not None:
                 run_tags["mlflow.parentRunId"] = self.parent_id
             run = self.client.create_run(self.experiment_id, run_name=name, tags=run_tags)
@@ -114,3 +116,6 @@ class MlflowTracker:
         items = [Metric(metric_name(k), float(v), now, step) for k, v in metrics.items() if v is not None]
         for i in range(0, len(items), BATCH):
             self.client.log_batch(self._run_id, metrics=items[i : i + BATCH])
+
+    def set_tag(self, key: str, value: str) -> None:
+        self.client.set_tag(self._run_id, key, value)

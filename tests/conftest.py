@@ -49,11 +49,18 @@ sources:
   - {{name: stories,    format: text,      paths: ["{s}/stories/*.txt"]}}
   - {{name: ccnews,     format: jsonl,     paths: ["{s}/ccnews/*.jsonl"], text_field: text, id_field: id}}
 normalize: {{min_chars: 20}}
+screen: {{sources: [pile], steps: 60, seeds: 2, margin: 15.0, concurrent_runs: 2, runs_per_job: 9,
+          proxy: {{model: tiny, seq_len: 64, global_batch_tokens: 2048, micro_batch_size: 32, lr: 1.0e-3, warmup_steps: 10,
+                  num_workers: 1, cpus_per_worker: 1, zero_stage: 0}},
+          tokenizer: {{kind: train, vocab_size: 4096}}}}
 tokenize: {{seq_len: 64, validation_fraction: 0.05, tokenizer: {{kind: train, vocab_size: 1024}}}}
 train: {{model: tiny, num_workers: 2, cpus_per_worker: 0.5, zero_stage: 2, precision: fp32, micro_batch_size: 4,
          global_batch_tokens: 1024, lr: 3.0e-3, warmup_tokens: 5120, total_tokens: 100000, max_steps: 30,
          checkpoint_every: 10, eval_every: 10, eval_batches: 2}}
 """
+
+
+SPIKY = "HackerNews"  # the subset sample_run plants spiky
 
 
 def manifest(workdir: Path, stage: str) -> dict:
@@ -70,12 +77,13 @@ def stage_folder(workdir: Path, stage: str) -> Path:
 
 @pytest.fixture(scope="session")
 def sample_run(tmp_path_factory, ray_session):
-    """(sample folder, what the sample planted, workdir) after `full.py` over the sample corpus."""
+    """(sample folder, what the sample planted, workdir) after `full.py` over the sample corpus, whose
+    HackerNews subset is planted spiky (the screen drops it; the config is configs/local.yaml's screen)."""
     from corpus.sample import write_sample
     from pipelines.full import main
 
     root = tmp_path_factory.mktemp("corpus")
-    planted = write_sample(root / "sample")
+    planted = write_sample(root / "sample", spiky_subset=SPIKY)
     cfg = write_config(root, f"workdir: {root}/work\n" + SAMPLE_SOURCES.format(s=root / "sample"), name="sample")
     assert main(["--config", str(cfg)]) == 0
     return root / "sample", planted, root / "work"

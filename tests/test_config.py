@@ -167,7 +167,6 @@ def test_cli_exits_2_with_one_line_for_each_kind_of_mistake(cfg, capsys, tmp_pat
         (["--config", str(tmp_path / "nope.yaml")], "does not exist"),
         (["--config", str(cfg()), "--only", "dedupe"], "unknown stage 'dedupe'; stages are: ingest, normalize, dedup"),
         (["--config", str(cfg()), "--only", "dedup", "--from", "ingest"], "--only and --from cannot be used together"),
-        (["--config", str(cfg()), "--only", "screen"], "stage 'screen' is not built yet (issue #9)"),
         (["--bogus"], "unrecognized arguments: --bogus"),
     ]
     for argv, message in cases:

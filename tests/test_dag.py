@@ -190,16 +190,6 @@ def test_counts_that_do_not_add_up_fail_the_stage(project, capsys):
     assert not (project.workdir / "normalize" / "manifest.json").exists()
 
 
-def test_unbuilt_stage_is_refused_by_name_and_skipped_by_default(project, capsys):
-    stages = list(mini_stages())
-    stages[3] = Stage("report", ("dedup",), "tokenize", None, issue=99)
-    assert project("--only", "report", stages=tuple(stages)) == 2
-    assert "stage 'report' is not built yet (issue #99)" in capsys.readouterr().err
-    assert project(stages=tuple(stages)) == 0
-    out = capsys.readouterr().out
-    assert "[dedup] done" in out and "not run (not built yet" in out and "report" in out.split("not run")[1]
-
-
 def test_code_change_changes_fingerprint_of_the_stage_and_downstream(tmp_path, monkeypatch):
     (tmp_path / "raw").mkdir()
     (tmp_path / "raw" / "a.jsonl").write_text('{"text": "x"}\n')

@@ -169,3 +169,32 @@ def test_default_command_generates_the_sample_and_reruns_from_cache(tmp_path):
     assert second.returncode == 0, second.stderr
     assert "generating" not in second.stdout and "running" not in second.stdout
     assert time.perf_counter() - t0 < 60  # seconds, not a recompute (a generous bound for a loaded CI machine)
+
+
+def test_a_spiky_subset_is_planted_only_where_asked(tmp_path, sample):
+    out, _ = sample
+    planted = write_sample(tmp_path / "spiky", spiky_subset="HackerNews")
+    assert "spiky" not in json.loads((out / "PLANTED.json").read_text())
+
+    def pile_docs(folder: Path) -> list[dict]:
+        out = []
+        for name in ("00.jsonl.zst", "01.jsonl.zst"):
+            with zstandard.ZstdDecompressor().stream_reader(open(folder / "pile" / name, "rb")) as r:
+                for line in io.TextIOWrapper(r, encoding="utf-8", errors="replace"):
+                    try:
+                        out.append(json.loads(line))
+                    except json.JSONDecodeError:
+                        pass  # the planted malformed lines
+        return out
+
+    def has_run(text: str) -> bool:
+        words = text.split()
+        return any(len(w) == 1 and ord(w) > 0x4DFF and words.count(w) >= 1000 for w in set(words))
+
+    spiky = [d for d in pile_docs(tmp_path / "spiky") if has_run(d["text"])]
+    assert len(spiky) == planted["spiky"]["documents"] >= 5
+    assert {d["meta"]["pile_set_name"] for d in spiky} == {"HackerNews"}
+    assert not any(has_run(d["text"]) for d in pile_docs(out))
+    proc = subprocess.run([sys.executable, "-m", "corpus.sample", str(tmp_path / "x"), "--spiky-subset", "Nope"],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 2 and "'Nope' is not a Pile subset" in proc.stderr

@@ -11,9 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import manifest, rows
+from conftest import SPIKY, manifest, rows
+
 from corpus import tokenize, tokenizer
-from pipelines.config import TokenizerConfig, load_config
+from pipelines.config import OPT_PILE_SUBSETS, TokenizerConfig, load_config
 from pipelines.dag import StageContext
 from test_tokenizer import write_gpt2_files
 from train.loader import TokenShards
@@ -43,7 +44,7 @@ def tokenized(sample_run):
     index = json.loads((out / "index.json").read_text())
     tok = tokenizer.load(str(out / "tokenizer.json"))
     # Each kept document encoded here, independently of the stage: encode(text.rstrip()) + [</s>].
-    docs = rows(Path(manifest(wd, "dedup")["output"]))
+    docs = rows(Path(manifest(wd, "screen")["output"]))
     encoded = {(d["source"], d["id"]): tuple(tok.encode(d["text"].rstrip(), add_special_tokens=False).ids) + (EOS,)
                for d in docs}
     return wd, out, index, encoded, {(d["source"], d["id"]): d for d in docs}
@@ -74,7 +75,7 @@ def test_every_document_is_packed_once_or_named_in_a_dropped_tail(tokenized):
     assert sorted(seen) == sorted(encoded)  # each kept document exactly once, in train or in validation
     assert sum(len(t) for t in encoded.values()) == sum(s["tokens"] for _, s in splits)
     counts = manifest(wd, "tokenize")["counts"]
-    assert counts["rows_in"] == counts["rows_out"] == len(encoded) == manifest(wd, "dedup")["counts"]["rows_out"]
+    assert counts["rows_in"] == counts["rows_out"] == len(encoded) == manifest(wd, "screen")["counts"]["rows_out"]
 
 
 def test_token_counts_per_source_and_subset(tokenized):
@@ -97,7 +98,7 @@ def test_token_counts_per_source_and_subset(tokenized):
         for subset, c in split["by_subset"].items():
             got_subset[(source, subset)] += c["tokens"]
     assert got == expected and got_subset == expected_subset
-    assert len(index["train"]["by_subset"]["pile"]) == 8  # OPT's kept Pile subsets, each counted
+    assert set(index["train"]["by_subset"]["pile"]) == set(OPT_PILE_SUBSETS) - {SPIKY}  # each counted; the screen dropped one
 
 
 def test_validation_is_held_out_per_source_in_proportion(tokenized):
@@ -126,16 +127,16 @@ def test_shards_are_fixed_size_rows_the_loader_maps(tokenized):
 
 
 def run_stage(sample_run, tmp_path, **changes) -> tuple[Path, dict]:
-    """The tokenize stage alone, into tmp_path, on the sample's dedup output, with config changes."""
+    """The tokenize stage alone, into tmp_path, on the sample's screened documents, with config changes."""
     sample, _, wd = sample_run
     tmp_path.mkdir(parents=True)
     config = load_config(sample.parent / "sample.yaml")
     for key, value in changes.items():
         setattr(config.tokenize, key, value)
-    ctx = StageContext("tokenize", config, config.tokenize, {"dedup": manifest(wd, "dedup")}, tmp_path,
+    ctx = StageContext("tokenize", config, config.tokenize, {"screen": manifest(wd, "screen")}, tmp_path,
                        logging.getLogger("test"), "")
     result = tokenize.run(ctx)
-    assert result.rows_in == result.rows_out == manifest(wd, "dedup")["counts"]["rows_out"]
+    assert result.rows_in == result.rows_out == manifest(wd, "screen")["counts"]["rows_out"]
     assert not (tmp_path / "streams").exists() and not (tmp_path / "encoded").exists()  # scratch removed
     return ctx.output, json.loads((ctx.output / "index.json").read_text())
 

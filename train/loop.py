@@ -291,6 +291,9 @@ def train_loop(config: dict) -> None:
         config=deepspeed_config(micro_batch=config["micro_batch"], accumulation=config["accumulation"],
                                 world_size=ctx.world, zero_stage=config["zero_stage"], precision=config["precision"],
                                 grad_clip=config["grad_clip"]))
+    # DeepSpeed reports the pre-clip grad norm from its ZeRO and mixed-precision optimizers only.
+    own_grad_norm = config["zero_stage"] == 0 and config["precision"] == "fp32"
+    grad_norm = None
     schedule = Schedule(config["lr"], config["warmup_steps"], config["total_steps"], config["final_lr_ratio"])
     settings = AutopilotConfig(**config["autopilot"])
     # Without fp16 there is no loss scale to collapse; when overflows are injected, a simulated one.
@@ -375,10 +378,13 @@ def train_loop(config: dict) -> None:
             if effects.get("overflow"):
                 micro_loss = micro_loss * 1e38  # the gradients overflow; the loss itself was fine
             engine.backward(micro_loss)
+            if own_grad_norm and engine.is_gradient_accumulation_boundary():
+                grad_norm = gradient_norm(model)  # all-reduced by backward at the boundary, before the clip
             engine.step()  # the optimizer steps at the last micro-batch (gradient_accumulation_steps)
         step += 1
-        grad_norm = engine.get_global_grad_norm()
-        grad_norm = None if grad_norm is None else float(grad_norm)
+        if not own_grad_norm:
+            grad_norm = engine.get_global_grad_norm()
+            grad_norm = None if grad_norm is None else float(grad_norm)
         loss, act_norm = all_mean([float(np.mean(losses)), float(model.last_activation_norm)])
         seconds = time.perf_counter() - t0
         watchdog.beat(step)
@@ -429,7 +435,7 @@ def train_loop(config: dict) -> None:
             if ctx.leader and val:
                 sink.log(step, {f"val_loss.{s}": v for s, v in val.items()} | {"val_loss": float(np.mean(list(val.values())))})
             watchdog.beat(step)
-        if step % config["checkpoint_every"] == 0 or step == config["max_steps"]:
+        if config["checkpoint_every"] and (step % config["checkpoint_every"] == 0 or step == config["max_steps"]):
             healthy = clean_steps >= min(settings.window, step) and not (fp16 and current_scale() < settings.scale_floor) \
                 and not detectors.trending_up()
             path = save(step, healthy)
@@ -437,11 +443,17 @@ def train_loop(config: dict) -> None:
             report_checkpoint(step, loss, path, ctx)
 
     watchdog.stop()
-    if stopped is None:
+    if stopped is None and config["export_dir"]:
         export(engine, model, config, ctx)
     if ctx.leader:
         (ctx.run_dir / "summary.json").write_text(json.dumps({"steps": step, "final_loss": loss, "stopped": stopped}))
         sink.close()
+
+
+def gradient_norm(model: torch.nn.Module) -> float:
+    """The L2 norm of all gradients (what DeepSpeed's ZeRO optimizers report as the global grad norm)."""
+    norms = [p.grad.detach().float().norm() for p in model.parameters() if p.grad is not None]
+    return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
 
 
 def loss_scale(engine) -> float:

@@ -27,10 +27,10 @@ def run_dir(ctx: StageContext) -> Path:
     return storage / f"{ctx.config.name}-{ctx.fingerprint[:16]}"
 
 
-def loop_config(ctx: StageContext, folder: Path) -> dict:
-    """Everything a worker needs, as plain data; batch and schedule in steps from our token-based config."""
-    cfg: TrainConfig = ctx.section
-    shards = str(ctx.input_output("tokenize"))
+def loop_config(cfg: TrainConfig, shards: str, folder: Path, *, export_dir: str | None, tracking_uri: str,
+                mlflow_run_id: str) -> dict:
+    """Everything a worker needs, as plain data; batch and schedule in steps from our token-based config.
+    The screen's proxy runs use it too, with their own TrainConfig and shards."""
     index = read_index(shards)
     seq_len = index["seq_len"]
     model = get(cfg.model)
@@ -48,7 +48,7 @@ def loop_config(ctx: StageContext, folder: Path) -> dict:
     tokens_per_step = global_batch * seq_len
     total_steps = max(1, cfg.total_tokens // tokens_per_step)
     return {
-        "run_dir": str(folder), "shards": shards, "export_dir": str(ctx.output / "model"),
+        "run_dir": str(folder), "shards": str(shards), "export_dir": export_dir,
         "model": dataclasses.asdict(model), "seq_len": seq_len, "global_batch": global_batch,
         "micro_batch": cfg.micro_batch_size, "accumulation": global_batch // per_rank,
         "zero_stage": cfg.zero_stage, "precision": cfg.precision, "grad_clip": cfg.grad_clip,
@@ -59,33 +59,40 @@ def loop_config(ctx: StageContext, folder: Path) -> dict:
         "validation_sources": sorted(s for s, v in index["validation"].items() if v["sequences"] > 0),
         "hang_seconds": cfg.hang_seconds, "seed": cfg.seed, "inject": [dataclasses.asdict(f) for f in cfg.inject],
         "autopilot": dataclasses.asdict(cfg.autopilot),
-        "tracking_uri": ctx.config.mlflow.tracking_uri, "mlflow_run_id": ctx.mlflow_run_id,
+        "tracking_uri": tracking_uri, "mlflow_run_id": mlflow_run_id,
     }
 
 
-def run(ctx: StageContext) -> StageResult:
+def fit(cfg: TrainConfig, config: dict, folder: Path, loop=None) -> None:
+    """One Ray Train job: `loop(config)` (train_loop by default) on cfg.num_workers workers, restarted up to
+    max_failures times; Ray Train's own records go to `folder`/ray."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchTrainer
 
     from train.loop import train_loop
 
-    cfg: TrainConfig = ctx.section
-    folder = run_dir(ctx)
-    folder.mkdir(parents=True, exist_ok=True)
-    config = loop_config(ctx, folder)
-    (folder / "loop_config.json").write_text(json.dumps(config, indent=1))
-    ctx.log.info("run folder %s: %d steps of %d sequences x %d tokens on %d workers", folder, config["max_steps"],
-                 config["global_batch"], config["seq_len"], cfg.num_workers)
     resources = {"CPU": cfg.cpus_per_worker}
     if cfg.gpus_per_worker:
         resources["GPU"] = cfg.gpus_per_worker
     trainer = TorchTrainer(
-        train_loop, train_loop_config=config,
+        loop or train_loop, train_loop_config=config,
         scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.gpus_per_worker > 0,
                                      resources_per_worker=resources),
         run_config=RunConfig(name="ray", storage_path=str(folder), failure_config=FailureConfig(max_failures=cfg.max_failures)),
     )
     trainer.fit()
+
+
+def run(ctx: StageContext) -> StageResult:
+    cfg: TrainConfig = ctx.section
+    folder = run_dir(ctx)
+    folder.mkdir(parents=True, exist_ok=True)
+    config = loop_config(cfg, str(ctx.input_output("tokenize")), folder, export_dir=str(ctx.output / "model"),
+                         tracking_uri=ctx.config.mlflow.tracking_uri, mlflow_run_id=ctx.mlflow_run_id)
+    (folder / "loop_config.json").write_text(json.dumps(config, indent=1))
+    ctx.log.info("run folder %s: %d steps of %d sequences x %d tokens on %d workers", folder, config["max_steps"],
+                 config["global_batch"], config["seq_len"], cfg.num_workers)
+    fit(cfg, config, folder)
     summary = json.loads((folder / "summary.json").read_text())
     for name in ("metrics.jsonl", "incidents.jsonl", "loop_config.json", "logbook.jsonl", "LOGBOOK.md"):
         if (folder / name).exists():
@@ -100,10 +107,26 @@ def run(ctx: StageContext) -> StageResult:
     incidents = (folder / "incidents.jsonl").read_text().splitlines() if (folder / "incidents.jsonl").exists() else []
     metrics = {"steps": summary["steps"], "final_loss": summary["final_loss"], "sequences_trained": sequences,
                "tokens_trained": sequences * config["seq_len"], "incidents": len(incidents),
-               "interventions": len(logbook)}
+               "interventions": len(logbook), **curve_summary(folder / "metrics.jsonl")}
     return StageResult(index["sequences"], index["sequences"], {}, metrics,
                        fields={"steps": summary["steps"], "final_loss": summary["final_loss"], "run_dir": str(folder),
                                "interventions": [{k: e[k] for k in ("step", "kind", "actions")} for e in logbook]})
+
+
+def curve_summary(metrics_file: Path) -> dict[str, float]:
+    """The last validation losses (overall and per source) and the grad-norm spike count and score of the
+    run as trained (the screen's measure, screen/score.py): what `pipelines/compare.py` puts side by side."""
+    from screen.score import spike_score
+
+    last: dict[str, float] = {}
+    grad_norms: dict[int, float] = {}  # by step: after a rollback, the steps that were redone replace the undone
+    for line in metrics_file.read_text().splitlines():
+        row = json.loads(line)
+        last.update({k: v for k, v in row.items() if k.startswith("val_loss")})
+        if "grad_norm" in row:
+            grad_norms[row["step"]] = row["grad_norm"]
+    found = spike_score([grad_norms[s] for s in sorted(grad_norms)])
+    return {**last, "spikes": found.spikes, "spike_score": found.score}
 
 
 def track_logbook(ctx: StageContext, logbook: list[dict], files: list[Path]) -> None:

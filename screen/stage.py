@@ -1,0 +1,267 @@
+"""The screen stage: which subsets make a proxy model's gradient norms spike, measured and dropped.
+
+1. Census and sample (screen/mixture.py): documents and bytes per subset of dedup's output, then
+   a seeded sample of what is not screened (the baseline) and of each screened subset.
+2. A proxy tokenizer (the tokenize stage's code, on the sample, or GPT-2's files) and one token
+   mixture per candidate: the baseline with the subset up-weighted to `upweight` of the tokens,
+   plus the baseline mix alone.
+3. Proxy runs: for every mixture and seed, the training loop (train/loop.py, DeepSpeed, the same
+   loader) with the same hyperparameters, `steps` steps, no checkpoints and no autopilot. Each is
+   a Ray Train job of its own (`runs_per_job: 1`, the default: a failure or a slow node touches
+   one run), `concurrent_runs` jobs at a time; a laptop config packs several runs into one job,
+   because starting a Ray Train job with DeepSpeed costs seconds of imports that a tiny proxy run
+   does not. Each run is a nested MLflow run under the stage's (tags: subset, seed, role) with
+   its loss and grad-norm curves and its spike score.
+4. Decision (screen/score.py): a subset whose mean spike score over the seeds is above the
+   baseline's by more than the margin is dropped. Its documents go to `dropped/` with the
+   reason; every other document goes to the output, unchanged.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import time
+from pathlib import Path
+
+
+from corpus.parts import DOCUMENT_SCHEMA, DROPPED_SCHEMA, Parts, check_read, check_written, iter_rows, parquet_bytes, \
+    parquet_files, row_group_ranges, run_tasks, task_bytes
+from corpus.tokenize import tokenizer_task
+from corpus import tokenizer as tokenizers
+from pipelines.config import AutopilotConfig, PipelineConfig, ScreenConfig, TrainConfig
+from pipelines.dag import StageContext, StageResult
+from screen import mixture, score
+from screen.mixture import BASELINE
+
+TASK_BYTES = 64 << 20  # of dedup's documents per census/sample/filter task, at most
+
+
+def proxy_train_config(cfg: ScreenConfig, seed: int) -> TrainConfig:
+    """The training config of one proxy run: the proxy section plus what every proxy run shares."""
+    p = cfg.proxy
+    from model.configs import get
+
+    batch_tokens = p.global_batch_tokens or get(p.model).batch_tokens
+    return TrainConfig(
+        model=p.model, num_workers=p.num_workers, gpus_per_worker=p.gpus_per_worker, cpus_per_worker=p.cpus_per_worker,
+        zero_stage=p.zero_stage, precision=p.precision, micro_batch_size=p.micro_batch_size,
+        global_batch_tokens=batch_tokens, lr=p.lr, warmup_tokens=p.warmup_steps * batch_tokens,
+        total_tokens=cfg.steps * batch_tokens, final_lr_ratio=1.0,  # constant LR after warmup: no decay to hide spikes
+        max_steps=cfg.steps, checkpoint_every=0, eval_every=0, max_failures=1, seed=seed,
+        autopilot=AutopilotConfig(enabled=False))
+
+
+def slug(name: str) -> str:
+    return re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_") or "_"
+
+
+def run(ctx: StageContext) -> StageResult:
+    cfg: ScreenConfig = ctx.section
+    parts = parquet_files(ctx.input_output("dedup"))
+    ranges = row_group_ranges(parts, task_bytes(parquet_bytes(parts), TASK_BYTES))
+    census: dict[tuple[str, str], list[int]] = {}
+    for result in run_tasks(mixture.census_task, [{"path": p, "row_groups": g} for p, g in ranges]):
+        for key, (docs, size) in result.items():
+            entry = census.setdefault(tuple(key.split("\0")), [0, 0])
+            entry[0] += docs
+            entry[1] += size
+    sources = screened_sources(ctx.config)
+    screened = candidates(cfg, sources, census)
+    ctx.log.info("screening %d subsets of %s: %s", len(screened), sources, screened)
+
+    verdicts, runs = [], []
+    if cfg.enabled and screened:
+        verdicts, runs = measure(ctx, ranges, census, screened)
+    dropped_subsets = {v.subset: v.reason for v in verdicts if v.dropped}
+    counts = filter_documents(ctx, ranges, dropped_subsets)
+    check_read(counts["rows_in"], ctx.inputs, "dedup")
+    check_written(ctx.output, counts["rows_out"], "rows_out")
+    check_written(ctx.aside("dropped"), counts["dropped"], "dropped")
+
+    scores = {v.subset: round(v.score, 4) for v in verdicts}
+    metrics = {f"score.{s}": v for s, v in scores.items()}
+    if verdicts:
+        metrics.update({"score.baseline": verdicts[0].baseline, "score.limit": verdicts[0].limit})
+    metrics.update({f"dropped.{k.removeprefix('subset:')}": n for k, n in counts.items() if k.startswith("subset:")})
+    kept = [s for s in screened if s not in dropped_subsets]
+    ctx.log.info("kept %s; dropped %s", kept, dropped_subsets)
+    return StageResult(counts["rows_in"], counts["rows_out"], {"dropped": counts["dropped"]}, metrics, fields={
+        "kept_subsets": kept, "dropped_subsets": sorted(dropped_subsets), "scores": scores,
+        "baseline_score": round(verdicts[0].baseline, 4) if verdicts else None,
+        "limit": round(verdicts[0].limit, 4) if verdicts else None,
+        "rule": f"{score.RULE}; margin={cfg.margin}, sigmas={cfg.sigmas}, seeds={cfg.seeds}, upweight={cfg.upweight}",
+        "screened": bool(cfg.enabled and screened), "proxy_runs": runs})
+
+
+def screened_sources(config: PipelineConfig) -> list[str]:
+    cfg = config.screen
+    return cfg.sources if cfg.sources is not None else [s.name for s in config.sources if s.format == "pile"]
+
+
+def candidates(cfg: ScreenConfig, sources: list[str], census: dict[tuple[str, str], list[int]]) -> list[str]:
+    """The subsets to screen: `subsets` if given (each must reach the screen), else every subset of `sources`."""
+    present = sorted({mixture.subset_key(src, sub) for src, sub in census if src in sources})
+    if BASELINE in present:
+        raise ValueError(f"a subset is called {BASELINE!r}, the name of the baseline mix; rename it in ingest")
+    if cfg.subsets is None:
+        return present
+    missing = [s for s in cfg.subsets if s not in present]
+    if missing:
+        raise ValueError(f"screen.subsets: {missing} are not subsets of {sources} in dedup's output "
+                         f"(those are: {present})")
+    return list(cfg.subsets)
+
+
+def measure(ctx: StageContext, ranges, census, screened: list[str]) -> tuple[list[score.Verdict], list[dict]]:
+    """Sample, tokenize, run the proxies, score them: the verdicts and a record of every proxy run."""
+    cfg: ScreenConfig = ctx.section
+    probe = proxy_train_config(cfg, cfg.seed)
+    seq_len = cfg.proxy.seq_len
+    global_batch = probe.global_batch_tokens // seq_len
+    mixture_tokens = cfg.steps * global_batch * (seq_len + 1)
+    base_rate, sub_rates = mixture.rates(census, screened, mixture_tokens * mixture.BYTES_PER_TOKEN, cfg.upweight)
+    sample = ctx.folder / "sample"
+    t0 = time.perf_counter()
+    run_tasks(mixture.sample_task, [{"path": p, "row_groups": g, "stem": f"{Path(p).stem}-{g[0]:05d}", "output": str(sample),
+                                     "seed": cfg.seed, "baseline_rate": base_rate, "subset_rates": sub_rates,
+                                     "baseline_is_everything": mixture.baseline_is_everything(census, screened)}
+                                    for p, g in ranges])
+    tok_dir = ctx.folder / "tokenizer"
+    run_tasks(tokenizer_task, [{"tokenizer": dataclasses.asdict(cfg.tokenizer), "parts": parquet_files(sample),
+                                "seed": cfg.seed, "output": str(tok_dir)}])
+    names = [BASELINE] + screened
+    mixtures = {name: ctx.folder / "mixtures" / slug(name) for name in names}
+    built = run_tasks(mixture.mixture_task, [{"subset": name, "sample": str(sample), "tokens": mixture_tokens,
+                                              "seq_len": seq_len, "upweight": cfg.upweight, "output": str(mixtures[name]),
+                                              "tokenizer": str(tok_dir / tokenizers.FILE)} for name in names])
+    for name, info in zip(names, built):
+        ctx.log.info("mixture %s: %s", name, info)
+        if info["sequences"] < global_batch:
+            raise ValueError(f"mixture {name!r}: {info['sequences']} sequences, fewer than one proxy batch of {global_batch}")
+    t1 = time.perf_counter()
+    jobs = []
+    for name in names:
+        for k in range(cfg.seeds):
+            seed = cfg.seed + k
+            jobs.append({"subset": name, "seed": seed, "folder": ctx.folder / "proxy" / f"{slug(name)}-seed{seed}",
+                         "shards": str(mixtures[name]), "info": built[names.index(name)]})
+    run_proxies(ctx, jobs)
+    t2 = time.perf_counter()
+    by_subset: dict[str, list[float]] = {name: [] for name in names}
+    records = []
+    for job in jobs:
+        by_subset[job["subset"]].append(job["score"].score)
+        records.append({"subset": job["subset"], "seed": job["seed"], "mlflow_run_id": job["run_id"],
+                        "run_dir": str(job["folder"]), **job["score"].to_dict()})
+    verdicts = score.judge({s: by_subset[s] for s in screened}, by_subset[BASELINE], cfg.margin, cfg.sigmas)
+    ctx.log.info("baseline scores %s; limit %.3f; sample+mixtures %.1fs, proxy runs %.1fs",
+                 by_subset[BASELINE], verdicts[0].limit, t1 - t0, t2 - t1)
+    return verdicts, records
+
+
+def run_proxies(ctx: StageContext, jobs: list[dict]) -> None:
+    """The proxy runs as Ray Train jobs of `runs_per_job` runs each, `concurrent_runs` jobs at a time; every
+    proxy run gets a nested MLflow run under the stage's, and its score when its job is done."""
+    import ray
+    from mlflow import MlflowClient
+
+    from pipelines.tracking import flatten
+    from train.stage import loop_config
+
+    cfg: ScreenConfig = ctx.section
+    client = MlflowClient(ctx.config.mlflow.tracking_uri)
+    parent = client.get_run(ctx.mlflow_run_id)
+    inherited = {k: v for k, v in parent.data.tags.items() if k == "ablation" or k.startswith("ablation.")}
+    fit = ray.remote(num_cpus=0)(_fit)  # the trainer's workers hold the CPUs and GPUs; this task only waits
+    groups = [jobs[i : i + cfg.runs_per_job] for i in range(0, len(jobs), cfg.runs_per_job)]
+    pending, running = list(enumerate(groups)), {}
+
+    def start(number: int, group: list[dict]) -> None:
+        configs = []
+        for job in group:
+            role = "baseline" if job["subset"] == BASELINE else "candidate"
+            run = client.create_run(parent.info.experiment_id, run_name=f"screen {job['subset']} seed {job['seed']}", tags={
+                "mlflow.parentRunId": ctx.mlflow_run_id, "stage": "screen.proxy", "subset": job["subset"],
+                "seed": str(job["seed"]), "role": role, **inherited})
+            job["run_id"] = run.info.run_id
+            params = {"proxy": dataclasses.asdict(cfg.proxy), "steps": cfg.steps, "seed": job["seed"],
+                      "upweight": cfg.upweight, "mixture": job["info"]}
+            for key, value in flatten(params).items():
+                client.log_param(run.info.run_id, key, value)
+            job["folder"].mkdir(parents=True, exist_ok=True)
+            configs.append(loop_config(proxy_train_config(cfg, job["seed"]), job["shards"], job["folder"], export_dir=None,
+                                       tracking_uri=ctx.config.mlflow.tracking_uri, mlflow_run_id=run.info.run_id))
+        folder = ctx.folder / "proxy" / f"job-{number:03d}"
+        folder.mkdir(parents=True, exist_ok=True)
+        running[fit.remote(dataclasses.asdict(proxy_train_config(cfg, cfg.seed)), {"runs": configs}, str(folder))] = group
+
+    while pending or running:
+        while pending and len(running) < cfg.concurrent_runs:
+            start(*pending.pop(0))
+        done, _ = ray.wait(list(running), num_returns=1)
+        for ref in done:
+            group = running.pop(ref)
+            try:
+                ray.get(ref)
+            except Exception as exc:
+                for job in group:
+                    client.set_terminated(job["run_id"], "FAILED")
+                names = ", ".join(f"{job['subset']} seed {job['seed']}" for job in group)
+                raise RuntimeError(f"proxy runs {names} failed (run folders under {ctx.folder / 'proxy'}): {exc}") from exc
+            for job in group:
+                rows = [json.loads(line) for line in (job["folder"] / "metrics.jsonl").read_text().splitlines()]
+                job["score"] = score.spike_score([r.get("grad_norm") for r in rows], window=cfg.window,
+                                                 spike_ratio=cfg.spike_ratio, burn_in=cfg.burn_in)
+                ctx.log.info("proxy %s seed %d: %s", job["subset"], job["seed"], job["score"])
+                for key, value in job["score"].to_dict().items():
+                    client.log_metric(job["run_id"], f"spike.{key}", float(value))
+                client.set_terminated(job["run_id"], "FINISHED")
+
+
+def proxy_loop(config: dict) -> None:
+    """A Ray Train job of the screen: its proxy runs one after another, each `train_loop` with a fresh model."""
+    from train.loop import train_loop
+
+    for run in config["runs"]:
+        train_loop(run)
+
+
+def _fit(train_cfg: dict, config: dict, folder: str) -> None:
+    from pipelines.config import AutopilotConfig, TrainConfig
+    from train.stage import fit
+
+    cfg = TrainConfig(**{**train_cfg, "autopilot": AutopilotConfig(**train_cfg["autopilot"]), "inject": []})
+    fit(cfg, config, Path(folder), loop=proxy_loop)
+
+
+def filter_task(task: dict) -> dict:
+    """One run of row groups of dedup's documents: kept ones to the output, dropped subsets' to dropped/."""
+    docs = Parts(task["output"], task["stem"], DOCUMENT_SCHEMA)
+    dropped = Parts(task["dropped"], task["stem"], DROPPED_SCHEMA)
+    counts = {"rows_in": 0, "rows_out": 0, "dropped": 0}
+    for row in iter_rows(task["path"], row_groups=task["row_groups"]):
+        counts["rows_in"] += 1
+        reason = task["drop"].get(mixture.subset_key(row["source"], row["subset"]))
+        if reason is None:
+            docs.add(row, len(row["text"]))
+            counts["rows_out"] += 1
+        else:
+            dropped.add({**row, "reason": reason}, len(row["text"]))
+            counts["dropped"] += 1
+            key = f"subset:{row['subset']}"
+            counts[key] = counts.get(key, 0) + 1
+    docs.close()
+    dropped.close()
+    return counts
+
+
+def filter_documents(ctx: StageContext, ranges, drop: dict[str, str]) -> dict[str, int]:
+    tasks = [{"path": p, "row_groups": g, "stem": f"{Path(p).stem}-{g[0]:05d}", "drop": drop,
+              "output": str(ctx.output), "dropped": str(ctx.aside("dropped"))} for p, g in ranges]
+    counts: dict[str, int] = {"rows_in": 0, "rows_out": 0, "dropped": 0}
+    for result in run_tasks(filter_task, tasks):
+        for key, value in result.items():
+            counts[key] = counts.get(key, 0) + value
+    return counts

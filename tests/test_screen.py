@@ -1,0 +1,149 @@
+"""The subset screen: the spike score and rule on synthetic curves, and the stage on the sample with
+a planted spiky subset (sample_run: HackerNews), through real Ray Train + DeepSpeed proxy runs."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from conftest import SPIKY, manifest, rows
+
+from pipelines.config import OPT_PILE_SUBSETS, ConfigError, ScreenConfig, load_config
+from screen import score
+from screen.stage import candidates, screened_sources
+
+
+# --------------------------------------------------------------------------- the score
+
+
+def smooth(n: int = 100, seed: int = 0) -> np.ndarray:
+    """A clean run's grad norms: falling from 1.0, 2% noise."""
+    rng = np.random.default_rng(seed)
+    return 1.0 * np.exp(-np.arange(n) / 60) * (1 + 0.02 * rng.standard_normal(n))
+
+
+def test_a_smooth_curve_scores_near_zero_whatever_its_level_or_slope():
+    for level in (0.1, 1.0, 50.0):
+        found = score.spike_score(list(level * smooth()))
+        assert found.spikes == 0 and found.score < 1.0 and found.growth < 0
+
+
+def test_spikes_are_counted_and_sized_relative_to_their_neighbours():
+    g = np.exp(-np.arange(100) / 60)  # monotone: every step is its neighbourhood's median
+    spiked = g.copy()
+    for at in (30, 50, 70):
+        spiked[at] *= 1.5  # +50% over the neighbourhood
+    clean, found = score.spike_score(list(g)), score.spike_score(list(spiked))
+    assert clean.excess == 0 and clean.spikes == 0
+    # A spike moves its window's median one step up the slope: each counts ~0.5 (1.5 / e^(1/60) - 1).
+    assert found.spikes == 3 and found.excess == pytest.approx(3 * (1.5 * np.exp(-1 / 60) - 1))
+    assert found.score == pytest.approx(100 * found.excess / 90)  # 90 scored steps; the curve falls: no growth term
+    noisy = smooth()
+    noisy[[30, 50, 70]] *= 1.5
+    assert score.spike_score(list(noisy)).spikes == 3
+    assert score.spike_score(list(spiked), burn_in=75).spikes == 0  # the burn-in is not scored
+
+
+def test_growth_and_non_finite_norms():
+    rising = np.exp(np.arange(100) / 100)  # e-fold over the run
+    found = score.spike_score(list(rising), burn_in=0)
+    assert found.growth == pytest.approx(math.e - 1, rel=0.05) and found.score >= 100 * found.growth
+    broken = list(smooth())
+    broken[40] = float("nan")
+    assert score.spike_score(broken).score == math.inf
+
+
+def test_the_rule_uses_the_margin_and_the_baselines_spread():
+    verdicts = score.judge({"a": [3.0, 5.0], "b": [20.0, 22.0]}, baseline_scores=[2.0, 4.0], margin=15.0, sigmas=3.0)
+    assert [(v.subset, v.dropped) for v in verdicts] == [("a", False), ("b", True)]
+    assert verdicts[1].limit == pytest.approx(3.0 + 15.0) and "screened out" in verdicts[1].reason
+    noisy = score.judge({"b": [20.0, 22.0]}, baseline_scores=[0.0, 10.0], margin=1.0, sigmas=3.0)[0]
+    assert noisy.limit == pytest.approx(5.0 + 3.0 * np.std([0.0, 10.0], ddof=1)) and not noisy.dropped
+
+
+def test_candidates_are_the_screened_sources_subsets_or_the_ones_named():
+    census = {("pile", "Pile-CC"): [1, 10], ("pile", "Github"): [1, 10], ("reddit", "reddit"): [1, 10]}
+    assert candidates(ScreenConfig(), ["pile"], census) == ["Github", "Pile-CC"]
+    assert candidates(ScreenConfig(), ["pile", "reddit"], census) == ["Github", "Pile-CC", "reddit"]
+    assert candidates(ScreenConfig(subsets=["Github"]), ["pile"], census) == ["Github"]
+    with pytest.raises(ValueError, match=r"screen.subsets: \['ArXiv'\] are not subsets"):
+        candidates(ScreenConfig(subsets=["ArXiv"]), ["pile"], census)
+    local = load_config(Path(__file__).parents[1] / "configs" / "local.yaml")
+    assert screened_sources(local) == ["pile"]
+    local.screen.sources = None
+    assert screened_sources(local) == ["pile"]  # the sources of format pile
+
+
+@pytest.mark.parametrize("item, message", [
+    ("screen.sources=[pile, wiki]", "config key 'screen.sources[1]': expected the name of a source"),
+    ("screen.upweight=1.5", "config key 'screen.upweight': expected a fraction in (0, 1)"),
+    ("screen.steps=5", "config key 'screen.steps': expected at least burn_in + 2 = 12 steps"),
+    ("screen.proxy.model=2b", "config key 'screen.proxy.model': expected one of tiny, 125m"),
+    ("screen.proxy.global_batch_tokens=1000", "config key 'screen.proxy.global_batch_tokens': 1000 tokens are 15 sequences"),
+    ("screen.proxy.precision=fp16", "config key 'screen.proxy.precision': fp16 needs GPUs"),
+])
+def test_bad_screen_config(item, message):
+    with pytest.raises(ConfigError) as exc:
+        load_config(Path(__file__).parents[1] / "configs" / "local.yaml", [item])
+    assert str(exc.value).startswith(message)
+
+
+# --------------------------------------------------------------------------- the stage
+
+
+def test_the_screen_drops_the_planted_spiky_subset_and_keeps_the_others(sample_run):
+    _, planted, wd = sample_run
+    assert planted["spiky"]["subset"] == SPIKY and planted["spiky"]["documents"] > 0
+    m = manifest(wd, "screen")
+    assert m["screened"] and m["dropped_subsets"] == [SPIKY]
+    assert m["kept_subsets"] == sorted(s for s in OPT_PILE_SUBSETS if s != SPIKY)
+    assert set(m["scores"]) == set(OPT_PILE_SUBSETS)
+    assert m["scores"][SPIKY] > m["limit"] > max(v for s, v in m["scores"].items() if s != SPIKY)
+    assert m["limit"] >= m["baseline_score"] + 15.0 and "margin=15.0" in m["rule"]
+
+    # Every document accounted for: the spiky subset's in dropped/ with the reason, the rest unchanged.
+    before = rows(Path(manifest(wd, "dedup")["output"]))
+    kept = rows(Path(m["output"]))
+    dropped = rows(Path(m["output"]).parent / "dropped")
+    assert m["counts"] == {"rows_in": len(before), "rows_out": len(kept), "dropped": len(dropped)}
+    assert {r["id"] for r in dropped} == {r["id"] for r in before if r["subset"] == SPIKY}
+    assert all(r["reason"].startswith("screened out: spike score") for r in dropped)
+    assert sorted(kept, key=lambda r: r["id"]) == sorted((r for r in before if r["subset"] != SPIKY), key=lambda r: r["id"])
+
+
+def test_each_proxy_run_is_a_nested_mlflow_run_with_its_subset_and_score(sample_run):
+    from mlflow import MlflowClient
+
+    _, _, wd = sample_run
+    m = manifest(wd, "screen")
+    client = MlflowClient(f"sqlite:///{wd}/mlflow.db")
+    stage_run = client.get_run(m["mlflow_run_id"])
+    assert stage_run.data.metrics["score.HackerNews"] == pytest.approx(m["scores"][SPIKY])
+    proxies = client.search_runs([stage_run.info.experiment_id], f"tags.mlflow.parentRunId = '{m['mlflow_run_id']}'")
+    assert len(proxies) == len(m["proxy_runs"]) == (len(OPT_PILE_SUBSETS) + 1) * 2  # 8 subsets + baseline, 2 seeds
+    by_id = {r["mlflow_run_id"]: r for r in m["proxy_runs"]}
+    for run in proxies:
+        record = by_id[run.info.run_id]
+        assert run.info.status == "FINISHED"
+        assert run.data.tags["subset"] == record["subset"] and run.data.tags["seed"] == str(record["seed"])
+        assert run.data.tags["role"] == ("baseline" if record["subset"] == "baseline" else "candidate")
+        assert run.data.metrics["spike.score"] == pytest.approx(record["score"])
+        assert len(client.get_metric_history(run.info.run_id, "grad_norm")) == 60
+    for subset, value in m["scores"].items():
+        seeds = [r["score"] for r in m["proxy_runs"] if r["subset"] == subset]
+        assert value == pytest.approx(np.mean(seeds), abs=1e-4)
+
+
+def test_the_screen_is_reproducible(sample_run):
+    """The same config again (forced): the same scores, to the last digit, and the same decision."""
+    from pipelines.full import main
+
+    _, _, wd = sample_run
+    first = manifest(wd, "screen")
+    assert main(["--config", str(wd.parent / "sample.yaml"), "--only", "screen", "--force"]) == 0
+    second = manifest(wd, "screen")
+    assert second["mlflow_run_id"] != first["mlflow_run_id"]
+    assert second["scores"] == first["scores"] and second["dropped_subsets"] == first["dropped_subsets"]
+    assert [r["score"] for r in second["proxy_runs"]] == [r["score"] for r in first["proxy_runs"]]
