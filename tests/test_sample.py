@@ -182,9 +182,11 @@ def test_a_spiky_subset_is_planted_only_where_asked(tmp_path, sample):
             with zstandard.ZstdDecompressor().stream_reader(open(folder / "pile" / name, "rb")) as r:
                 for line in io.TextIOWrapper(r, encoding="utf-8", errors="replace"):
                     try:
-                        out.append(json.loads(line))
+                        record = json.loads(line)
                     except json.JSONDecodeError:
-                        pass  # the planted malformed lines
+                        continue  # the planted malformed lines
+                    if isinstance(record, dict) and isinstance(record.get("text"), str) and record.get("meta"):
+                        out.append(record)
         return out
 
     def has_run(text: str) -> bool:
