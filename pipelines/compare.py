@@ -93,9 +93,8 @@ def rows(ablations: list[Ablation]) -> list[tuple[str, list[str]]]:
         counts = keys(stage, lambda run, key: key in run.data.tags.get("counts", "").split(","))
         for key in sorted(counts, key=lambda k: (k != "rows_in", k != "rows_out", k)):
             add(f"{stage} {key}", stage, key)
-    out.append(("screen dropped subsets", [", ".join(sorted(k.split(".", 1)[1] for k, v in a.stages["screen"].data.metrics.items()
-                                                             if k.startswith("dropped.") and v > 0)) or "none"
-                                           if "screen" in a.stages else "-" for a in ablations]))
+        if stage == "screen":
+            out.append(("screen dropped subsets", [dropped_subsets(a) for a in ablations]))
     for key in keys("tokenize", lambda run, key: key.startswith("tokens.train.")):
         add(f"tokens {key.removeprefix('tokens.train.')}", "tokenize", key)
     add("train steps", "train", "steps")
@@ -103,9 +102,16 @@ def rows(ablations: list[Ablation]) -> list[tuple[str, list[str]]]:
     for key in keys("train", lambda run, key: key.startswith("val_loss")):
         add(f"validation loss{key.removeprefix('val_loss').replace('.', ' ')}", "train", key, lambda v: f"{v:.4f}")
     add("grad-norm spikes", "train", "spikes")
-    add("grad-norm spike score", "train", "spike_score", lambda v: f"{v:.2f}")
+    add("grad-norm mean excess %", "train", "spike_excess", lambda v: f"{v:.2f}")
     add("interventions", "train", "interventions")
     return out
+
+
+def dropped_subsets(ablation: Ablation) -> str:
+    run = ablation.stages.get("screen")
+    if run is None:
+        return "-"
+    return ", ".join(sorted(k.split(".", 1)[1] for k, v in run.data.metrics.items() if k.startswith("dropped.") and v > 0)) or "none"
 
 
 def table(ablations: list[Ablation]) -> str:

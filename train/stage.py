@@ -114,8 +114,10 @@ def run(ctx: StageContext) -> StageResult:
 
 
 def curve_summary(metrics_file: Path) -> dict[str, float]:
-    """The last validation losses (overall and per source) and the grad-norm spike count and score of the
-    run as trained (the screen's measure, screen/score.py): what `pipelines/compare.py` puts side by side."""
+    """The last validation losses (overall and per source), and the grad-norm spikes of the run as trained
+    (the screen's measure, screen/score.py: steps > 25% above their neighbourhood's median, and the mean
+    excess in percent; not its growth term, which a whole run's warmup and plateau would dominate):
+    what `pipelines/compare.py` puts side by side."""
     from screen.score import spike_score
 
     last: dict[str, float] = {}
@@ -126,7 +128,7 @@ def curve_summary(metrics_file: Path) -> dict[str, float]:
         if "grad_norm" in row:
             grad_norms[row["step"]] = row["grad_norm"]
     found = spike_score([grad_norms[s] for s in sorted(grad_norms)])
-    return {**last, "spikes": found.spikes, "spike_score": found.score}
+    return {**last, "spikes": found.spikes, "spike_excess": 100.0 * found.excess / max(1, found.scored_steps)}
 
 
 def track_logbook(ctx: StageContext, logbook: list[dict], files: list[Path]) -> None:
