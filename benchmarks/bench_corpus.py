@@ -44,6 +44,8 @@ from corpus.readers import relative_names  # noqa: E402
 from corpus.sample import PILE_SUBSETS_KEPT_BY_OPT, _rng, messy, prose  # noqa: E402
 from pipelines.config import NormalizeConfig, SourceConfig  # noqa: E402
 
+import provenance  # noqa: E402  (benchmarks/provenance.py: a script's folder is on sys.path)
+
 FILES = 16
 
 
@@ -116,8 +118,8 @@ def main() -> None:
     files = sorted(str(p) for p in (out / "pile").glob("*.zst"))
     bare = {"ingest": bare_ingest(files, out / "bare"), "normalize": bare_normalize(ingest_docs)}
 
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    print(f"{mb:.0f} MB of text in {FILES} files; commit {commit}; {platform.processor() or platform.machine()}, {cores} cores, Python {platform.python_version()}")
+    commit = provenance.commit()
+    print(f"{mb:.0f} MB of text in {FILES} files; commit {commit}; {provenance.machine()}, {cores} cores, Python {platform.python_version()}")
     print()
     print("| stage | run | seconds | MB/s | MB/s per core | time vs bare loop |")
     print("|---|---|---|---|---|---|")

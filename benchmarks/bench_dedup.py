@@ -39,6 +39,8 @@ sys.path.insert(0, str(ROOT))
 from corpus.sample import WORDS, _rng, prose  # noqa: E402
 from dedup.minhash import MinHasher, jaccard_of_sets  # noqa: E402
 
+import provenance  # noqa: E402  (benchmarks/provenance.py: a script's folder is on sys.path)
+
 
 def edit(rng: random.Random, text: str, changes: int) -> str:
     words = text.split(" ")
@@ -160,7 +162,7 @@ def quality(docs: int, root: Path) -> None:
     verified = {(r["a"], r["b"]) for r in pq.read_table(folder / "candidates").to_pylist() if r["jaccard"] >= 0.95}
     false_merges = len({tuple(sorted(p)) for p in verified} - above)
     ds = datasketch_candidates(ids, texts)
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = provenance.commit()
     print(f"{len(ids)} normalized documents, planted {kinds}; commit {commit}; {platform.machine()}, 2 cores")
     print(f"ground truth: {len(above)} pairs >= 0.95, {len(below)} pairs in (0, 0.95) sharing a shingle")
     print()
@@ -177,7 +179,7 @@ def quality(docs: int, root: Path) -> None:
 
 
 def scale(sizes: list[int], root: Path) -> None:
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = provenance.commit()
     print(f"commit {commit}; {platform.machine()}, 2 cores, {psutil.virtual_memory().total / 2**30:.0f} GiB")
     print()
     print("| documents | MB of text | dedup stage seconds | docs/s | driver peak RSS (whole run) | machine peak used (whole run) |")

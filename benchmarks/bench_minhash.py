@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -28,6 +27,8 @@ sys.path.insert(0, str(ROOT))
 
 from corpus.sample import _rng, sentence  # noqa: E402
 from dedup.minhash import MinHasher  # noqa: E402
+
+import provenance  # noqa: E402  (benchmarks/provenance.py: a script's folder is on sys.path)
 
 BATCH = 500
 
@@ -88,7 +89,7 @@ def main() -> None:
     parser.add_argument("--kb", type=float, nargs="+", default=[1.0, 4.0, 8.6])
     parser.add_argument("--num-perm", type=int, default=128)
     args = parser.parse_args()
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    commit = provenance.commit()
     print(f"{args.docs} documents per size, num_perm {args.num_perm}, word 5-grams; commit {commit}; "
           f"{platform.machine()}, Python {platform.python_version()}, 1 core")
     print()

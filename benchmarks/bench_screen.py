@@ -15,11 +15,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import provenance  # noqa: E402  (benchmarks/provenance.py: a script's folder is on sys.path)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -45,8 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True)
     full(out, "--only", "ingest,normalize,dedup")
     results = {n: screen(out, n) for n in (1, 9)}
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=ROOT).stdout.strip()
-    print(f"commit {commit}; {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs; "
+    commit = provenance.commit()
+    print(f"commit {commit}; {provenance.machine()}, {os.cpu_count()} CPUs; "
           f"configs/local.yaml, sample corpus")
     runs = len(results[1]["proxy_runs"])
     print(f"{'runs per Ray Train job':<24} {'jobs':>5} {'screen s':>9} {'s per proxy run':>16}")

@@ -43,6 +43,8 @@ from corpus.parts import parquet_files  # noqa: E402
 from corpus.tokenize import FORMAT, INDEX, write_rows  # noqa: E402
 from train.loader import Loader  # noqa: E402
 
+import provenance  # noqa: E402  (benchmarks/provenance.py: a script's folder is on sys.path)
+
 SEQ_LEN = 2048
 
 
@@ -190,8 +192,8 @@ def main() -> None:
         shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
     cores = os.cpu_count() or 1
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    print(f"commit {commit}; {platform.processor() or platform.machine()}, {cores} cores, Python {platform.python_version()}")
+    commit = provenance.commit()
+    print(f"commit {commit}; {provenance.machine()}, {cores} cores, Python {platform.python_version()}")
     print()
     if not args.skip_stage:
         stage(args, out, cores)

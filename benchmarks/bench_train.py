@@ -24,7 +24,6 @@ import os
 import platform
 import shutil
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -40,6 +39,8 @@ from bench_tokenize import make_shards  # noqa: E402
 from model.configs import flops_per_token, get  # noqa: E402
 from model.opt import OPT  # noqa: E402
 from train.optim import adamw  # noqa: E402
+
+import provenance  # noqa: E402  (benchmarks/provenance.py: a script's folder is on sys.path)
 
 SETUPS = {"tiny": {"seq_len": 128, "batch": 32, "micro": 8, "steps": 30},
           "125m": {"seq_len": 2048, "batch": 2, "micro": 1, "steps": 6}}
@@ -117,8 +118,8 @@ def main() -> None:
                          statistics.median(bare(name, vocab, steps, cores, args.device, args.precision)), vocab)
     ray.shutdown()
 
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    print(f"commit {commit}; {platform.processor() or platform.machine()}, {cores} cores, Python {platform.python_version()}, "
+    commit = provenance.commit()
+    print(f"commit {commit}; {provenance.machine()}, {cores} cores, Python {platform.python_version()}, "
           f"torch {torch.__version__}, {args.device} {args.precision}")
     print()
     print("| model | seq_len x batch | bare PyTorch tokens/s | ours tokens/s | time per token, ours / bare | ours TFLOP/s |")

@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import shutil
 import subprocess
 import sys
 from pathlib import Path
+
+import provenance  # noqa: E402  (benchmarks/provenance.py: a script's folder is on sys.path)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -74,8 +75,8 @@ def main() -> None:
     faults = scenario(args.steps)
     replay = run(out, args.steps, faults)
 
-    commit = subprocess.run(["git", "-C", str(ROOT), "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    print(f"commit {commit}; {platform.processor() or platform.machine()}; tiny model, {args.steps} steps, 2 CPU workers, ZeRO-2 fp32")
+    commit = provenance.commit()
+    print(f"commit {commit}; {provenance.machine()}; tiny model, {args.steps} steps, 2 CPU workers, ZeRO-2 fp32")
     print()
     print("| injected at step | failure | detected as | actions |")
     print("|---|---|---|---|")

@@ -271,7 +271,7 @@ def run(ctx: StageContext) -> StageResult:
     tok_path = str(output / tokenizers.FILE)
     tok = tokenizers.load(tok_path)
     vocab_size = tokenizers.padded_vocab_size(tok)
-    dtype = "uint16" if vocab_size <= 1 << 16 else "uint32"
+    dtype = token_dtype(vocab_size)
     ctx.log.info("tokenizer: %s, %d ids (padded to %d), %s", config.tokenizer.kind, tok.get_vocab_size(), vocab_size, dtype)
 
     t1 = time.perf_counter()
@@ -342,6 +342,11 @@ def run(ctx: StageContext) -> StageResult:
     for source, split in validation.items():
         metrics[f"tokens.valid.{source}"] = split["tokens"]
     return StageResult(documents, documents, {}, metrics)
+
+
+def token_dtype(vocab_size: int) -> str:
+    """The shards' integer type: uint16 while every id fits, else uint32."""
+    return "uint16" if vocab_size <= 1 << 16 else "uint32"
 
 
 def tokenizer_name(config: TokenizeConfig, tok) -> str:

@@ -41,6 +41,23 @@ def _at_least(section: object, key: str, low: float, *names: str) -> None:
             raise ConfigError(f"{key}.{name}", f"expected a value >= {low}, got {value}")
 
 
+def _positive(section: object, key: str, *names: str) -> None:
+    """Each named field of `section` must be > 0 (None allowed: 'use the default')."""
+    for name in names:
+        value = getattr(section, name)
+        if value is not None and value <= 0:
+            raise ConfigError(f"{key}.{name}", f"expected a positive number, got {value}")
+
+
+def _check_engine(section: object, key: str) -> None:
+    """A training section's DeepSpeed settings (train, screen.proxy): a ZeRO stage, a precision its devices have."""
+    if section.zero_stage not in (0, 1, 2, 3):
+        raise ConfigError(f"{key}.zero_stage", f"expected 0, 1, 2 or 3, got {section.zero_stage}")
+    if section.precision == "fp16" and section.gpus_per_worker == 0:
+        raise ConfigError(f"{key}.precision", "fp16 needs GPUs (DeepSpeed has no fp16 on CPU): use fp32 or bf16 "
+                          "with gpus_per_worker: 0")
+
+
 # The Pile subsets OPT kept (by `meta.pile_set_name`); the other 14 it dropped.
 OPT_PILE_SUBSETS = [
     "Pile-CC", "DM Mathematics", "Gutenberg (PG-19)", "HackerNews",
@@ -183,14 +200,8 @@ class ProxyConfig:
     def validate(self, key: str) -> None:
         _at_least(self, key, 1, "seq_len", "global_batch_tokens", "micro_batch_size", "num_workers")
         _at_least(self, key, 0, "warmup_steps", "gpus_per_worker")
-        for name in ("cpus_per_worker", "lr"):
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ConfigError(f"{key}.{name}", f"expected a positive number, got {value}")
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise ConfigError(f"{key}.zero_stage", f"expected 0, 1, 2 or 3, got {self.zero_stage}")
-        if self.precision == "fp16" and self.gpus_per_worker == 0:
-            raise ConfigError(f"{key}.precision", "fp16 needs GPUs (DeepSpeed has no fp16 on CPU): use fp32 or bf16")
+        _positive(self, key, "cpus_per_worker", "lr")
+        _check_engine(self, key)
         check_batch(key, self.model, self.global_batch_tokens, self.seq_len, self.micro_batch_size, self.num_workers)
 
 
@@ -270,9 +281,7 @@ class AutopilotConfig:
     def validate(self, key: str) -> None:
         _at_least(self, key, 1, "window", "patience", "grad_patience", "overflow_window", "overflow_limit", "repeat_window")
         _at_least(self, key, 0, "warmup", "activation_window", "rollback_steps", "skip_margin", "rewarm_steps", "budget")
-        for name in ("loss_sigma", "grad_sigma", "lr_factor", "clip_to"):
-            if getattr(self, name) <= 0:
-                raise ConfigError(f"{key}.{name}", f"expected a positive number, got {getattr(self, name)}")
+        _positive(self, key, "loss_sigma", "grad_sigma", "lr_factor", "clip_to")
 
 
 @dataclass
@@ -328,15 +337,8 @@ class TrainConfig:
                   "keep_checkpoints", "eval_batches")
         _at_least(self, key, 0, "checkpoint_every", "gpus_per_worker", "warmup_tokens", "eval_every", "max_failures", "weight_decay",
                   "keep_healthy")
-        if self.zero_stage not in (0, 1, 2, 3):
-            raise ConfigError(f"{key}.zero_stage", f"expected 0, 1, 2 or 3, got {self.zero_stage}")
-        for name in ("cpus_per_worker", "grad_clip", "total_tokens", "lr", "hang_seconds"):
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ConfigError(f"{key}.{name}", f"expected a positive number, got {value}")
-        if self.precision == "fp16" and self.gpus_per_worker == 0:
-            raise ConfigError(f"{key}.precision", "fp16 needs GPUs (DeepSpeed has no fp16 on CPU): use fp32 or bf16 "
-                              "with gpus_per_worker: 0")
+        _positive(self, key, "cpus_per_worker", "grad_clip", "total_tokens", "lr", "hang_seconds")
+        _check_engine(self, key)
         if not 0.0 <= self.final_lr_ratio <= 1.0:
             raise ConfigError(f"{key}.final_lr_ratio", f"expected a fraction in [0, 1], got {self.final_lr_ratio}")
         for i, fault in enumerate(self.inject):

@@ -41,6 +41,13 @@ def flatten(data: Any, prefix: str = "") -> dict[str, str]:
     return {prefix: text[:MAX_PARAM_LENGTH]}
 
 
+def log_params(client: MlflowClient, run_id: str, params: dict) -> None:
+    """A nested config as a run's params ("a.b.c": value), BATCH per call."""
+    items = [Param(k, v) for k, v in flatten(params).items()]
+    for i in range(0, len(items), BATCH):
+        client.log_batch(run_id, params=items[i : i + BATCH])
+
+
 class MlflowTracker:
     def __init__(self, tracking_uri: str, experiment: str, artifact_location: str | None = None,
                  tags: dict[str, str] | None = None):
@@ -79,9 +86,7 @@ class MlflowTracker:
                 run_tags["mlflow.parentRunId"] = self.parent_id
             run = self.client.create_run(self.experiment_id, run_name=name, tags=run_tags)
             run_id = run.info.run_id
-            items = [Param(k, v) for k, v in flatten(params).items()]
-            for i in range(0, len(items), BATCH):
-                self.client.log_batch(run_id, params=items[i : i + BATCH])
+            log_params(self.client, run_id, params)
         status = "FAILED"
         try:
             yield run_id

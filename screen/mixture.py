@@ -32,7 +32,7 @@ import pyarrow.parquet as pq
 
 from corpus import tokenizer as tokenizers
 from corpus.parts import Parts, iter_rows
-from corpus.tokenize import FORMAT, INDEX, document_keys, write_rows
+from corpus.tokenize import FORMAT, INDEX, document_keys, token_dtype, write_rows
 
 OVERSAMPLE = 1.5  # sample this many times the bytes a mixture needs (bytes per token are a guess until encoded)
 BYTES_PER_TOKEN = 4.0  # the guess: GPT-2's BPE on English web text
@@ -59,12 +59,12 @@ def sample_task(task: dict) -> dict:
     """The documents of one run of row groups that fall in the baseline's or their subset's sample."""
     screened = set(task["subset_rates"])
     out = Parts(task["output"], task["stem"], SAMPLE_SCHEMA)
-    rows = [r for r in iter_rows(task["path"], columns=["id", "source", "subset", "text"], row_groups=task["row_groups"])]
+    rows = list(iter_rows(task["path"], columns=["id", "source", "subset", "text"], row_groups=task["row_groups"]))
     _, draws = document_keys([r["source"] for r in rows], [r["id"] for r in rows], task["seed"])
     counts: collections.Counter = collections.Counter()
     for row, draw in zip(rows, draws):
         draw = float(draw)
-        key = subset_key(row["source"], row["subset"])
+        key = row["subset"]
         if draw < task["baseline_rate"] and (key not in screened or task["baseline_is_everything"]):
             out.add({"role": BASELINE, "draw": draw, **row}, len(row["text"]))
             counts[BASELINE] += 1
@@ -75,14 +75,9 @@ def sample_task(task: dict) -> dict:
     return dict(counts)
 
 
-def subset_key(source: str, subset: str) -> str:
-    """How a screened subset is named in config, scores and manifests: its subset name."""
-    return subset
-
-
 def baseline_is_everything(census: dict[tuple[str, str], list[int]], screened: list[str]) -> bool:
     """True when every document is in a screened subset: then the baseline is the whole corpus."""
-    return all(subset_key(source, subset) in screened for source, subset in census)
+    return all(subset in screened for _, subset in census)
 
 
 def rates(census: dict[tuple[str, str], list[int]], screened: list[str], mixture_bytes: float,
@@ -90,8 +85,8 @@ def rates(census: dict[tuple[str, str], list[int]], screened: list[str], mixture
     """(baseline rate, {subset: rate}) that sample OVERSAMPLE times what a mixture takes."""
     everything = baseline_is_everything(census, screened)
     by_subset: dict[str, int] = collections.Counter()
-    for (source, subset), (_, size) in census.items():
-        by_subset[subset_key(source, subset)] += size
+    for (_, subset), (_, size) in census.items():
+        by_subset[subset] += size
     base_bytes = sum(size for s, size in by_subset.items() if everything or s not in screened)
     baseline = min(1.0, OVERSAMPLE * mixture_bytes / max(1, base_bytes))
     subsets = {s: min(1.0, OVERSAMPLE * upweight * mixture_bytes / max(1, by_subset[s])) for s in screened}
@@ -132,7 +127,7 @@ def mixture_task(task: dict) -> dict:
     """One mixture's token shards (train/00000.arrow + index.json) in task["output"]."""
     tok = tokenizers.load(task["tokenizer"])
     vocab_size = tokenizers.padded_vocab_size(tok)
-    dtype = np.dtype("uint16" if vocab_size <= 1 << 16 else "uint32")
+    dtype = np.dtype(token_dtype(vocab_size))
     sample, budget, block = Path(task["sample"]), task["tokens"], task["seq_len"] + 1
     subset = task["subset"]
     share = 0 if subset == BASELINE else int(round(task["upweight"] * budget))

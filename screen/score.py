@@ -21,8 +21,10 @@ and hyperparameters, so the comparison is paired).
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import numpy as np
 
@@ -37,6 +39,17 @@ class SpikeScore:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+def read_grad_norms(metrics_file: Path) -> list[float | None]:
+    """A run's grad-norm series from its metrics.jsonl, one value per step in step order (a step redone
+    after a rollback or restart: its last value)."""
+    by_step: dict[int, float | None] = {}
+    for line in Path(metrics_file).read_text().splitlines():
+        row = json.loads(line)
+        if "grad_norm" in row:
+            by_step[row["step"]] = row["grad_norm"]
+    return [by_step[s] for s in sorted(by_step)]
 
 
 def spike_score(grad_norms: list[float | None], *, window: int = 9, spike_ratio: float = 0.25,

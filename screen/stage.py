@@ -20,7 +20,6 @@
 from __future__ import annotations
 
 import dataclasses
-import json
 import re
 import time
 from pathlib import Path
@@ -102,7 +101,7 @@ def screened_sources(config: PipelineConfig) -> list[str]:
 
 def candidates(cfg: ScreenConfig, sources: list[str], census: dict[tuple[str, str], list[int]]) -> list[str]:
     """The subsets to screen: `subsets` if given (each must reach the screen), else every subset of `sources`."""
-    present = sorted({mixture.subset_key(src, sub) for src, sub in census if src in sources})
+    present = sorted({subset for source, subset in census if source in sources})  # a subset is named by its name
     if BASELINE in present:
         raise ValueError(f"a subset is called {BASELINE!r}, the name of the baseline mix; rename it in ingest")
     if cfg.subsets is None:
@@ -142,11 +141,10 @@ def measure(ctx: StageContext, ranges, census, screened: list[str]) -> tuple[lis
             raise ValueError(f"mixture {name!r}: {info['sequences']} sequences, fewer than one proxy batch of {global_batch}")
     t1 = time.perf_counter()
     jobs = []
-    for name in names:
-        for k in range(cfg.seeds):
-            seed = cfg.seed + k
+    for name, info in zip(names, built):
+        for seed in range(cfg.seed, cfg.seed + cfg.seeds):
             jobs.append({"subset": name, "seed": seed, "folder": ctx.folder / "proxy" / f"{slug(name)}-seed{seed}",
-                         "shards": str(mixtures[name]), "info": built[names.index(name)]})
+                         "shards": str(mixtures[name]), "info": info})
     run_proxies(ctx, jobs)
     t2 = time.perf_counter()
     by_subset: dict[str, list[float]] = {name: [] for name in names}
@@ -167,7 +165,9 @@ def run_proxies(ctx: StageContext, jobs: list[dict]) -> None:
     import ray
     from mlflow import MlflowClient
 
-    from pipelines.tracking import flatten
+    from mlflow.entities import Metric
+
+    from pipelines.tracking import log_params
     from train.stage import loop_config
 
     cfg: ScreenConfig = ctx.section
@@ -186,16 +186,14 @@ def run_proxies(ctx: StageContext, jobs: list[dict]) -> None:
                 "mlflow.parentRunId": ctx.mlflow_run_id, "stage": "screen.proxy", "subset": job["subset"],
                 "seed": str(job["seed"]), "role": role, **inherited})
             job["run_id"] = run.info.run_id
-            params = {"proxy": dataclasses.asdict(cfg.proxy), "steps": cfg.steps, "seed": job["seed"],
-                      "upweight": cfg.upweight, "mixture": job["info"]}
-            for key, value in flatten(params).items():
-                client.log_param(run.info.run_id, key, value)
+            log_params(client, run.info.run_id, {"proxy": dataclasses.asdict(cfg.proxy), "steps": cfg.steps,
+                                                 "seed": job["seed"], "upweight": cfg.upweight, "mixture": job["info"]})
             job["folder"].mkdir(parents=True, exist_ok=True)
             configs.append(loop_config(proxy_train_config(cfg, job["seed"]), job["shards"], job["folder"], export_dir=None,
                                        tracking_uri=ctx.config.mlflow.tracking_uri, mlflow_run_id=run.info.run_id))
         folder = ctx.folder / "proxy" / f"job-{number:03d}"
         folder.mkdir(parents=True, exist_ok=True)
-        running[fit.remote(dataclasses.asdict(proxy_train_config(cfg, cfg.seed)), {"runs": configs}, str(folder))] = group
+        running[fit.remote(proxy_train_config(cfg, cfg.seed), {"runs": configs}, folder)] = group
 
     while pending or running:
         while pending and len(running) < cfg.concurrent_runs:
@@ -211,12 +209,12 @@ def run_proxies(ctx: StageContext, jobs: list[dict]) -> None:
                 names = ", ".join(f"{job['subset']} seed {job['seed']}" for job in group)
                 raise RuntimeError(f"proxy runs {names} failed (run folders under {ctx.folder / 'proxy'}): {exc}") from exc
             for job in group:
-                rows = [json.loads(line) for line in (job["folder"] / "metrics.jsonl").read_text().splitlines()]
-                job["score"] = score.spike_score([r.get("grad_norm") for r in rows], window=cfg.window,
+                job["score"] = score.spike_score(score.read_grad_norms(job["folder"] / "metrics.jsonl"), window=cfg.window,
                                                  spike_ratio=cfg.spike_ratio, burn_in=cfg.burn_in)
                 ctx.log.info("proxy %s seed %d: %s", job["subset"], job["seed"], job["score"])
-                for key, value in job["score"].to_dict().items():
-                    client.log_metric(job["run_id"], f"spike.{key}", float(value))
+                now = int(time.time() * 1000)
+                client.log_batch(job["run_id"], metrics=[Metric(f"spike.{key}", float(value), now, 0)
+                                                         for key, value in job["score"].to_dict().items()])
                 client.set_terminated(job["run_id"], "FINISHED")
 
 
@@ -228,12 +226,10 @@ def proxy_loop(config: dict) -> None:
         train_loop(run)
 
 
-def _fit(train_cfg: dict, config: dict, folder: str) -> None:
-    from pipelines.config import AutopilotConfig, TrainConfig
+def _fit(cfg: TrainConfig, config: dict, folder: Path) -> None:
     from train.stage import fit
 
-    cfg = TrainConfig(**{**train_cfg, "autopilot": AutopilotConfig(**train_cfg["autopilot"]), "inject": []})
-    fit(cfg, config, Path(folder), loop=proxy_loop)
+    fit(cfg, config, folder, loop=proxy_loop)
 
 
 def filter_task(task: dict) -> dict:
@@ -243,7 +239,7 @@ def filter_task(task: dict) -> dict:
     counts = {"rows_in": 0, "rows_out": 0, "dropped": 0}
     for row in iter_rows(task["path"], row_groups=task["row_groups"]):
         counts["rows_in"] += 1
-        reason = task["drop"].get(mixture.subset_key(row["source"], row["subset"]))
+        reason = task["drop"].get(row["subset"])
         if reason is None:
             docs.add(row, len(row["text"]))
             counts["rows_out"] += 1

@@ -118,16 +118,12 @@ def curve_summary(metrics_file: Path) -> dict[str, float]:
     (the screen's measure, screen/score.py: steps > 25% above their neighbourhood's median, and the mean
     excess in percent; not its growth term, which a whole run's warmup and plateau would dominate):
     what `pipelines/compare.py` puts side by side."""
-    from screen.score import spike_score
+    from screen.score import read_grad_norms, spike_score
 
     last: dict[str, float] = {}
-    grad_norms: dict[int, float] = {}  # by step: after a rollback, the steps that were redone replace the undone
     for line in metrics_file.read_text().splitlines():
-        row = json.loads(line)
-        last.update({k: v for k, v in row.items() if k.startswith("val_loss")})
-        if "grad_norm" in row:
-            grad_norms[row["step"]] = row["grad_norm"]
-    found = spike_score([grad_norms[s] for s in sorted(grad_norms)])
+        last.update({k: v for k, v in json.loads(line).items() if k.startswith("val_loss")})
+    found = spike_score(read_grad_norms(metrics_file))
     return {**last, "spikes": found.spikes, "spike_excess": 100.0 * found.excess / max(1, found.scored_steps)}
 
 
