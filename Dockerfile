@@ -26,6 +26,7 @@ COPY pyproject.toml README.md ./
 COPY pipelines pipelines
 COPY corpus corpus
 COPY dedup dedup
+COPY screen screen
 COPY model model
 COPY train train
 COPY configs configs

@@ -35,6 +35,7 @@ import pyarrow as pa
 from corpus import reddit
 from corpus.parts import DOCUMENT_SCHEMA, Parts, check_written, group_by_size, iter_rows, parquet_files, run_tasks, task_bytes
 from corpus.readers import READERS, REDDIT_FIELDS, relative_names
+from pipelines import storage
 from pipelines.config import SourceConfig, source_files
 from pipelines.dag import StageContext, StageResult
 
@@ -80,7 +81,7 @@ def read_task(task: dict) -> dict:
     subsets: collections.Counter = collections.Counter()
     first_bad = None
     for path, rel in task["files"]:
-        counts["bytes_read"] += os.path.getsize(path)
+        counts["bytes_read"] += storage.size(path)
         for row in reader(path, name, rel):
             counts["rows_in"] += 1
             if row.get("reason"):
@@ -126,7 +127,7 @@ def read_tasks(ctx: StageContext, folders: dict[str, str]) -> list[dict]:
     (and fewer per task when that leaves cores idle). One file is never split: a zstd stream is
     read from its start."""
     files_of = {source.name: source_files(source) for source in ctx.config.sources}
-    total = sum(os.path.getsize(f) for files in files_of.values() for f in files)
+    total = sum(storage.size(f) for files in files_of.values() for f in files)
     target = task_bytes(total, ctx.config.ingest.task_mb << 20)
     tasks = []
     for source in ctx.config.sources:

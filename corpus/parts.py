@@ -19,6 +19,8 @@ from typing import Any, Callable
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from pipelines import storage
+
 # design.md's documents contract: what ingest, normalize and dedup write to their output/.
 DOCUMENT_SCHEMA = pa.schema([("id", pa.string()), ("text", pa.string()), ("source", pa.string()),
                              ("subset", pa.string()), ("meta", pa.string())])
@@ -158,7 +160,7 @@ def group_by_size(paths: list[str], target_bytes: int) -> list[list[str]]:
             groups.append([])
             size = 0
         groups[-1].append(path)
-        size += os.path.getsize(path)
+        size += storage.size(path)
     return groups
 
 

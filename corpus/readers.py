@@ -22,6 +22,8 @@ from typing import Iterator
 
 import zstandard
 
+from pipelines.storage import open_input
+
 ZSTD_MAX_WINDOW = 2**31  # PushShift dumps need the full 2 GiB window
 CHUNK = 1 << 20
 HEAD_BYTES = 200
@@ -36,7 +38,7 @@ class Truncated(Exception):
 def _zstd_chunks(path: str) -> Iterator[bytes]:
     dctx = zstandard.ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW)
     dobj, in_frame = dctx.decompressobj(), False
-    with open(path, "rb") as fh:
+    with open_input(path) as fh:
         while chunk := fh.read(CHUNK):
             while chunk:
                 in_frame = True
@@ -50,7 +52,7 @@ def _zstd_chunks(path: str) -> Iterator[bytes]:
 
 
 def _gzip_chunks(path: str) -> Iterator[bytes]:
-    with gzip.open(path, "rb") as fh:
+    with open_input(path) as raw, gzip.GzipFile(fileobj=raw, mode="rb") as fh:
         try:
             while chunk := fh.read1(CHUNK):  # read() would drop what it decoded before a cut
                 yield chunk
@@ -59,7 +61,7 @@ def _gzip_chunks(path: str) -> Iterator[bytes]:
 
 
 def _plain_chunks(path: str) -> Iterator[bytes]:
-    with open(path, "rb") as fh:
+    with open_input(path) as fh:
         while chunk := fh.read(CHUNK):
             yield chunk
 
@@ -292,8 +294,10 @@ READERS = {"jsonl": read_jsonl, "pile": read_pile, "text": read_text, "pushshift
 
 
 def relative_names(files: list[str]) -> dict[str, str]:
-    """Each file's path below the source's common folder: the stable part of a document id."""
+    """Each file's path below the source's common folder: the stable part of a document id
+    (the same for a folder read as a path, a file:// URI or from a bucket with the same layout)."""
     if not files:
         return {}
-    root = os.path.commonpath([os.path.dirname(f) for f in files])
-    return {f: os.path.relpath(f, root) for f in files}
+    paths = {f: f.split("://", 1)[-1] for f in files}
+    root = os.path.commonpath([os.path.dirname(p) for p in paths.values()])
+    return {f: os.path.relpath(p, root) for f, p in paths.items()}

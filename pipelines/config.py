@@ -10,7 +10,6 @@ laptop run, and one generic validator that walks the type hints. Anything a user
 from __future__ import annotations
 
 import dataclasses
-import glob
 import os
 import re
 import types
@@ -20,6 +19,8 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
+
+from pipelines import storage
 
 
 class ConfigError(ValueError):
@@ -118,6 +119,9 @@ class RayConfig:
 class MlflowConfig:
     tracking_uri: str | None = None  # None: $MLFLOW_TRACKING_URI (the cluster's server), else sqlite under workdir
     experiment: str | None = None  # None: the config file's name (local, opt-175b, ...)
+    # Where run artifacts go, given to MLflow when it creates the experiment: any URI MLflow writes
+    # to (s3://bucket/mlflow, gs://..., file://...) or a folder. None: WORKDIR/mlartifacts.
+    artifact_location: str | None = None
 
 
 @dataclass
@@ -592,22 +596,33 @@ def _describe(value: Any) -> str:
 
 
 def _resolve_paths(config: PipelineConfig) -> PipelineConfig:
-    config.workdir = os.path.abspath(config.workdir)
+    """Relative paths made absolute; `file://` URIs of folders made paths; the sources' URIs kept
+    (pipelines/storage.py says which path may be which)."""
+    config.workdir = _local(config.workdir, "workdir")
     if config.mlflow.tracking_uri is None:
         config.mlflow.tracking_uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{os.path.join(config.workdir, 'mlflow.db')}"
     if config.mlflow.experiment is None:
         config.mlflow.experiment = config.name
+    location = config.mlflow.artifact_location or os.path.join(config.workdir, "mlartifacts")
+    config.mlflow.artifact_location = location if storage.is_uri(location) else Path(_local(location, "")).as_uri()
     if config.sample_corpus is not None:
-        config.sample_corpus = os.path.abspath(config.sample_corpus)
+        config.sample_corpus = _local(config.sample_corpus, "sample_corpus")
     for source in config.sources:
-        source.paths = [os.path.abspath(os.path.expanduser(p)) for p in source.paths]
-    for _, tok in tokenizers_of(config):
+        source.paths = [p if storage.is_uri(p) else _local(p, "") for p in source.paths]
+    for key, tok in tokenizers_of(config):
         for name in TOKENIZER_FILES:
             path = getattr(tok, name)
-            setattr(tok, name, os.path.abspath(os.path.expanduser(path)) if path else None)
+            setattr(tok, name, _local(path, f"{key}.{name}") if path else None)
     if config.train.storage is not None:
-        config.train.storage = os.path.abspath(os.path.expanduser(config.train.storage))
+        config.train.storage = _local(config.train.storage, "train.storage")
     return config
+
+
+def _local(path: str, key: str) -> str:
+    try:
+        return storage.local_path(path)
+    except ValueError as exc:
+        raise ConfigError(key, str(exc)) from None
 
 
 def tokenizers_of(config: PipelineConfig) -> list[tuple[str, TokenizerConfig]]:
@@ -624,13 +639,17 @@ def check_inputs_exist(config: PipelineConfig) -> None:
                 raise ConfigError(f"{key}.{name}", f"file {path!r} does not exist")
     for i, source in enumerate(config.sources):
         for j, pattern in enumerate(source.paths):
-            if not any(os.path.isfile(p) for p in glob.glob(pattern)):
+            try:
+                found = storage.expand(pattern)
+            except (ValueError, OSError) as exc:  # an unknown scheme, an unreachable bucket
+                raise ConfigError(f"sources[{i}].paths[{j}]", f"cannot list {pattern!r}: {exc}") from None
+            if not found:
                 raise ConfigError(f"sources[{i}].paths[{j}]", f"no file matches {pattern!r}")
 
 
 def source_files(source: SourceConfig) -> list[str]:
-    """The files a source reads, sorted, each once."""
-    return sorted({p for pattern in source.paths for p in glob.glob(pattern) if os.path.isfile(p)})
+    """The files a source reads (paths or URIs, as its globs name them), sorted, each once."""
+    return sorted({p for pattern in source.paths for p in storage.expand(pattern)})
 
 
 def section_dict(config: PipelineConfig, section: str | tuple[str, ...]) -> Any:

@@ -93,7 +93,7 @@ def run(config: PipelineConfig, args: argparse.Namespace, only: list[str] | None
     plan = runner.plan(only, args.from_, args.force)  # a bad selection fails here, before any run
     os.makedirs(config.workdir, exist_ok=True)
     tracker = MlflowTracker(config.mlflow.tracking_uri, config.mlflow.experiment,
-                            artifact_location=Path(config.workdir, "mlartifacts").as_uri(), tags=ablation)
+                            artifact_location=config.mlflow.artifact_location, tags=ablation)
     params = {"config": args.config or "configs/local.yaml", "workdir": config.workdir,
               "only": args.only, "from": args.from_, "force": args.force, "set": args.overrides}
     try:

@@ -7,13 +7,14 @@ import os
 from corpus import ingest, normalize, tokenize
 from dedup import stage as dedup_stage
 from screen import stage as screen_stage
+from pipelines import storage
 from pipelines.config import TOKENIZER_FILES, PipelineConfig, TokenizerConfig, source_files
 from pipelines.dag import Stage
 from train import stage as train_stage
 
 
 def raw_files_identity(config: PipelineConfig) -> list[list]:
-    """What ingest reads from outside the workdir: each source's files by path, size and mtime.
+    """What ingest reads from outside the workdir: each source's files by path (or URI), size and mtime.
 
     Stat, not content hashes: hashing terabytes of dumps to decide a cache hit would cost as
     much as reading them. A file replaced in place with the same size and mtime is not seen.
@@ -21,8 +22,7 @@ def raw_files_identity(config: PipelineConfig) -> list[list]:
     out = []
     for source in config.sources:
         for path in source_files(source):
-            st = os.stat(path)
-            out.append([source.name, path, st.st_size, st.st_mtime_ns])
+            out.append([source.name, path, *storage.stat(path)])
     return out
 
 
@@ -33,7 +33,7 @@ def tokenizer_files_identity(tok: TokenizerConfig) -> list[list]:
 
 
 STAGES: tuple[Stage, ...] = (
-    Stage("ingest", (), ("ingest", "sources"), run=ingest.run, code=("corpus.ingest", "corpus.readers", "corpus.reddit", "corpus.parts"),
+    Stage("ingest", (), ("ingest", "sources"), run=ingest.run, code=("corpus.ingest", "corpus.readers", "corpus.reddit", "corpus.parts", "pipelines.storage"),
           external=raw_files_identity),
     Stage("normalize", ("ingest",), "normalize", run=normalize.run, code=("corpus.normalize", "corpus.parts")),
     Stage("dedup", ("normalize",), "dedup", run=dedup_stage.run, code=("dedup.stage", "dedup.minhash", "dedup.lsh", "corpus.parts")),

@@ -152,7 +152,7 @@ def measure(ctx: StageContext, ranges, census, screened: list[str]) -> tuple[lis
     for job in jobs:
         by_subset[job["subset"]].append(job["score"].score)
         records.append({"subset": job["subset"], "seed": job["seed"], "mlflow_run_id": job["run_id"],
-                        "run_dir": str(job["folder"]), **job["score"].to_dict()})
+                        "run_dir": str(job["folder"].relative_to(ctx.folder)), **job["score"].to_dict()})
     verdicts = score.judge({s: by_subset[s] for s in screened}, by_subset[BASELINE], cfg.margin, cfg.sigmas)
     ctx.log.info("baseline scores %s; limit %.3f; sample+mixtures %.1fs, proxy runs %.1fs",
                  by_subset[BASELINE], verdicts[0].limit, t1 - t0, t2 - t1)

@@ -11,7 +11,7 @@ from pipelines import compare
 from pipelines.full import main
 
 
-def test_a_dedup_threshold_ablation_reruns_dedup_and_downstream_only(sample_run, tmp_path, capsys):
+def test_a_screen_ablation_reruns_the_screen_and_downstream_only(sample_run, tmp_path, capsys):
     from mlflow import MlflowClient
 
     _, _, wd = sample_run
@@ -19,37 +19,39 @@ def test_a_dedup_threshold_ablation_reruns_dedup_and_downstream_only(sample_run,
     base = {stage: manifest(wd, stage) for stage in ("ingest", "normalize", "dedup", "screen", "tokenize", "train")}
     capsys.readouterr()
     try:
-        assert main(["--config", cfg, "--set", "dedup.threshold=0.8", "--ablation", "loose-dedup"]) == 0
+        assert main(["--config", cfg, "--set", "screen.enabled=false", "--ablation", "no-screen"]) == 0
         out = capsys.readouterr().out
         status = {line.split()[0]: line.split()[1] for line in out.split("finished; workdir")[1].splitlines()[1:]
                   if line.startswith("  ") and len(line.split()) > 1 and line.split()[0] in base}
-        assert status == {"ingest": "cached", "normalize": "cached", "dedup": "ran", "screen": "ran", "tokenize": "ran",
+        assert status == {"ingest": "cached", "normalize": "cached", "dedup": "cached", "screen": "ran", "tokenize": "ran",
                           "train": "ran"}
-        loose = {stage: manifest(wd, stage) for stage in base}
-        assert loose["normalize"]["fingerprint"] == base["normalize"]["fingerprint"]
-        assert loose["dedup"]["counts"]["duplicate"] > base["dedup"]["counts"]["duplicate"]  # the 0.94 pair goes too
+        off = {stage: manifest(wd, stage) for stage in base}
+        assert off["dedup"]["fingerprint"] == base["dedup"]["fingerprint"]
+        assert off["screen"]["counts"]["rows_out"] == off["screen"]["counts"]["rows_in"] == base["screen"]["counts"]["rows_in"]
+        assert base["screen"]["counts"]["dropped"] > 0 and off["screen"]["proxy_runs"] == []
 
         client = MlflowClient(f"sqlite:///{wd}/mlflow.db")
-        for stage in ("dedup", "train"):
-            run = client.get_run(loose[stage]["mlflow_run_id"])
-            assert run.data.tags["ablation"] == "loose-dedup"
-            assert run.data.tags["ablation.diff"] == "dedup.threshold: 0.95 -> 0.8"
-        proxy = client.get_run(loose["screen"]["proxy_runs"][0]["mlflow_run_id"])
-        assert proxy.data.tags["ablation"] == "loose-dedup"
+        for stage in ("screen", "train"):
+            run = client.get_run(off[stage]["mlflow_run_id"])
+            assert run.data.tags["ablation"] == "no-screen"
+            assert run.data.tags["ablation.diff"] == "screen.enabled: True -> False"
         assert client.get_run(base["train"]["mlflow_run_id"]).data.tags["ablation"] == "base"
+        assert client.get_run(base["screen"]["proxy_runs"][0]["mlflow_run_id"]).data.tags["ablation"] == "base"
 
         chart = tmp_path / "ablations.png"
-        assert compare.main(["--config", cfg, "--out", str(chart), "base", "loose-dedup"]) == 0
+        assert compare.main(["--config", cfg, "--out", str(chart), "base", "no-screen"]) == 0
         table = capsys.readouterr().out
         header, _, *lines = table.splitlines()
-        assert header.split() == ["base", "loose-dedup"]
+        assert header.split() == ["base", "no-screen"]
         cells = {line[: line.index("  ")].strip(): line.split()[-2:] for line in lines if "  " in line}
-        assert cells["dedup duplicate"] == [str(base["dedup"]["counts"]["duplicate"]), str(loose["dedup"]["counts"]["duplicate"])]
-        assert cells["ingest rows_out"][0] == cells["ingest rows_out"][1]
-        assert cells["screen dropped subsets"] == ["HackerNews", "HackerNews"]
-        assert cells["train final loss"] == [f"{m['final_loss']:.4f}" for m in (base["train"], loose["train"])]
+        assert cells["screen dropped"] == [f"{base['screen']['counts']['dropped']:,}", "0"]
+        assert cells["dedup duplicate"][0] == cells["dedup duplicate"][1]  # a cache hit: the same run's counts
+        assert cells["screen dropped subsets"] == ["HackerNews", "none"]
+        base_pile, off_pile = (int(c.replace(",", "")) for c in cells["tokens pile"])
+        assert base_pile < off_pile  # HackerNews's tokens are back
+        assert cells["train final loss"] == [f"{m['final_loss']:.4f}" for m in (base["train"], off["train"])]
         assert "tokens ccnews" in cells and "validation loss ccnews" in cells and "grad-norm spikes" in cells
-        assert "loose-dedup: dedup.threshold: 0.95 -> 0.8" in table
+        assert "no-screen: screen.enabled: True -> False" in table
         assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert compare.main(["--config", cfg, "--out", str(chart), "nope"]) == 2
         assert "no pipeline run tagged ablation='nope'" in capsys.readouterr().err

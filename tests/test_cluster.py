@@ -49,3 +49,12 @@ def test_the_opt_175b_cluster(cluster):
     text = (ROOT / "cluster.yaml").read_text().lower()
     assert "aws_secret_access_key" not in text and "aws_access_key_id" not in text
     assert (ROOT / "Dockerfile").is_file()
+
+
+def test_the_image_holds_every_package_the_project_installs():
+    import tomllib
+
+    packages = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]["include"]
+    copied = {line.split()[1] for line in (ROOT / "Dockerfile").read_text().splitlines() if line.startswith("COPY ")}
+    missing = [p.rstrip("*") for p in packages if p.rstrip("*") not in copied]
+    assert not missing, f"Dockerfile does not COPY {missing}: `pip install -e .` in the image would miss them"

@@ -136,14 +136,25 @@ def test_each_proxy_run_is_a_nested_mlflow_run_with_its_subset_and_score(sample_
         assert value == pytest.approx(np.mean(seeds), abs=1e-4)
 
 
-def test_the_screen_is_reproducible(sample_run):
-    """The same config again (forced): the same scores, to the last digit, and the same decision."""
-    from pipelines.full import main
+def test_a_proxy_run_is_reproducible(sample_run, tmp_path):
+    """The planted subset's first proxy run again, from the stage's own mixture, config and seed: the
+    same grad-norm curve and score to the last digit (the stage's decisions are a function of these)."""
+    from screen.stage import proxy_loop, proxy_train_config, slug
+    from train.stage import fit, loop_config
 
     _, _, wd = sample_run
-    first = manifest(wd, "screen")
-    assert main(["--config", str(wd.parent / "sample.yaml"), "--only", "screen", "--force"]) == 0
-    second = manifest(wd, "screen")
-    assert second["mlflow_run_id"] != first["mlflow_run_id"]
-    assert second["scores"] == first["scores"] and second["dropped_subsets"] == first["dropped_subsets"]
-    assert [r["score"] for r in second["proxy_runs"]] == [r["score"] for r in first["proxy_runs"]]
+    m = manifest(wd, "screen")
+    cfg = load_config(wd.parent / "sample.yaml").screen
+    record = next(r for r in m["proxy_runs"] if r["subset"] == SPIKY and r["seed"] == cfg.seed)
+    stage_dir = Path(m["output"]).parent
+    assert (stage_dir / record["run_dir"] / "metrics.jsonl").is_file()
+    train_cfg = proxy_train_config(cfg, record["seed"])
+    config = loop_config(train_cfg, str(stage_dir / "mixtures" / slug(SPIKY)), tmp_path / "again", export_dir=None,
+                         tracking_uri=None, mlflow_run_id=None)
+    (tmp_path / "again").mkdir()
+    fit(train_cfg, {"runs": [config]}, tmp_path / "job", loop=proxy_loop)
+    before = score.read_grad_norms(stage_dir / record["run_dir"] / "metrics.jsonl")
+    after = score.read_grad_norms(tmp_path / "again" / "metrics.jsonl")
+    assert len(after) == cfg.steps and after == before
+    again = score.spike_score(after, window=cfg.window, spike_ratio=cfg.spike_ratio, burn_in=cfg.burn_in)
+    assert again.score == record["score"] > m["limit"]

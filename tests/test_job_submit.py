@@ -1,0 +1,152 @@
+"""The cluster path: `ray job submit` of pipelines/full.py to a real two-node Ray cluster on this machine.
+
+A head (1 CPU, resource `head_node`) and a second node (1 CPU, resource `worker_node`) started
+with `ray start`, token authentication on (a token made for the test), the dashboard bound to
+127.0.0.1 only. The job's working directory is uploaded as Ray does; the workdir is a folder both
+nodes see (as a shared mount on a real cluster), given as a file:// URI, and one source is read
+through pyarrow's filesystem by URI (as from a bucket). The cluster is stopped by pid whatever
+happens: every process whose command line names its temp dir.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+from conftest import ROOT
+
+pytestmark = pytest.mark.slow
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def cluster_pids(marker: str) -> list[int]:
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if marker in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                    pids.append(int(entry.name))
+            except OSError:
+                pass
+    return pids
+
+
+def stop(marker: str) -> None:
+    for sig in (signal.SIGTERM, signal.SIGKILL):
+        for pid in cluster_pids(marker):
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
+        deadline = time.time() + 15
+        while cluster_pids(marker) and time.time() < deadline:
+            time.sleep(0.5)
+
+
+def test_ray_job_submit_runs_the_pipeline_on_both_nodes_and_reruns_one_stage(tmp_path):
+    from corpus.sample import write_sample
+
+    bin_dir = str(Path(sys.executable).parent)
+    # Every process of the cluster names its temp dir: how it is stopped. Short: Unix socket paths end under it.
+    temp = Path(tempfile.mkdtemp(prefix="rt", dir="/tmp"))
+    token = tmp_path / "token"
+    token.write_text(secrets.token_hex(32))
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "RAY_AUTH_MODE": "token",
+           "RAY_AUTH_TOKEN_PATH": str(token)}
+    env.pop("RAY_ADDRESS", None)
+    gcs, dashboard, head_agent, node_agent = free_port(), free_port(), free_port(), free_port()
+    write_sample(tmp_path / "sample")
+    shared = tmp_path / "shared"
+    cfg = tmp_path / "cluster.yaml"
+    cfg.write_text(f"""workdir: {shared.as_uri()}
+sources:
+  - {{name: pile,   format: pile,  paths: ["{(tmp_path / 'sample').as_uri()}/pile/*.jsonl.zst"]}}
+  - {{name: ccnews, format: jsonl, paths: ["{tmp_path}/sample/ccnews/*.jsonl"], text_field: text, id_field: id}}
+ray: {{progress_bars: false}}
+""")
+
+    def ray(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+        return subprocess.run([f"{bin_dir}/ray", *args], env=env, capture_output=True, text=True, timeout=timeout)
+
+    def submit(*args: str) -> str:
+        deadline = time.time() + 120
+        while True:
+            proc = ray("job", "submit", "--address", f"http://127.0.0.1:{dashboard}", "--working-dir", str(ROOT), "--",
+                       "python", "pipelines/full.py", "--config", str(cfg), *args, timeout=900)
+            # The head's dashboard agent registers a few seconds after `ray start` returns; until then the job
+            # server refuses (nothing is submitted), so asking again is safe.
+            if "No available agent to submit job" not in proc.stderr or time.time() > deadline:
+                break
+            time.sleep(2)
+        assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:] + head_log("dashboard_JobHead.log")
+        return proc.stdout
+
+    def head_log(name: str) -> str:
+        path = temp / "session_latest" / "logs" / name
+        return f"\n--- {name}:\n" + path.read_text(errors="replace")[-3000:] if path.is_file() else ""
+
+    try:
+        head = ray("start", "--head", f"--port={gcs}", "--num-cpus=1", '--resources={"head_node": 1}',
+                   f"--temp-dir={temp}", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
+                   f"--dashboard-port={dashboard}", f"--dashboard-agent-listen-port={head_agent}", "--disable-usage-stats")
+        assert head.returncode == 0, head.stderr[-3000:]
+        # Two nodes on one machine: each node's dashboard agent needs a port of its own (Ray's default is one
+        # fixed port; the node whose agent binds it second loses its agent, and the head's is the job server's).
+        node = ray("start", f"--address=127.0.0.1:{gcs}", "--num-cpus=1", '--resources={"worker_node": 1}',
+                   f"--dashboard-agent-listen-port={node_agent}", "--disable-usage-stats")
+        assert node.returncode == 0, node.stderr[-3000:]
+
+        out = submit("--only", "ingest,normalize,dedup")
+        assert "Connecting to existing Ray cluster" in out or "Connected to Ray cluster" in out
+        for stage in ("ingest", "normalize", "dedup"):
+            manifest = json.loads((shared / stage / "manifest.json").read_text())
+            assert Path(manifest["output"]).is_relative_to(shared) and any(Path(manifest["output"]).glob("*.parquet"))
+        assert (shared / "mlflow.db").is_file()
+        ingest = json.loads((shared / "ingest" / "manifest.json").read_text())["counts"]
+        assert ingest["rejected"] > 0 and ingest["subset_not_kept"] > 0 and ingest["rows_out"] > 300
+        import pyarrow.parquet as pq
+        ids = pq.read_table(json.loads((shared / "ingest" / "manifest.json").read_text())["output"], columns=["id"])
+        assert any(i.startswith("pile/00.jsonl.zst:") for i in ids.column("id").to_pylist())  # ids as from a path
+
+        # Which node ran what: the State API of the cluster's dashboard.
+        probe = subprocess.run([sys.executable, "-c", (
+            "import json\n"
+            "from ray.util.state import list_nodes, list_tasks\n"
+            f"a = 'http://127.0.0.1:{dashboard}'\n"
+            "names = {n.node_id: ('head' if 'head_node' in n.resources_total else 'worker') for n in list_nodes(address=a)}\n"
+            "tasks = [t for t in list_tasks(address=a, detail=True, limit=10000) if t.node_id and t.type == 'NORMAL_TASK']\n"
+            "print(json.dumps([[t.name, names[t.node_id]] for t in tasks]))")],
+            env=env, capture_output=True, text=True, timeout=120)
+        assert probe.returncode == 0, probe.stderr[-3000:]
+        by_node = collections.Counter(node for _, node in json.loads(probe.stdout.splitlines()[-1]))
+        assert by_node["head"] > 0 and by_node["worker"] > 0, by_node
+
+        before = {s: json.loads((shared / s / "manifest.json").read_text()) for s in ("ingest", "normalize", "dedup")}
+        out = submit("--only", "dedup", "--force")
+        assert "[dedup] running" in out and "[ingest]" not in out and "[normalize]" not in out
+        after = {s: json.loads((shared / s / "manifest.json").read_text()) for s in before}
+        assert after["ingest"] == before["ingest"] and after["normalize"] == before["normalize"]
+        assert after["dedup"]["mlflow_run_id"] != before["dedup"]["mlflow_run_id"]
+        assert after["dedup"]["counts"] == before["dedup"]["counts"]
+    finally:
+        stop(str(temp))
+        leftover = cluster_pids(str(temp))
+        shutil.rmtree(temp, ignore_errors=True)
+    assert not leftover
