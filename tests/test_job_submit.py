@@ -4,8 +4,10 @@ A head (1 CPU, resource `head_node`) and a second node (1 CPU, resource `worker_
 with `ray start`, token authentication on (a token made for the test), the dashboard bound to
 127.0.0.1 only. The job's working directory is uploaded as Ray does; the workdir is a folder both
 nodes see (as a shared mount on a real cluster), given as a file:// URI, and one source is read
-through pyarrow's filesystem by URI (as from a bucket). The cluster is stopped by pid whatever
-happens: every process whose command line names its temp dir.
+through pyarrow's filesystem by URI (as from a bucket). As cluster.yaml does, an `mlflow server`
+bound to 127.0.0.1 stands for the head's tracking server and its URI is exported to `ray start
+--head` only: the jobs must inherit it. The cluster is stopped by pid whatever happens: every
+process whose command line names its temp dir; the MLflow server by its process group.
 """
 
 from __future__ import annotations
@@ -34,6 +36,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def up(url: str) -> bool:
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return response.status == 200
+    except OSError:
+        return False
 
 
 def cluster_pids(marker: str) -> list[int]:
@@ -71,7 +83,7 @@ def test_ray_job_submit_runs_the_pipeline_on_both_nodes_and_reruns_one_stage(tmp
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "RAY_AUTH_MODE": "token",
            "RAY_AUTH_TOKEN_PATH": str(token)}
     env.pop("RAY_ADDRESS", None)
-    gcs, dashboard, head_agent, node_agent = free_port(), free_port(), free_port(), free_port()
+    gcs, dashboard, head_agent, node_agent, tracking = (free_port() for _ in range(5))
     write_sample(tmp_path / "sample")
     shared = tmp_path / "shared"
     cfg = tmp_path / "cluster.yaml"
@@ -82,8 +94,9 @@ sources:
 ray: {{progress_bars: false}}
 """)
 
-    def ray(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-        return subprocess.run([f"{bin_dir}/ray", *args], env=env, capture_output=True, text=True, timeout=timeout)
+    def ray(*args: str, timeout: float = 300, extra_env: dict | None = None) -> subprocess.CompletedProcess:
+        return subprocess.run([f"{bin_dir}/ray", *args], env={**env, **(extra_env or {})}, capture_output=True, text=True,
+                              timeout=timeout)
 
     def submit(*args: str) -> str:
         deadline = time.time() + 120
@@ -102,10 +115,20 @@ ray: {{progress_bars: false}}
         path = temp / "session_latest" / "logs" / name
         return f"\n--- {name}:\n" + path.read_text(errors="replace")[-3000:] if path.is_file() else ""
 
+    server = subprocess.Popen([f"{bin_dir}/mlflow", "server", "--backend-store-uri", f"sqlite:///{tmp_path}/server.db",
+                               "--artifacts-destination", str(tmp_path / "server-artifacts"), "--host", "127.0.0.1",
+                               "--port", str(tracking)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                              start_new_session=True)
+    tracking_uri = f"http://127.0.0.1:{tracking}"
     try:
+        deadline = time.time() + 120
+        while not up(f"{tracking_uri}/health"):
+            assert server.poll() is None and time.time() < deadline, "mlflow server did not start"
+            time.sleep(1)
         head = ray("start", "--head", f"--port={gcs}", "--num-cpus=1", '--resources={"head_node": 1}',
                    f"--temp-dir={temp}", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
-                   f"--dashboard-port={dashboard}", f"--dashboard-agent-listen-port={head_agent}", "--disable-usage-stats")
+                   f"--dashboard-port={dashboard}", f"--dashboard-agent-listen-port={head_agent}", "--disable-usage-stats",
+                   extra_env={"MLFLOW_TRACKING_URI": tracking_uri})
         assert head.returncode == 0, head.stderr[-3000:]
         # Two nodes on one machine: each node's dashboard agent needs a port of its own (Ray's default is one
         # fixed port; the node whose agent binds it second loses its agent, and the head's is the job server's).
@@ -118,7 +141,15 @@ ray: {{progress_bars: false}}
         for stage in ("ingest", "normalize", "dedup"):
             manifest = json.loads((shared / stage / "manifest.json").read_text())
             assert Path(manifest["output"]).is_relative_to(shared) and any(Path(manifest["output"]).glob("*.parquet"))
-        assert (shared / "mlflow.db").is_file()
+        # Tracked on the head's server (the URI the head was started with), not in a store of the job's own.
+        assert not (shared / "mlflow.db").exists()
+        from mlflow import MlflowClient
+        client = MlflowClient(tracking_uri)
+        experiment = client.get_experiment_by_name("cluster")
+        for stage in ("ingest", "normalize", "dedup"):
+            run = client.get_run(json.loads((shared / stage / "manifest.json").read_text())["mlflow_run_id"])
+            assert run.info.experiment_id == experiment.experiment_id and run.info.status == "FINISHED"
+            assert run.data.metrics["rows_out"] > 0
         ingest = json.loads((shared / "ingest" / "manifest.json").read_text())["counts"]
         assert ingest["rejected"] > 0 and ingest["subset_not_kept"] > 0 and ingest["rows_out"] > 300
         import pyarrow.parquet as pq
@@ -145,7 +176,13 @@ ray: {{progress_bars: false}}
         assert after["ingest"] == before["ingest"] and after["normalize"] == before["normalize"]
         assert after["dedup"]["mlflow_run_id"] != before["dedup"]["mlflow_run_id"]
         assert after["dedup"]["counts"] == before["dedup"]["counts"]
+        assert client.get_run(after["dedup"]["mlflow_run_id"]).info.status == "FINISHED"
     finally:
+        os.killpg(server.pid, signal.SIGTERM)
+        try:
+            server.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(server.pid, signal.SIGKILL)
         stop(str(temp))
         leftover = cluster_pids(str(temp))
         shutil.rmtree(temp, ignore_errors=True)
