@@ -604,11 +604,11 @@ def _resolve_paths(config: PipelineConfig) -> PipelineConfig:
     if config.mlflow.experiment is None:
         config.mlflow.experiment = config.name
     location = config.mlflow.artifact_location or os.path.join(config.workdir, "mlartifacts")
-    config.mlflow.artifact_location = location if storage.is_uri(location) else Path(_local(location, "")).as_uri()
+    config.mlflow.artifact_location = location if storage.is_uri(location) else Path(storage.local_path(location)).as_uri()
     if config.sample_corpus is not None:
         config.sample_corpus = _local(config.sample_corpus, "sample_corpus")
     for source in config.sources:
-        source.paths = [p if storage.is_uri(p) else _local(p, "") for p in source.paths]
+        source.paths = [p if storage.is_uri(p) else storage.local_path(p) for p in source.paths]
     for key, tok in tokenizers_of(config):
         for name in TOKENIZER_FILES:
             path = getattr(tok, name)
