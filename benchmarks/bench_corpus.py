@@ -74,7 +74,8 @@ def bare_ingest(files: list[str], scratch: Path) -> float:
     """The ingest task's own function over every file in this process: readers + Parquet writes."""
     folders = {k: str(scratch / k) for k in ("output", "rejected", "subset_not_kept", "records")}
     source = SourceConfig(name="pile", format="pile", paths=files)
-    task = read_task_for(source, files, relative_names(files), "bare", folders, fail_on_bad_input=False)
+    sizes = {f: os.path.getsize(f) for f in files}
+    task = read_task_for(source, files, relative_names(files), sizes, "bare", folders, fail_on_bad_input=False)
     t0 = time.perf_counter()
     read_task(task)
     elapsed = time.perf_counter() - t0

@@ -80,8 +80,8 @@ def read_task(task: dict) -> dict:
     counts: collections.Counter = collections.Counter()
     subsets: collections.Counter = collections.Counter()
     first_bad = None
-    for path, rel in task["files"]:
-        counts["bytes_read"] += storage.size(path)
+    for path, rel, nbytes in task["files"]:
+        counts["bytes_read"] += nbytes
         for row in reader(path, name, rel):
             counts["rows_in"] += 1
             if row.get("reason"):
@@ -109,13 +109,13 @@ def read_task(task: dict) -> dict:
     return {"counts": dict(counts), "subsets": dict(subsets), "first_bad": first_bad}
 
 
-def read_task_for(source: SourceConfig, files: list[str], rel: dict[str, str], stem: str, folders: dict[str, str],
-                  fail_on_bad_input: bool) -> dict:
+def read_task_for(source: SourceConfig, files: list[str], rel: dict[str, str], sizes: dict[str, int], stem: str,
+                  folders: dict[str, str], fail_on_bad_input: bool) -> dict:
     """The task `read_task` runs for some files of a source (plain data: it travels as JSON)."""
     return {
         "source": {"name": source.name, "format": source.format, "text_field": source.text_field,
                    "id_field": source.id_field, "keep_subsets": source.keep_subsets, "split": source.split},
-        "files": [[f, rel[f]] for f in files],
+        "files": [[f, rel[f], sizes[f]] for f in files],
         "stem": stem,
         "folders": {**folders, "records": os.path.join(folders["records"], source.name)},
         "fail_on_bad_input": fail_on_bad_input,
@@ -126,15 +126,16 @@ def read_tasks(ctx: StageContext, folders: dict[str, str]) -> list[dict]:
     """One task per group of files of a source: small files packed together, up to `ingest.task_mb`
     (and fewer per task when that leaves cores idle). One file is never split: a zstd stream is
     read from its start."""
-    files_of = {source.name: source_files(source) for source in ctx.config.sources}
-    total = sum(storage.size(f) for files in files_of.values() for f in files)
+    # Each file's size is asked for once (a request per file when the sources are in a bucket).
+    sizes_of = {source.name: {f: storage.size(f) for f in source_files(source)} for source in ctx.config.sources}
+    total = sum(n for sizes in sizes_of.values() for n in sizes.values())
     target = task_bytes(total, ctx.config.ingest.task_mb << 20)
     tasks = []
     for source in ctx.config.sources:
-        files = files_of[source.name]
-        rel = relative_names(files)
-        for i, group in enumerate(group_by_size(files, target)):
-            tasks.append(read_task_for(source, group, rel, f"{source.name}-{i:05d}", folders,
+        sizes = sizes_of[source.name]
+        rel = relative_names(list(sizes))
+        for i, group in enumerate(group_by_size(sizes, target)):
+            tasks.append(read_task_for(source, group, rel, sizes, f"{source.name}-{i:05d}", folders,
                                        ctx.config.ingest.on_bad_input == "fail"))
     return tasks
 

@@ -19,8 +19,6 @@ from typing import Any, Callable
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from pipelines import storage
-
 # design.md's documents contract: what ingest, normalize and dedup write to their output/.
 DOCUMENT_SCHEMA = pa.schema([("id", pa.string()), ("text", pa.string()), ("source", pa.string()),
                              ("subset", pa.string()), ("meta", pa.string())])
@@ -147,20 +145,20 @@ def task_bytes(total_bytes: int, limit_bytes: int) -> int:
     return max(1 << 20, min(limit_bytes, total_bytes // (2 * cpus)))
 
 
-def group_by_size(paths: list[str], target_bytes: int) -> list[list[str]]:
-    """Consecutive files packed into groups of about `target_bytes`: a group is closed once it holds
-    that much (so it may pass it by one file; a big file is a group of its own).
+def group_by_size(sizes: dict[str, int], target_bytes: int) -> list[list[str]]:
+    """Consecutive files (path -> bytes, in order) packed into groups of about `target_bytes`: a group
+    is closed once it holds that much (so it may pass it by one file; a big file is a group of its own).
 
     Ten thousand small books are a few tasks, not ten thousand; a 30 GB dump is one task.
     """
     groups: list[list[str]] = []
     size = target_bytes
-    for path in paths:
+    for path, nbytes in sizes.items():
         if size >= target_bytes:  # the last group is full: start another
             groups.append([])
             size = 0
         groups[-1].append(path)
-        size += storage.size(path)
+        size += nbytes
     return groups
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import os
-
 from corpus import ingest, normalize, tokenize
 from dedup import stage as dedup_stage
 from screen import stage as screen_stage
@@ -29,7 +27,7 @@ def raw_files_identity(config: PipelineConfig) -> list[list]:
 def tokenizer_files_identity(tok: TokenizerConfig) -> list[list]:
     """GPT-2's vocab/merges/dict files, by path, size and mtime (as for raw files)."""
     paths = [getattr(tok, name) for name in TOKENIZER_FILES]
-    return [[p, os.stat(p).st_size, os.stat(p).st_mtime_ns] for p in paths if p is not None]
+    return [[p, *storage.stat(p)] for p in paths if p is not None]
 
 
 STAGES: tuple[Stage, ...] = (

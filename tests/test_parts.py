@@ -28,13 +28,14 @@ def test_small_files_are_packed_and_big_ones_stand_alone(tmp_path):
     sizes = {"a": 10, "b": 10, "c": 100, "d": 5, "e": 5, "f": 5}
     for name, size in sizes.items():
         (tmp_path / name).write_bytes(b"x" * size)
-    groups = group_by_size([str(tmp_path / n) for n in sizes], target_bytes=20)
+    on_disk = {str(tmp_path / n): (tmp_path / n).stat().st_size for n in sizes}
+    groups = group_by_size(on_disk, target_bytes=20)
     assert [[p[-1] for p in g] for g in groups] == [["a", "b"], ["c"], ["d", "e", "f"]]
-    groups = group_by_size([str(tmp_path / n) for n in sizes], target_bytes=12)
+    groups = group_by_size(on_disk, target_bytes=12)
     assert [[p[-1] for p in g] for g in groups] == [["a", "b"], ["c"], ["d", "e", "f"]]
-    groups = group_by_size([str(tmp_path / n) for n in sizes], target_bytes=8)
+    groups = group_by_size(on_disk, target_bytes=8)
     assert [[p[-1] for p in g] for g in groups] == [["a"], ["b"], ["c"], ["d", "e"], ["f"]]
-    assert group_by_size([], 20) == []
+    assert group_by_size({}, 20) == []
 
 
 def test_row_group_ranges_cover_every_group_once(tmp_path):
