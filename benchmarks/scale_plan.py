@@ -24,12 +24,14 @@ TOKENS = 180e9
 DOC_BYTES = 4_000  # mean document size: an assumption (Pile-CC's is ~4 KB; OPT gave no count)
 
 # Per-core stage rates measured on this repo's 2-vCPU x86_64 machine (docs/benchmarks.md):
-RATES = {  # stage: (bytes of text per second per core, where it was measured)
-    "ingest": (54.9e6, "Corpus: ingest, stage on 1 CPU"),
-    "normalize": (8.5e6, "Corpus: normalize, stage on 1 CPU (ftfy is the cost)"),
+# stage: (bytes of text per second per core, where it was measured, bytes it moves through FSx as a
+# multiple of the text: read + write, and dedup's extra read of the documents for its join)
+RATES = {
+    "ingest": (54.9e6, "Corpus: ingest, stage on 1 CPU", 2),
+    "normalize": (8.5e6, "Corpus: normalize, stage on 1 CPU (ftfy is the cost)", 2),
     # Dedup at 100k and 400k documents: 109 -> 436 MB in 32.8 -> 59.1 s on 2 cores: the marginal
     # rate, without the fixed start-up costs that dominate the small run.
-    "dedup": ((436e6 - 109e6) / (59.1 - 32.8) / 2, "Dedup: the stage at 100k and 400k documents (marginal, per core)"),
+    "dedup": ((436e6 - 109e6) / (59.1 - 32.8) / 2, "Dedup: the stage at 100k and 400k documents (marginal, per core)", 3),
 }
 TOKENS_PER_CORE_S = (790_537, "Tokenize: stage on 1 CPU")
 BYTES_PER_TOKEN = TEXT_BYTES / TOKENS
@@ -67,9 +69,8 @@ def data_stages(nodes: list[int], fsx_bytes_s: float) -> None:
     print(header)
     print("|" + "---|" * (header.count("|") - 1))
     rows = []
-    for stage, (rate, _) in RATES.items():
-        io = {"ingest": 2 * TEXT_BYTES, "normalize": 2 * TEXT_BYTES, "dedup": 3 * TEXT_BYTES}[stage]
-        rows.append((stage, f"{rate / 1e6:.1f} MB/s", TEXT_BYTES / rate, io))
+    for stage, (rate, _, io) in RATES.items():
+        rows.append((stage, f"{rate / 1e6:.1f} MB/s", TEXT_BYTES / rate, io * TEXT_BYTES))
     tok_rate = TOKENS_PER_CORE_S[0]
     # tokenize reads the text, writes the tokens (uint16) per task, gathers them per bucket, packs shards
     rows.append(("tokenize", f"{tok_rate / 1e3:.0f}k tokens/s", TOKENS / tok_rate, TEXT_BYTES + 3 * 2 * TOKENS))
@@ -79,7 +80,7 @@ def data_stages(nodes: list[int], fsx_bytes_s: float) -> None:
         walls = " | ".join(hours(max(core_s / (n * VCPUS_PER_NODE), io / fsx_bytes_s)) for n in nodes)
         print(f"| {stage} | {rate} | {core_s / 3600:,.0f} | {walls} | {gb(io)} | {hours(io / fsx_bytes_s)} |")
     print(f"\nAll four: {total_core_s / 3600:,.0f} core-hours.\n")
-    for stage, (_, where) in RATES.items():
+    for stage, (_, where, _) in RATES.items():
         print(f"- {stage}: docs/benchmarks.md, \"{where}\"")
     print(f"- tokenize: docs/benchmarks.md, \"{TOKENS_PER_CORE_S[1]}\"\n")
     print("Shuffle volumes:\n")
