@@ -28,6 +28,15 @@ def ray_session():
     ray.shutdown()
 
 
+@pytest.fixture(scope="session")
+def sample(tmp_path_factory):
+    """(folder, what it planted): the clean sample corpus, written once; tests only read it."""
+    from corpus.sample import write_sample
+
+    out = tmp_path_factory.mktemp("clean") / "sample"
+    return out, write_sample(out)
+
+
 def write_config(folder: Path, text: str, name: str = "test") -> Path:
     path = folder / f"{name}.yaml"
     path.write_text(text)

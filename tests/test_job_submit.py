@@ -25,9 +25,11 @@ import tempfile
 import time
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
+from mlflow import MlflowClient
 
-from conftest import ROOT
+from conftest import ROOT, manifest
 
 pytestmark = pytest.mark.slow
 
@@ -115,15 +117,17 @@ ray: {{progress_bars: false}}
         path = temp / "session_latest" / "logs" / name
         return f"\n--- {name}:\n" + path.read_text(errors="replace")[-3000:] if path.is_file() else ""
 
-    server = subprocess.Popen([f"{bin_dir}/mlflow", "server", "--backend-store-uri", f"sqlite:///{tmp_path}/server.db",
-                               "--artifacts-destination", str(tmp_path / "server-artifacts"), "--host", "127.0.0.1",
-                               "--port", str(tracking)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-                              start_new_session=True)
+    server_log = tmp_path / "mlflow-server.log"
+    with open(server_log, "wb") as log:  # a file, not a pipe nobody reads (a full pipe would stall the server)
+        server = subprocess.Popen([f"{bin_dir}/mlflow", "server", "--backend-store-uri", f"sqlite:///{tmp_path}/server.db",
+                                   "--artifacts-destination", str(tmp_path / "server-artifacts"), "--host", "127.0.0.1",
+                                   "--port", str(tracking)], env=env, stdout=log, stderr=subprocess.STDOUT,
+                                  start_new_session=True)
     tracking_uri = f"http://127.0.0.1:{tracking}"
     try:
         deadline = time.time() + 120
         while not up(f"{tracking_uri}/health"):
-            assert server.poll() is None and time.time() < deadline, "mlflow server did not start"
+            assert server.poll() is None and time.time() < deadline, server_log.read_text(errors="replace")[-3000:]
             time.sleep(1)
         head = ray("start", "--head", f"--port={gcs}", "--num-cpus=1", '--resources={"head_node": 1}',
                    f"--temp-dir={temp}", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
@@ -138,22 +142,20 @@ ray: {{progress_bars: false}}
 
         out = submit("--only", "ingest,normalize,dedup")
         assert "Connecting to existing Ray cluster" in out or "Connected to Ray cluster" in out
-        for stage in ("ingest", "normalize", "dedup"):
-            manifest = json.loads((shared / stage / "manifest.json").read_text())
-            assert Path(manifest["output"]).is_relative_to(shared) and any(Path(manifest["output"]).glob("*.parquet"))
+        before = {stage: manifest(shared, stage) for stage in ("ingest", "normalize", "dedup")}
+        for m in before.values():
+            assert Path(m["output"]).is_relative_to(shared) and any(Path(m["output"]).glob("*.parquet"))
         # Tracked on the head's server (the URI the head was started with), not in a store of the job's own.
         assert not (shared / "mlflow.db").exists()
-        from mlflow import MlflowClient
         client = MlflowClient(tracking_uri)
         experiment = client.get_experiment_by_name("cluster")
-        for stage in ("ingest", "normalize", "dedup"):
-            run = client.get_run(json.loads((shared / stage / "manifest.json").read_text())["mlflow_run_id"])
+        for m in before.values():
+            run = client.get_run(m["mlflow_run_id"])
             assert run.info.experiment_id == experiment.experiment_id and run.info.status == "FINISHED"
             assert run.data.metrics["rows_out"] > 0
-        ingest = json.loads((shared / "ingest" / "manifest.json").read_text())["counts"]
+        ingest = before["ingest"]["counts"]
         assert ingest["rejected"] > 0 and ingest["subset_not_kept"] > 0 and ingest["rows_out"] > 300
-        import pyarrow.parquet as pq
-        ids = pq.read_table(json.loads((shared / "ingest" / "manifest.json").read_text())["output"], columns=["id"])
+        ids = pq.read_table(before["ingest"]["output"], columns=["id"])
         assert any(i.startswith("pile/00.jsonl.zst:") for i in ids.column("id").to_pylist())  # ids as from a path
 
         # Which node ran what: the State API of the cluster's dashboard.
@@ -169,10 +171,9 @@ ray: {{progress_bars: false}}
         by_node = collections.Counter(node for _, node in json.loads(probe.stdout.splitlines()[-1]))
         assert by_node["head"] > 0 and by_node["worker"] > 0, by_node
 
-        before = {s: json.loads((shared / s / "manifest.json").read_text()) for s in ("ingest", "normalize", "dedup")}
         out = submit("--only", "dedup", "--force")
         assert "[dedup] running" in out and "[ingest]" not in out and "[normalize]" not in out
-        after = {s: json.loads((shared / s / "manifest.json").read_text()) for s in before}
+        after = {stage: manifest(shared, stage) for stage in before}
         assert after["ingest"] == before["ingest"] and after["normalize"] == before["normalize"]
         assert after["dedup"]["mlflow_run_id"] != before["dedup"]["mlflow_run_id"]
         assert after["dedup"]["counts"] == before["dedup"]["counts"]

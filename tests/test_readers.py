@@ -12,13 +12,6 @@ import pytest
 import zstandard
 
 from corpus.readers import REDDIT_FIELDS, ROW_FIELDS, read_jsonl, read_lines, read_pile, read_pushshift, read_text, relative_names
-from corpus.sample import write_sample
-
-
-@pytest.fixture(scope="module")
-def sample(tmp_path_factory):
-    out = tmp_path_factory.mktemp("r") / "sample"
-    return out, write_sample(out)
 
 
 def pile_rows(out: Path) -> list[dict]:

@@ -18,12 +18,6 @@ from conftest import ROOT
 from corpus.sample import PILE_SUBSETS, jaccard, write_sample
 
 
-@pytest.fixture(scope="module")
-def sample(tmp_path_factory):
-    out = tmp_path_factory.mktemp("s") / "sample"
-    return out, write_sample(out)
-
-
 def zst_lines(path: Path, **kw) -> list[bytes]:
     with zstandard.ZstdDecompressor(**kw).stream_reader(io.BytesIO(path.read_bytes())) as r:
         return r.read().split(b"\n")[:-1]

@@ -10,18 +10,11 @@ import pytest
 import zstandard
 
 from corpus.readers import read_lines, read_pile, relative_names
-from corpus.sample import write_sample
 from pipelines import storage
 from pipelines.config import ConfigError, check_inputs_exist, load_config, source_files
 from pipelines.tracking import MlflowTracker
 
 from conftest import manifest, write_config
-
-
-@pytest.fixture(scope="module")
-def sample(tmp_path_factory):
-    out = tmp_path_factory.mktemp("s") / "sample"
-    return out, write_sample(out)
 
 
 def test_the_pile_read_by_uri_equals_the_pile_read_by_path(sample):
