@@ -38,44 +38,59 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_tokenize import make_shards  # noqa: E402
 from model.configs import flops_per_token, get  # noqa: E402
 from model.opt import OPT  # noqa: E402
+from train.loop import peak_tflops  # noqa: E402
 from train.optim import adamw  # noqa: E402
 
 import provenance  # noqa: E402  (benchmarks/provenance.py: a script's folder is on sys.path)
 
-SETUPS = {"tiny": {"seq_len": 128, "batch": 32, "micro": 8, "steps": 30},
-          "125m": {"seq_len": 2048, "batch": 2, "micro": 1, "steps": 6}}
+# Batch and steps per device: on 2 CPU cores a 125M step of two sequences already takes ~20 s; on
+# one GPU the micro-batch must be large enough to fill it (MFU is the question there).
+SETUPS = {"cpu": {"tiny": {"seq_len": 128, "batch": 32, "micro": 8, "steps": 30},
+                  "125m": {"seq_len": 2048, "batch": 2, "micro": 1, "steps": 6}},
+          "cuda": {"tiny": {"seq_len": 128, "batch": 256, "micro": 64, "steps": 30},
+                   "125m": {"seq_len": 2048, "batch": 32, "micro": 8, "steps": 12},
+                   "1.3b": {"seq_len": 2048, "batch": 16, "micro": 4, "steps": 10}}}
 
 
-def ours(name: str, shards: Path, out: Path, steps: int, cpus: int, device: str, precision: str) -> list[float]:
+def train_stage(out: Path, label: str, shards: Path, overrides: list[str]) -> Path:
+    """The train stage itself (`train.stage.run`, Ray Train + DeepSpeed, MLflow) over `shards`, with
+    configs/local.yaml's train section and `overrides` (--set syntax); its output folder."""
     from pipelines.config import load_config
     from pipelines.dag import StageContext
     from pipelines.tracking import MlflowTracker
     from train import stage
 
-    setup = SETUPS[name]
-    config = load_config(ROOT / "configs" / "local.yaml", [
-        f"workdir={out}/work", f"train.model={name}", "train.num_workers=1", f"train.cpus_per_worker={cpus}",
+    config = load_config(ROOT / "configs" / "local.yaml", [f"workdir={out}/work", *overrides])
+    tracker = MlflowTracker(config.mlflow.tracking_uri, "bench_train")
+    folder = out / label / "stage"
+    folder.mkdir(parents=True)
+    with tracker.stage(f"train-{label}", {}, {}) as run_id:
+        ctx = StageContext("train", config, config.train, {"tokenize": {"output": str(shards)}}, folder,
+                           logging.getLogger("bench"), run_id, fingerprint=label.replace(".", "_").ljust(16, "0"))
+        stage.run(ctx)
+    return folder / "output"
+
+
+def ours(name: str, shards: Path, out: Path, steps: int, cpus: int, device: str, precision: str,
+         overrides: list[str]) -> tuple[list[float], list[dict]]:
+    setup = SETUPS[device][name]
+    output = train_stage(out, name, shards, [
+        f"train.model={name}", "train.num_workers=1", f"train.cpus_per_worker={cpus}",
         f"train.gpus_per_worker={1 if device == 'cuda' else 0}", f"train.precision={precision}",
         f"train.micro_batch_size={setup['micro']}", f"train.global_batch_tokens={setup['batch'] * setup['seq_len']}",
-        f"train.max_steps={steps}", f"train.checkpoint_every={steps}", "train.eval_every=0", "train.warmup_tokens=0"])
-    tracker = MlflowTracker(config.mlflow.tracking_uri, "bench_train")
-    folder = out / name / "stage"
-    folder.mkdir(parents=True)
-    with tracker.stage(f"train-{name}", {}, {}) as run_id:
-        ctx = StageContext("train", config, config.train, {"tokenize": {"output": str(shards)}}, folder,
-                           logging.getLogger("bench"), run_id, fingerprint=f"bench{name}".ljust(16, "0"))
-        stage.run(ctx)
-    rows = [json.loads(line) for line in (folder / "output" / "metrics.jsonl").read_text().splitlines()]
-    return [r["tokens_per_second"] for r in rows if "tokens_per_second" in r][2:]
+        f"train.max_steps={steps}", f"train.checkpoint_every={steps}", "train.eval_every=0", "train.warmup_tokens=0",
+        *overrides])
+    rows = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
+    return [r["tokens_per_second"] for r in rows if "tokens_per_second" in r][2:], rows
 
 
 def bare(name: str, vocab: int, steps: int, threads: int, device: str, precision: str) -> list[float]:
-    setup = SETUPS[name]
+    setup = SETUPS[device][name]
     torch.set_num_threads(threads)
     torch.manual_seed(0)
     model = OPT(get(name).replace(vocab_size=vocab, max_seq_len=max(setup["seq_len"], get(name).max_seq_len))).to(device)
-    if precision == "bf16":
-        model = model.to(torch.bfloat16)
+    if precision in ("bf16", "fp16"):
+        model = model.to(torch.bfloat16 if precision == "bf16" else torch.float16)
     opt = adamw(model, 1e-4, 0.1)
     tokens = torch.from_numpy(np.random.default_rng(1).integers(4, vocab, (setup["batch"], setup["seq_len"] + 1))).to(device)
     rates = []
@@ -96,7 +111,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="tiny,125m")
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16"])
+    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a config override for our run (pipelines/full.py's --set), e.g. train.zero_stage=1")
     parser.add_argument("--out", default="/tmp/bench_train")
     args = parser.parse_args()
     out = Path(args.out)
@@ -110,25 +127,35 @@ def main() -> None:
              runtime_env={"worker_process_setup_hook": "pipelines.engines.quiet_worker_logs"})
     results = {}
     for name in args.models.split(","):
+        setup = SETUPS[args.device][name]
         vocab = 512 if name == "tiny" else 50272
         shards = out / name / "shards"
-        steps = SETUPS[name]["steps"]
-        make_shards(shards, SETUPS[name]["batch"] * (steps + 1), seq_len=SETUPS[name]["seq_len"], vocab=vocab)
-        results[name] = (statistics.median(ours(name, shards, out, steps, cores, args.device, args.precision)),
-                         statistics.median(bare(name, vocab, steps, cores, args.device, args.precision)), vocab)
+        make_shards(shards, setup["batch"] * (setup["steps"] + 1), seq_len=setup["seq_len"], vocab=vocab)
+        rates, rows = ours(name, shards, out, setup["steps"], cores, args.device, args.precision, args.set)
+        # bf16 and fp16 bare: the model cast whole (no fp32 master weights; the cheapest loop there is)
+        base = bare(name, vocab, setup["steps"], cores, args.device, "fp32" if args.precision == "fp32" else args.precision)
+        results[name] = (statistics.median(rates), statistics.median(base), vocab, rows)
     ray.shutdown()
 
     commit = provenance.commit()
     print(f"commit {commit}; {provenance.machine()}, {cores} cores, Python {platform.python_version()}, "
           f"torch {torch.__version__}, {args.device} {args.precision}")
     print()
-    print("| model | seq_len x batch | bare PyTorch tokens/s | ours tokens/s | time per token, ours / bare | ours TFLOP/s |")
-    print("|---|---|---|---|---|---|")
-    for name, (mine, base, vocab) in results.items():
-        s = SETUPS[name]
+    peak = peak_tflops(torch.device(args.device, 0), args.precision) if args.device == "cuda" else None
+    print("| model | seq_len x batch (micro) | bare PyTorch tokens/s | ours tokens/s | time per token, ours / bare "
+          "| ours TFLOP/s | ours MFU | bare MFU |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, (mine, base, vocab, rows) in results.items():
+        s = SETUPS[args.device][name]
         model = get(name).replace(vocab_size=vocab, max_seq_len=max(s["seq_len"], get(name).max_seq_len))
-        tflops = mine * flops_per_token(model, s["seq_len"]) / 1e12
-        print(f"| {name} | {s['seq_len']} x {s['batch']} | {base:,.0f} | {mine:,.0f} | {base / mine:.2f}x | {tflops:.3f} |")
+        per_token = flops_per_token(model, s["seq_len"])
+        mfu = (lambda rate: f"{rate * per_token / 1e12 / peak:.1%}" if peak else "-")
+        print(f"| {name} | {s['seq_len']} x {s['batch']} ({s['micro']}) | {base:,.0f} | {mine:,.0f} | {base / mine:.2f}x "
+              f"| {mine * per_token / 1e12:.3f} | {mfu(mine)} | {mfu(base)} |")
+        skipped = max((r.get("skipped_steps", 0) for r in rows), default=0)
+        if skipped:
+            scales = " ".join(f"{r['loss_scale']:g}" for r in rows if "loss_scale" in r)
+            print(f"  {name}: {skipped} overflow-skipped steps; loss scale per step: {scales}")
 
 
 if __name__ == "__main__":

@@ -27,6 +27,24 @@ from model.configs import OPTConfig
 POSITION_OFFSET = 2  # OPT's checkpoints keep two unused rows before position 0
 
 
+def init_(name: str, tensor: torch.Tensor, config: OPTConfig, generator: torch.Generator | None = None) -> None:
+    """OPT's init of the parameter called `name`, in place: normal(0, init_std); each block's output
+    projections (out_proj, fc2) scaled by 1/sqrt(2 * n_layer); biases 0; LayerNorms 1 and 0.
+
+    Every rule is elementwise (i.i.d. or constant), so it applies as well to any slice of the
+    parameter: a ZeRO-3 partition is initialized where it lives, with a generator of its own
+    (train/build.py), without ever gathering the whole parameter."""
+    with torch.no_grad():
+        if "layer_norm" in name:
+            tensor.fill_(1.0 if name.endswith("weight") else 0.0)
+        elif name.endswith("bias"):
+            tensor.zero_()
+        elif name.endswith(("out_proj.weight", "fc2.weight")):
+            tensor.normal_(0.0, config.init_std / math.sqrt(2 * config.n_layer), generator=generator)
+        else:
+            tensor.normal_(0.0, config.init_std, generator=generator)
+
+
 class Attention(nn.Module):
     def __init__(self, config: OPTConfig):
         super().__init__()
@@ -81,18 +99,8 @@ class OPT(nn.Module):
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
-        """OPT's init: normal(0, 0.006); each block's output projections (out_proj, fc2) scaled by
-        1/sqrt(2 * n_layer); biases 0; LayerNorms 1 and 0."""
-        std = self.config.init_std
         for name, p in self.named_parameters():
-            if "layer_norm" in name:
-                nn.init.ones_(p) if name.endswith("weight") else nn.init.zeros_(p)
-            elif name.endswith("bias"):
-                nn.init.zeros_(p)
-            elif name.endswith(("out_proj.weight", "fc2.weight")):
-                nn.init.normal_(p, 0.0, std / math.sqrt(2 * self.config.n_layer))
-            else:
-                nn.init.normal_(p, 0.0, std)
+            init_(name, p, self.config)
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """(B, T) token ids -> (B, T, vocab_size) logits; with (B, T) targets, the mean cross-entropy."""

@@ -57,6 +57,10 @@ def _check_engine(section: object, key: str) -> None:
     if section.precision == "fp16" and section.gpus_per_worker == 0:
         raise ConfigError(f"{key}.precision", "fp16 needs GPUs (DeepSpeed has no fp16 on CPU): use fp32 or bf16 "
                           "with gpus_per_worker: 0")
+    if section.precision == "fp16" and section.zero_stage == 0:
+        # DeepSpeed's ZeRO-0 fp16 wrapper around a client torch optimizer applies updates loss-scale times
+        # too small (platform notes), and has no loss scaler for the autopilot to reset.
+        raise ConfigError(f"{key}.zero_stage", "fp16 needs zero_stage 1, 2 or 3")
 
 
 # The Pile subsets OPT kept (by `meta.pile_set_name`); the other 14 it dropped.
@@ -267,7 +271,9 @@ class AutopilotConfig:
     grad_ratio: float = 2.0  # and at least three times the rolling mean (grad norms are heavy-tailed)
     patience: int = 1  # consecutive steps with the loss over the line before it is an incident
     grad_patience: int = 3  # the same for the grad norm: a single-step grad-norm burst is common and harmless
-    scale_floor: float = 1.0  # fp16: a loss scale under this is a collapse (OPT: healthy means >= 1)
+    # fp16: a loss scale under this is a collapse (OPT: healthy means >= 1); DeepSpeed's own minimum is set two
+    # halvings below it (train/optim.py), so the autopilot sees the collapse before DeepSpeed gives up.
+    scale_floor: float = 1.0
     overflow_window: int = 50
     overflow_limit: int = 10  # overflow-skipped steps within overflow_window
     activation_window: int = 100  # 0: off
@@ -285,7 +291,7 @@ class AutopilotConfig:
     def validate(self, key: str) -> None:
         _at_least(self, key, 1, "window", "patience", "grad_patience", "overflow_window", "overflow_limit", "repeat_window")
         _at_least(self, key, 0, "warmup", "activation_window", "rollback_steps", "skip_margin", "rewarm_steps", "budget")
-        _positive(self, key, "loss_sigma", "grad_sigma", "lr_factor", "clip_to")
+        _positive(self, key, "loss_sigma", "grad_sigma", "lr_factor", "clip_to", "scale_floor")
 
 
 @dataclass
@@ -293,7 +299,8 @@ class InjectConfig:
     """A fault to inject, for tests and demos; each fires once, even across restarts."""
 
     kind: Literal["kill", "hang", "spike", "nan", "overflow"]
-    # kill: a worker process dies; hang: a step stalls until the watchdog ends it;
+    # kill: a worker process dies; hang: a step stalls until the watchdog ends it (kill and hang at step 0:
+    # during start-up, before the checkpoint load);
     # spike: the LR is multiplied by `factor` for that step; nan: that step's gradients are NaN;
     # overflow: `count` steps from `step` overflow (fp16's scaler skips them; on fp32/bf16 a simulated scaler)
     step: int
@@ -302,7 +309,8 @@ class InjectConfig:
     count: int = 1  # overflow
 
     def validate(self, key: str) -> None:
-        _at_least(self, key, 1, "step", "count")
+        _at_least(self, key, 0 if self.kind in ("kill", "hang") else 1, "step")
+        _at_least(self, key, 1, "count")
         _at_least(self, key, 0, "rank")
 
 
@@ -328,9 +336,19 @@ class TrainConfig:
     keep_checkpoints: int = 3  # the last K ...
     keep_healthy: int = 5  # ... plus the newest H marked healthy (the autopilot's rollback targets)
     eval_every: int = 100  # steps between validation losses per source (0: only at the end)
-    eval_batches: int = 10  # validation batches per source, at most, per evaluation
-    max_failures: int = 3  # worker restarts from the latest checkpoint before the stage fails
+    eval_batches: int = 10  # validation batches (of micro_batch_size sequences per worker) per source, at most
+    eval_micro_batch_size: int | None = None  # sequences per validation forward; None: 4 x micro_batch_size
+    # Restarts: OPT-175B's run restarted over 100 times, so a worker that dies is restarted from the newest
+    # checkpoint that verifies without a limit (-1) by default; a fault that recurs before the next checkpoint
+    # max_stalled_restarts times in a row is a bug, not bad luck, and fails the stage.
+    max_failures: int = -1  # Ray Train's FailureConfig: worker-group restarts before the stage fails (-1: no limit)
+    max_stalled_restarts: int = 3  # restarts in a row from the same checkpoint before the stage fails (0: no limit)
     hang_seconds: float = 1800.0  # a step running longer than this is ended (the worker exits) and restarted
+    startup_seconds: float = 3600.0  # the same for start-up: model build, DeepSpeed initialize, checkpoint load
+    # A collective waits this long for the slowest rank before it fails (NCCL/gloo's timeout). Longer than
+    # hang_seconds and startup_seconds: a hung rank is then ended by its own watchdog, which says why,
+    # instead of every rank failing with a bare collective timeout.
+    collective_timeout_seconds: float = 4200.0
     storage: str | None = None  # checkpoints; None: WORKDIR/train/runs (use shared storage on a cluster)
     seed: int = 0
     inject: list[InjectConfig] = field(default_factory=list)
@@ -338,10 +356,15 @@ class TrainConfig:
 
     def validate(self, key: str) -> None:
         _at_least(self, key, 1, "num_workers", "micro_batch_size", "max_steps", "global_batch_tokens",
-                  "keep_checkpoints", "eval_batches")
-        _at_least(self, key, 0, "checkpoint_every", "gpus_per_worker", "warmup_tokens", "eval_every", "max_failures", "weight_decay",
-                  "keep_healthy")
-        _positive(self, key, "cpus_per_worker", "grad_clip", "total_tokens", "lr", "hang_seconds")
+                  "keep_checkpoints", "eval_batches", "eval_micro_batch_size")
+        _at_least(self, key, 0, "checkpoint_every", "gpus_per_worker", "warmup_tokens", "eval_every", "weight_decay",
+                  "keep_healthy", "max_stalled_restarts")
+        _at_least(self, key, -1, "max_failures")
+        _positive(self, key, "cpus_per_worker", "grad_clip", "total_tokens", "lr", "hang_seconds", "startup_seconds")
+        slowest = max(self.hang_seconds, self.startup_seconds)
+        if self.collective_timeout_seconds <= slowest:
+            raise ConfigError(f"{key}.collective_timeout_seconds", f"expected more than hang_seconds and startup_seconds "
+                              f"({slowest:g}), got {self.collective_timeout_seconds:g}: a hung rank's watchdog must act first")
         _check_engine(self, key)
         if not 0.0 <= self.final_lr_ratio <= 1.0:
             raise ConfigError(f"{key}.final_lr_ratio", f"expected a fraction in [0, 1], got {self.final_lr_ratio}")

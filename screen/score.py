@@ -43,12 +43,18 @@ class SpikeScore:
 
 def read_grad_norms(metrics_file: Path) -> list[float | None]:
     """A run's grad-norm series from its metrics.jsonl, one value per step in step order (a step redone
-    after a rollback or restart: its last value)."""
+    after a rollback or restart: its last value). Steps the fp16 loss scaler skipped for an overflow
+    are left out: their gradients overflowed in the scaled fp16 copy, which says how high the loss
+    scale was, not how the run behaves (DeepSpeed reports their norm as inf; one would make a
+    candidate's score infinite, or a baseline seed's, and with it the limit)."""
     by_step: dict[int, float | None] = {}
     for line in Path(metrics_file).read_text().splitlines():
         row = json.loads(line)
         if "grad_norm" in row:
-            by_step[row["step"]] = row["grad_norm"]
+            if row.get("overflow"):
+                by_step.pop(row["step"], None)
+            else:
+                by_step[row["step"]] = row["grad_norm"]
     return [by_step[s] for s in sorted(by_step)]
 
 

@@ -14,8 +14,8 @@ Load: the newest `step-*` whose files all match meta.json; a corrupt or partial 
 with a logged reason and the previous one is tried. Keep: the newest K plus every checkpoint
 whose meta says healthy.
 
-Collective calls (barrier, all_reduce) go through `torch.distributed` when it is initialized, so
-the same code runs in one process (tests) and on every rank of a Ray Train job.
+Collective calls (barrier, all_reduce) go through `train.collectives`, on the process group's
+device, so the same code runs in one process (tests) and on every rank of a Ray Train job.
 """
 
 from __future__ import annotations
@@ -31,32 +31,13 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
+
+from train.collectives import all_ok, barrier, rank_world
 
 log = logging.getLogger(__name__)
 
 META = "meta.json"
 TAG = "ds"  # DeepSpeed's tag: its files live in step-<N>/ds/
-
-
-def _dist() -> tuple[int, int]:
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def _barrier() -> None:
-    if dist.is_available() and dist.is_initialized():
-        dist.barrier()
-
-
-def _all_ok(ok: bool) -> bool:
-    """True on every rank when every rank says ok."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return ok
-    flag = torch.tensor([1 if ok else 0], dtype=torch.int32)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
-    return bool(flag.item())
 
 
 def step_name(step: int) -> str:
@@ -86,19 +67,19 @@ def set_rng_state(state: dict) -> None:
 
 def save(engine, root: Path, step: int, meta: dict) -> Path:
     """Every rank calls this at the same step; returns the published folder."""
-    rank, world = _dist()
+    rank, world = rank_world()
     tmp, final = root / f".tmp-{step_name(step)}", root / step_name(step)
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # a save of this step that died before its publish
         tmp.mkdir(parents=True)
-    _barrier()
+    barrier()
     engine.save_checkpoint(str(tmp), tag=TAG)  # collective: each rank writes its shard
     torch.save(rng_state(), tmp / f"rng-rank{rank:05d}.pt")
-    _barrier()
+    barrier()
     files = _files(tmp)
     mine = {name: [_sha256(tmp / name), (tmp / name).stat().st_size] for name in files[rank::world]}
     (tmp / f".sha256-rank{rank:05d}.json").write_text(json.dumps(mine))
-    _barrier()
+    barrier()
     if rank == 0:
         sums: dict = {}
         for r in range(world):
@@ -113,7 +94,7 @@ def save(engine, root: Path, step: int, meta: dict) -> Path:
         if final.exists():  # the same step saved again after a rollback: replace it
             shutil.rmtree(final)
         tmp.rename(final)
-    _barrier()
+    barrier()
     return final
 
 
@@ -155,12 +136,12 @@ def load_latest(engine, root: Path, on_skip=None, accept=None) -> dict | None:
     """Load the newest checkpoint that verifies on every rank (and that `accept(meta)` takes, when
     given); its meta, or None to start fresh. `on_skip(reason)` is called (on rank 0) for every
     checkpoint passed over for being corrupt or partial."""
-    rank, world = _dist()
+    rank, world = rank_world()
     for path in published(root):
         if accept is not None and not accept(read_meta(path) or {}):
             continue
         reason = verify(path, rank, world)
-        if not _all_ok(reason is None):
+        if not all_ok(reason is None):
             if rank == 0:
                 why = reason or f"{path.name}: another rank found a file that does not verify"
                 log.warning("skipping checkpoint %s", why)
@@ -173,7 +154,7 @@ def load_latest(engine, root: Path, on_skip=None, accept=None) -> dict | None:
 
 def load(engine, path: Path) -> dict:
     """Load one (verified) checkpoint into the engine and this rank's RNGs; returns its meta."""
-    rank, world = _dist()
+    rank, world = rank_world()
     meta = read_meta(path)
     engine.load_checkpoint(str(path), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=False)
     rng = path / f"rng-rank{rank:05d}.pt"

@@ -29,20 +29,26 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
 from pipelines.config import AutopilotConfig
 from train import autopilot, checkpoint
+from train.collectives import all_mean, barrier
 from train.loader import Loader, validation_batches
-from train.optim import Schedule, adamw, deepspeed_config
+from train.build import build
+from train.optim import INITIAL_SCALE_POWER, Schedule, adamw, deepspeed_config
 
 log = logging.getLogger("train")
 
 FLUSH_SECONDS = 2.0  # rank 0 sends metrics to MLflow this often
 
-# Dense peak TFLOP/s per device for MFU, by a substring of torch.cuda.get_device_name().
-PEAK_TFLOPS = {"H200": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0}, "H100": {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0},
-               "A100": {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5}}
+# Dense peak TFLOP/s per device for MFU (NVIDIA's datasheets, without sparsity; fp32 without tensor
+# cores), by a substring of torch.cuda.get_device_name(), the first that matches: the H100 PCIe and
+# NVL parts are slower than the SXM one ("NVIDIA H100 80GB HBM3"), so they come before it.
+PEAK_TFLOPS = [("H200", {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0}),
+               ("H100 PCIe", {"bf16": 756.0, "fp16": 756.0, "fp32": 51.0}),
+               ("H100 NVL", {"bf16": 835.0, "fp16": 835.0, "fp32": 60.0}),
+               ("H100", {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0}),
+               ("A100", {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5})]
 
 
 @dataclass
@@ -68,36 +74,37 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def all_mean(values: list[float]) -> list[float]:
-    """The mean over ranks of each value (one all_reduce)."""
-    t = torch.tensor(values, dtype=torch.float64)
-    if dist.is_initialized():
-        dist.all_reduce(t)
-        t /= dist.get_world_size()
-    return t.tolist()
-
-
 def peak_tflops(device: torch.device, precision: str) -> float | None:
     if device.type != "cuda":
         return None  # on CPU: tokens/s only, no MFU
-    name = torch.cuda.get_device_name(device)
-    for key, peaks in PEAK_TFLOPS.items():
-        if key in name:
+    return peak_for(torch.cuda.get_device_name(device), precision)
+
+
+def peak_for(device_name: str, precision: str) -> float | None:
+    for key, peaks in PEAK_TFLOPS:
+        if key in device_name:
             return peaks[precision]
     return None
 
 
 class Watchdog:
-    """Ends this worker process when no step finishes for `seconds`: a hang becomes a restart."""
+    """Ends this worker process when what is under way runs past its limit: a hang becomes a restart.
+
+    It starts with the worker, so start-up (building the model, DeepSpeed's initialize, the
+    checkpoint load, where OPT-175B's runs hung on storage) has a limit of its own; `beat` then
+    starts each step's clock, with the step limit from the first step on."""
 
     def __init__(self, seconds: float, on_hang):
         self.seconds, self.on_hang = seconds, on_hang
-        self.beat_at, self.step = time.monotonic(), 0
+        self.beat_at, self.step, self.started = time.monotonic(), 0, False
         self._stop = threading.Event()
         threading.Thread(target=self._watch, daemon=True, name="watchdog").start()
 
-    def beat(self, step: int) -> None:
-        self.beat_at, self.step = time.monotonic(), step
+    def beat(self, step: int, seconds: float | None = None) -> None:
+        """Step `step` is done (0: start-up is); `seconds`: the limit from now on."""
+        self.beat_at, self.step, self.started = time.monotonic(), step, True
+        if seconds is not None:
+            self.seconds = seconds
 
     def stop(self) -> None:
         self._stop.set()
@@ -106,7 +113,7 @@ class Watchdog:
         while not self._stop.wait(min(5.0, self.seconds / 4)):
             stalled = time.monotonic() - self.beat_at
             if stalled > self.seconds:
-                self.on_hang(self.step, stalled)
+                self.on_hang(self.step, stalled, self.started)
                 os._exit(3)
 
 
@@ -131,14 +138,13 @@ class Faults:
         os.replace(tmp, self.path)
 
     def before_step(self, step: int, hang_seconds: float) -> dict:
-        """Fire this step's faults; returns the effects the step applies: {"lr_factor": x, "nan": True,
-        "overflow": True}."""
+        """Fire this step's faults (step 0: start-up, before the checkpoint load); returns the effects
+        the step applies: {"lr_factor": x, "nan": True, "overflow": True}."""
         due = [f for f in self.faults if f["step"] == step]
         if not due:
             return {"overflow": True} if step <= self.overflow_until else {}
         fired = self._fired()
-        if dist.is_initialized():
-            dist.barrier()  # every rank has read the same record before rank 0 adds to it
+        barrier()  # every rank has read the same record before rank 0 adds to it
         effects: dict = {}
         for fault in due:
             if fault["index"] in fired:
@@ -166,8 +172,7 @@ class Faults:
                 os._exit(1)  # the worker process dies, as on a lost GPU or an ECC error
             if fault["kind"] == "hang":
                 time.sleep(10 * hang_seconds)  # stalls until the watchdog ends the process
-        if dist.is_initialized():
-            dist.barrier()
+        barrier()
         return effects
 
 
@@ -230,17 +235,22 @@ class MetricSink:
 # --------------------------------------------------------------------------- evaluation
 
 
-def validation_losses(engine, shards_dir: str, sources: list[str], micro: int, max_batches: int, ctx: Context) -> dict:
-    """Mean loss per source over its first validation sequences, split evenly over the ranks."""
+def validation_losses(engine, shards_dir: str, sources: list[str], micro: int, eval_micro: int, max_batches: int,
+                      ctx: Context) -> dict:
+    """Mean loss per source over its first `max_batches * micro` validation sequences per rank (the
+    training micro-batch sets how many, so that the number does not change with `eval_micro`), split
+    evenly over the ranks and run `eval_micro` at a time: without a backward there are no
+    activations to keep, and under ZeRO-3 every forward gathers all the weights, so fewer, larger
+    forwards cost less. The sums stay on the device until one reduction per source."""
     engine.eval()
     out = {}
     with torch.no_grad():
         for source in sources:
-            total, count = 0.0, 0
-            for rows in validation_batches(shards_dir, source, micro, rank=ctx.rank, world_size=ctx.world,
+            total, count = torch.zeros((), dtype=torch.float64, device=ctx.device), 0
+            for rows in validation_batches(shards_dir, source, eval_micro, rank=ctx.rank, world_size=ctx.world,
                                            limit=max_batches * micro * ctx.world):
                 tokens = torch.from_numpy(rows.astype(np.int64)).to(ctx.device)
-                total += engine(tokens[:, :-1], tokens[:, 1:]).item() * len(tokens)
+                total += engine(tokens[:, :-1], tokens[:, 1:]).double() * len(tokens)
                 count += len(tokens)
             if count:  # the same on every rank: each gets the same number of sequences
                 out[source] = all_mean([total / count])[0]
@@ -272,7 +282,6 @@ def train_loop(config: dict) -> None:
     import ray.train
 
     from model.configs import OPTConfig, flops_per_token
-    from model.opt import OPT
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     train_ctx = ray.train.get_context()
@@ -281,16 +290,25 @@ def train_loop(config: dict) -> None:
     ckpt_dir = ctx.run_dir / "checkpoints"
     faults = Faults(config["inject"], ctx)
 
+    def on_hang(done: int, stalled: float, started: bool) -> None:
+        if started:
+            incident(ctx, done + 1, f"step {done + 1} has run {stalled:.0f} s "
+                                    f"(train.hang_seconds={config['hang_seconds']}): ending this worker")
+        else:
+            incident(ctx, done, f"start-up (model build, DeepSpeed initialize, checkpoint load) has run {stalled:.0f} s "
+                                f"(train.startup_seconds={config['startup_seconds']}): ending this worker")
+
+    watchdog = Watchdog(config["startup_seconds"], on_hang)
     if device.type == "cpu":  # DeepSpeed's shared-memory allreduce would be compiled with g++ on first use
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     seed_everything(config["seed"])
     model_config = OPTConfig(**config["model"])
-    model = OPT(model_config)
+    ds_config = deepspeed_config(micro_batch=config["micro_batch"], accumulation=config["accumulation"],
+                                 world_size=ctx.world, zero_stage=config["zero_stage"], precision=config["precision"],
+                                 grad_clip=config["grad_clip"], scale_floor=config["autopilot"]["scale_floor"])
+    model = build(model_config, ds_config, seed=config["seed"], rank=ctx.rank)
     engine, _, _, _ = deepspeed.initialize(
-        model=model, optimizer=adamw(model, config["lr"], config["weight_decay"]),
-        config=deepspeed_config(micro_batch=config["micro_batch"], accumulation=config["accumulation"],
-                                world_size=ctx.world, zero_stage=config["zero_stage"], precision=config["precision"],
-                                grad_clip=config["grad_clip"]))
+        model=model, optimizer=adamw(model, config["lr"], config["weight_decay"]), config=ds_config)
     # DeepSpeed reports the pre-clip grad norm from its ZeRO and mixed-precision optimizers only.
     own_grad_norm = config["zero_stage"] == 0 and config["precision"] == "fp32"
     grad_norm = None
@@ -304,12 +322,12 @@ def train_loop(config: dict) -> None:
     saved = autopilot.load_state(state_file)  # written before every intervention: newer than any checkpoint
     if saved is not None and ctx.leader:  # a rollback decided before a crash: its abandoned checkpoints stay out
         checkpoint.abandon_after(ckpt_dir, saved[1]["rolled_back_to"], saved[1]["decided_at"])
-    if dist.is_initialized():
-        dist.barrier()
+    barrier()
 
     def skipped(reason: str) -> None:
         incident(ctx, 0, f"checkpoint skipped on load: {reason}")
 
+    faults.before_step(0, config["startup_seconds"])
     resumed = checkpoint.load_latest(engine, ckpt_dir, on_skip=skipped)
     step = 0
     loader_state = None
@@ -331,19 +349,15 @@ def train_loop(config: dict) -> None:
     clean_steps = 0  # steps since the last incident: a checkpoint is healthy after a window of them
 
     sink = MetricSink(ctx, config["tracking_uri"], config["mlflow_run_id"]) if ctx.leader else None
-
-    def on_hang(done: int, stalled: float) -> None:
-        incident(ctx, done + 1, f"step {done + 1} has run {stalled:.0f} s "
-                                f"(train.hang_seconds={config['hang_seconds']}): ending this worker")
-
-    watchdog = Watchdog(config["hang_seconds"], on_hang)
+    stalled = restarts_without_progress(ctx, step if resumed is not None else None, config["max_stalled_restarts"])
+    watchdog.beat(step, config["hang_seconds"])  # start-up is done: each step has hang_seconds from here
     seq_len = config["seq_len"]
     tokens_per_step = config["global_batch"] * seq_len
     flops = flops_per_token(model_config, seq_len) * tokens_per_step
     peak = peak_tflops(device, config["precision"])
     loss = float("nan")
     progress_at = 0.0
-    stopped = None
+    stopped = stalled
 
     def save(at: int, healthy: bool) -> Path:
         meta = {"loader": loader.state_dict(), "schedule": {"factor": schedule.factor},
@@ -360,7 +374,7 @@ def train_loop(config: dict) -> None:
     if resumed is None and settings.enabled:
         save(0, healthy=True)  # the initial weights: a rollback target before the first checkpoint
 
-    while step < config["max_steps"]:
+    while stopped is None and step < config["max_steps"]:
         effects = faults.before_step(step + 1, config["hang_seconds"])
         t0 = time.perf_counter()
         g, tokens = next(batches)
@@ -372,7 +386,7 @@ def train_loop(config: dict) -> None:
         skipped_before = engine.skipped_steps
         for micro in tokens.split(config["micro_batch"]):
             micro_loss = engine(micro[:, :-1], micro[:, 1:])
-            losses.append(micro_loss.item())
+            losses.append(micro_loss.detach())  # on the device: one reduction per step, no sync per micro-batch
             if effects.get("nan"):
                 micro_loss = micro_loss * float("nan")
             if effects.get("overflow"):
@@ -385,17 +399,19 @@ def train_loop(config: dict) -> None:
         if not own_grad_norm:
             grad_norm = engine.get_global_grad_norm()
             grad_norm = None if grad_norm is None else float(grad_norm)
-        loss, act_norm = all_mean([float(np.mean(losses)), float(model.last_activation_norm)])
+        loss, act_norm = all_mean([torch.stack(losses).mean(), model.last_activation_norm])
         seconds = time.perf_counter() - t0
         watchdog.beat(step)
         overflow = engine.skipped_steps > skipped_before
+        if overflow:  # the scaler skipped the update: DeepSpeed reports inf, which is no measurement of the run
+            grad_norm = None
         if scaler is not None:
             scaler.update(overflow)
         observed = {"loss": loss, "grad_norm": grad_norm, "loss_scale": current_scale(), "fp16": fp16,
                     "overflow": overflow, "activation_norm": act_norm}
         if ctx.leader:
             metrics = {"loss": loss, "lr": lr, "grad_norm": grad_norm, "loss_scale": observed["loss_scale"],
-                       "skipped_steps": engine.skipped_steps, "activation_norm": act_norm,
+                       "overflow": int(overflow), "skipped_steps": engine.skipped_steps, "activation_norm": act_norm,
                        "tokens_per_second": tokens_per_step / seconds, "batch": g,
                        "tflops_per_device": flops / seconds / ctx.world / 1e12}
             if peak:
@@ -407,7 +423,9 @@ def train_loop(config: dict) -> None:
                          f"{tokens_per_step / seconds:,.0f}")
         found = detectors.observe(step, observed) if settings.enabled else None
         if found is None:
-            clean_steps += 1
+            # An overflow-skipped step is not clean: a checkpoint in the middle of an overflow burst is no
+            # rollback target (a rollback there would land inside the burst it is escaping).
+            clean_steps = 0 if overflow else clean_steps + 1
         else:
             clean_steps = 0
             decision = autopilot.decide(pilot, found, settings, fp16)
@@ -431,7 +449,7 @@ def train_loop(config: dict) -> None:
         evaluate = config["eval_every"] and step % config["eval_every"] == 0
         if evaluate or step == config["max_steps"]:
             val = validation_losses(engine, config["shards"], config["validation_sources"], config["micro_batch"],
-                                    config["eval_batches"], ctx)
+                                    config["eval_micro_batch"], config["eval_batches"], ctx)
             if ctx.leader and val:
                 sink.log(step, {f"val_loss.{s}": v for s, v in val.items()} | {"val_loss": float(np.mean(list(val.values())))})
             watchdog.beat(step)
@@ -497,26 +515,69 @@ def intervene(engine, decision, pilot, settings, g: int, loader: Loader, schedul
             "lr_factor": pilot.lr_factor, "clip": pilot.clip, "intervention": pilot.interventions})
         incident(ctx, incident_step, f"autopilot: {decision.incident.kind}: {', '.join(decision.actions)} "
                                      f"(back to step {target_step})")
-    if dist.is_initialized():
-        dist.barrier()
+    barrier()
     if ctx.leader:
         checkpoint.abandon_after(ckpt_dir, target_step, decided_at)
-    if dist.is_initialized():
-        dist.barrier()
+    barrier()
     meta = checkpoint.load_latest(engine, ckpt_dir, accept=lambda m: m.get("step") == target_step)
     if meta is None:
         raise RuntimeError(f"autopilot: checkpoint step {target_step} no longer verifies")
     if "reset_optimizer" in decision.actions:
         inner = getattr(engine.optimizer, "optimizer", engine.optimizer)
         inner.state.clear()  # Adam's moments and step counts; a fresh warmup follows
-    if "reset_loss_scale" in decision.actions and hasattr(engine.optimizer, "loss_scaler"):
-        scaler = engine.optimizer.loss_scaler
-        scaler.cur_scale = 2.0 ** 16
-        scaler.cur_iter, scaler.last_overflow_iter = 0, -1
+    if "reset_loss_scale" in decision.actions and config["precision"] == "fp16":  # else: the simulated scaler
+        before_reset, after = reset_loss_scale(engine)
+        if ctx.leader:
+            incident(ctx, incident_step, f"loss scale reset: {before_reset:g} -> {after:g}, hysteresis and the "
+                                         f"window to the next doubling restarted")
     apply_settings(engine, schedule, pilot, config)
     loader.set_skip_ranges(pilot.skip_ranges)
     loader.load_state_dict(meta["loader"])
     return target_step, meta
+
+
+def reset_loss_scale(engine) -> tuple[float, float]:
+    """DeepSpeed's dynamic loss scale back to its initial value, as if no overflow had happened: the scale
+    through the `loss_scale` property every DeepSpeed fp16 wrapper has (ZeRO 1-3 and the fp16
+    optimizers), the scaler's hysteresis refilled (else the next single overflow halves it at once)
+    and the window to the next doubling started now. Raises when the engine does not take it, rather
+    than let the logbook claim a reset that did not happen. Returns the scale before and after."""
+    before = loss_scale(engine)
+    engine.optimizer.loss_scale = 2.0 ** INITIAL_SCALE_POWER
+    scaler = getattr(engine.optimizer, "loss_scaler", None)
+    if scaler is not None and getattr(scaler, "dynamic", False):
+        scaler.cur_hysteresis = scaler.delayed_shift
+        scaler.last_overflow_iter = scaler.cur_iter - 1
+    after = loss_scale(engine)
+    if after != 2.0 ** INITIAL_SCALE_POWER or (scaler is not None and getattr(scaler, "dynamic", False)
+                                               and scaler.cur_hysteresis != scaler.delayed_shift):
+        raise RuntimeError(f"autopilot: the loss scale reset did not take ({type(engine.optimizer).__name__}: "
+                           f"scale {after:g})")
+    return before, after
+
+
+def restarts_without_progress(ctx: Context, resumed_step: int | None, limit: int) -> str | None:
+    """Why to stop instead of training, when this start-up is the (limit + 1)-th in a row from the same
+    checkpoint: a fault that comes back before the next checkpoint every time is not bad luck, and
+    restarting forever would burn the cluster. Every start-up is appended to the run's `starts.json`
+    (the step it resumed from, 0 for a fresh start); every rank reads it before rank 0 appends, so all
+    reach the same answer. 0: never stop."""
+    path = ctx.run_dir / "starts.json"
+    starts = json.loads(path.read_text()) if path.exists() else []
+    barrier()
+    starts.append(resumed_step or 0)
+    if ctx.leader:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(starts))
+        os.replace(tmp, path)
+    in_a_row = next((i for i, s in enumerate(reversed(starts)) if s != starts[-1]), len(starts))
+    if limit and in_a_row - 1 > limit:
+        why = (f"{in_a_row - 1} restarts in a row from step {starts[-1]} without reaching another checkpoint "
+               f"(train.max_stalled_restarts={limit}): see incidents.jsonl for the faults")
+        if ctx.leader:
+            incident(ctx, starts[-1], why)
+        return why
+    return None
 
 
 def report_checkpoint(step: int, loss: float, path: Path, ctx: Context) -> None:

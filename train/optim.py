@@ -13,6 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from train.build import shape_of
+
 BETAS = (0.9, 0.95)
 EPS = 1e-8
 
@@ -20,8 +22,8 @@ EPS = 1e-8
 def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
     decay, no_decay = [], []
     for _, p in model.named_parameters():
-        if p.requires_grad:
-            (decay if p.ndim >= 2 else no_decay).append(p)  # biases and LayerNorm weights are 1-D
+        if p.requires_grad:  # biases and LayerNorm weights are 1-D (ZeRO-3 placeholders are all 1-D: their real shape)
+            (decay if len(shape_of(p)) >= 2 else no_decay).append(p)
     return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
 
 
@@ -51,9 +53,17 @@ class Schedule:
         return base * self.factor
 
 
+INITIAL_SCALE_POWER = 16  # fp16's dynamic loss scale starts (and is reset by the autopilot) at 2**16
+
+
 def deepspeed_config(*, micro_batch: int, accumulation: int, world_size: int, zero_stage: int, precision: str,
-                     grad_clip: float) -> dict:
-    """DeepSpeed's JSON config for our settings. The optimizer and schedule are ours (above)."""
+                     grad_clip: float, scale_floor: float = 1.0) -> dict:
+    """DeepSpeed's JSON config for our settings. The optimizer and schedule are ours (above).
+
+    `scale_floor` is the autopilot's: fp16's scale under it is a collapse. DeepSpeed raises ("already
+    at minimum") on an overflow at its `min_loss_scale`, so that minimum sits two halvings below the
+    floor: the scale first drops under the floor (at most one halving), the autopilot sees it at the
+    end of that step and acts, and DeepSpeed's exception is never the first to know."""
     config = {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": accumulation,
@@ -68,8 +78,13 @@ def deepspeed_config(*, micro_batch: int, accumulation: int, world_size: int, ze
         config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
     if precision == "bf16":
         config["bf16"] = {"enabled": True}
+        if zero_stage >= 1:
+            # Gradients summed over micro-batches in fp32: in bf16 (DeepSpeed's default, the model's dtype)
+            # each addition keeps 8 bits of mantissa, and a sum over many micro-batches loses the small
+            # ones. ZeRO 0 refuses the mix (engine._do_optimizer_sanity_check: "unsupported mix").
+            config["data_types"] = {"grad_accum_dtype": "fp32"}
     elif precision == "fp16":
         # fp16 weights, fp32 master weights and Adam state, dynamic loss scale (OPT-175B's setup).
-        config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": 16, "loss_scale_window": 1000,
-                          "hysteresis": 2, "min_loss_scale": 1}
+        config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": INITIAL_SCALE_POWER,
+                          "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": scale_floor / 4}
     return config

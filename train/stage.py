@@ -4,8 +4,10 @@ The run lives in a folder of its own, `<train.storage or WORKDIR/train/runs>/<co
 outside the stage's attempt folder: checkpoints, metrics.jsonl, incidents.jsonl and Ray Train's
 storage. The same command after a crash of the driver finds the same folder (same fingerprint),
 and the workers resume from its newest checkpoint; the runner resumes the same MLflow run
-(the stage is `resumable`). A dead or hung worker is restarted by Ray Train
-(`FailureConfig(max_failures)`) from the newest checkpoint that verifies.
+(the stage is `resumable`). A dead or hung worker (a watchdog ends a step or a start-up
+that runs too long) is restarted by Ray Train (`FailureConfig(max_failures)`, no limit by default)
+from the newest checkpoint that verifies, until the same checkpoint has been restarted from
+`max_stalled_restarts` times in a row.
 """
 
 from __future__ import annotations
@@ -55,9 +57,11 @@ def loop_config(cfg: TrainConfig, shards: str, folder: Path, *, export_dir: str 
         "lr": cfg.lr or model.lr, "weight_decay": cfg.weight_decay, "final_lr_ratio": cfg.final_lr_ratio,
         "warmup_steps": cfg.warmup_tokens // tokens_per_step, "total_steps": total_steps,
         "max_steps": cfg.max_steps or total_steps, "checkpoint_every": cfg.checkpoint_every,
-        "keep_checkpoints": cfg.keep_checkpoints, "keep_healthy": cfg.keep_healthy, "eval_every": cfg.eval_every, "eval_batches": cfg.eval_batches,
+        "keep_checkpoints": cfg.keep_checkpoints, "keep_healthy": cfg.keep_healthy, "eval_every": cfg.eval_every,
+        "eval_batches": cfg.eval_batches, "eval_micro_batch": cfg.eval_micro_batch_size or 4 * cfg.micro_batch_size,
         "validation_sources": sorted(s for s, v in index["validation"].items() if v["sequences"] > 0),
-        "hang_seconds": cfg.hang_seconds, "seed": cfg.seed, "inject": [dataclasses.asdict(f) for f in cfg.inject],
+        "hang_seconds": cfg.hang_seconds, "startup_seconds": cfg.startup_seconds,
+        "max_stalled_restarts": cfg.max_stalled_restarts, "seed": cfg.seed, "inject": [dataclasses.asdict(f) for f in cfg.inject],
         "autopilot": dataclasses.asdict(cfg.autopilot),
         "tracking_uri": tracking_uri, "mlflow_run_id": mlflow_run_id,
     }
@@ -65,9 +69,9 @@ def loop_config(cfg: TrainConfig, shards: str, folder: Path, *, export_dir: str 
 
 def fit(cfg: TrainConfig, config: dict, folder: Path, loop=None) -> None:
     """One Ray Train job: `loop(config)` (train_loop by default) on cfg.num_workers workers, restarted up to
-    max_failures times; Ray Train's own records go to `folder`/ray."""
+    max_failures times (-1: always); Ray Train's own records go to `folder`/ray."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchTrainer
+    from ray.train.torch import TorchConfig, TorchTrainer
 
     from train.loop import train_loop
 
@@ -76,6 +80,7 @@ def fit(cfg: TrainConfig, config: dict, folder: Path, loop=None) -> None:
         resources["GPU"] = cfg.gpus_per_worker
     trainer = TorchTrainer(
         loop or train_loop, train_loop_config=config,
+        torch_config=TorchConfig(timeout_s=int(cfg.collective_timeout_seconds)),
         scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.gpus_per_worker > 0,
                                      resources_per_worker=resources),
         run_config=RunConfig(name="ray", storage_path=str(folder), failure_config=FailureConfig(max_failures=cfg.max_failures)),

@@ -1,0 +1,56 @@
+"""The few collectives the loop and the checkpoints need, on the device the process group takes.
+
+Ray Train starts an NCCL-only process group on GPU workers and a gloo one on CPU workers. NCCL
+refuses CPU tensors ("No backend type associated with device type cpu"), so every tensor a
+collective touches is made here, on `device()`: the current CUDA device under NCCL, the CPU
+otherwise. No module calls `dist.all_reduce` on a tensor of its own making.
+
+Without an initialized process group (one process, tests) each call is the identity, so the same
+code runs in one process and on every rank of a Ray Train job.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+
+def initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank_world() -> tuple[int, int]:
+    if initialized():
+        return dist.get_rank(), dist.get_world_size()
+    return 0, 1
+
+
+def device() -> torch.device:
+    """Where the process group's collectives take their tensors."""
+    if initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def barrier() -> None:
+    if initialized():
+        dist.barrier()
+
+
+def all_mean(values: list) -> list[float]:
+    """The mean over ranks of each value (floats, or 0-dim tensors on any device), in one all_reduce
+    and one copy to the host."""
+    if not initialized():
+        return [float(v) for v in values]
+    t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device()).reshape(()) for v in values])
+    dist.all_reduce(t)
+    return (t / dist.get_world_size()).tolist()
+
+
+def all_ok(ok: bool) -> bool:
+    """True on every rank when every rank says ok."""
+    if not initialized():
+        return ok
+    flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device())
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+    return bool(flag.item())
