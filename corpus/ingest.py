@@ -36,8 +36,9 @@ from corpus import reddit
 from corpus.parts import DOCUMENT_SCHEMA, Parts, check_written, group_by_size, iter_rows, parquet_files, run_tasks, task_bytes
 from corpus.readers import READERS, REDDIT_FIELDS, relative_names
 from pipelines import storage
-from pipelines.config import SourceConfig, source_files
+from pipelines.config import RayConfig, SourceConfig, source_files
 from pipelines.dag import StageContext, StageResult
+from pipelines.engines import groupby
 
 REJECT_SCHEMA = pa.schema([("source", pa.string()), ("file", pa.string()), ("line", pa.int64()),
                            ("offset", pa.int64()), ("reason", pa.string()), ("head", pa.string())])
@@ -146,7 +147,7 @@ def read_tasks(ctx: StageContext, folders: dict[str, str]) -> list[dict]:
 GROUP_PARTITION_BYTES = 128 << 20  # of staged records per shuffle partition
 
 
-def build_threads(records: str, staged: str, source: str) -> None:
+def build_threads(records: str, staged: str, source: str, ray_config: RayConfig) -> None:
     """Every record of a source grouped by link_id across all its files (a Ray Data groupby).
 
     Partitions scale with the data (Ray's default of 200 would write 200 tiny parts locally).
@@ -155,8 +156,8 @@ def build_threads(records: str, staged: str, source: str) -> None:
 
     size = sum(os.path.getsize(p) for p in parquet_files(records))
     ds = ray.data.read_parquet(records)
-    threads = ds.groupby("link_id", num_partitions=max(1, -(-size // GROUP_PARTITION_BYTES))).map_groups(functools.partial(reddit.thread_row, source=source), batch_format="pyarrow")
-    threads.write_parquet(staged)
+    threads = groupby(ds, "link_id", size, ray_config, num_partitions=max(1, -(-size // GROUP_PARTITION_BYTES)))
+    threads.map_groups(functools.partial(reddit.thread_row, source=source), batch_format="pyarrow").write_parquet(staged)
 
 
 def split_threads_task(task: dict) -> dict:
@@ -211,7 +212,7 @@ def run(ctx: StageContext) -> StageResult:
         if source.format != "pushshift" or not parquet_files(records):
             continue
         staged = staging / "threads" / source.name
-        build_threads(str(records), str(staged), source.name)
+        build_threads(str(records), str(staged), source.name, ctx.config.ray)
         tasks = [{"path": p, "stem": f"{source.name}-threads-{i:05d}", "folders": folders}
                  for i, p in enumerate(parquet_files(staged))]
         for result in run_tasks(split_threads_task, tasks):

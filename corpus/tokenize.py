@@ -45,6 +45,7 @@ from corpus import tokenizer as tokenizers
 from corpus.parts import check_read, parquet_bytes, parquet_files, row_group_ranges, run_tasks, task_bytes
 from pipelines.config import TokenizeConfig
 from pipelines.dag import StageContext, StageResult
+from pipelines.engines import groupby
 
 INDEX = "index.json"
 FORMAT = "opt-pipeline token shards v1"  # index.json's "format"; train.loader reads this one
@@ -290,7 +291,7 @@ def run(ctx: StageContext) -> StageResult:
                 "tokenizer_path": tok_path, "seed": config.seed, "buckets": buckets, "scratch": str(scratch),
                 "validation_fraction": config.validation_fraction, "sources": sources, "dtype": dtype}).materialize()
         # Materialized first (small rows): streamed into the groupby, encoding ran on fewer cores.
-        grouped = keys.groupby("group", num_partitions=buckets + len(sources)).map_groups(
+        grouped = groupby(keys, "group", keys.size_bytes(), ctx.config.ray, num_partitions=buckets + len(sources)).map_groups(
             write_stream, batch_format="pyarrow",
             fn_kwargs={"scratch": str(scratch), "streams": str(streams), "dtype": dtype, "block_tokens": block})
         summaries = sorted((json.loads(r["summary"]) for r in grouped.take_all()), key=lambda s: s["group"])

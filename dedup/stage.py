@@ -39,6 +39,7 @@ from dedup.lsh import band_keys, choose_banding
 from dedup.minhash import MinHasher, jaccard_of_sets
 from pipelines.config import DedupConfig
 from pipelines.dag import StageContext, StageResult
+from pipelines.engines import groupby
 
 SMALL_BUCKET = 32  # buckets up to this size give all their pairs
 PARTITION_BYTES = 64 << 20  # of documents per groupby partition
@@ -228,24 +229,28 @@ def run(ctx: StageContext) -> StageResult:
     parts = parquet_files(ctx.input_output("normalize"))
     if not parts:  # normalize kept nothing
         return StageResult(0, 0, {"duplicate": 0})
-    partitions = max(1, -(-parquet_bytes(parts) // PARTITION_BYTES))
+    nbytes = parquet_bytes(parts)
+    partitions = max(1, -(-nbytes // PARTITION_BYTES))
     work = ctx.folder / "work"
+
+    def grouped(ds):  # by `part`, which takes `partitions` values; sized by the documents, which the joins carry
+        return groupby(ds, "part", nbytes, ctx.config.ray, num_partitions=partitions)
 
     docs = ray.data.read_parquet(parts).select_columns(["id", "source", "text"])  # projected into the read
     band_ds = docs.map_batches(band_rows, batch_format="pyarrow", batch_size=500,
                                fn_kwargs={"config": config, "bands": bands, "rows": rows, "partitions": partitions})
-    band_ds.groupby("part").map_groups(candidate_pairs, batch_format="pyarrow").write_parquet(str(work / "pairs"))
+    grouped(band_ds).map_groups(candidate_pairs, batch_format="pyarrow").write_parquet(str(work / "pairs"))
 
     candidates = ctx.aside("candidates")
     if parquet_files(work / "pairs"):  # no shared band key anywhere: nothing to verify
         keyed_docs = docs.map_batches(docs_keyed, batch_format="pyarrow", fn_kwargs={"partitions": partitions})
         pairs = ray.data.read_parquet(str(work / "pairs"))
         keyed = pairs.map_batches(pairs_keyed, batch_format="pyarrow", fn_kwargs={"partitions": partitions, "by": "a"})
-        keyed.union(keyed_docs).groupby("part").map_groups(attach_first, batch_format="pyarrow", fn_kwargs={"config": config}) \
+        grouped(keyed.union(keyed_docs)).map_groups(attach_first, batch_format="pyarrow", fn_kwargs={"config": config}) \
             .write_parquet(str(work / "first"))
         first = ray.data.read_parquet(str(work / "first"))
         keyed = first.map_batches(pairs_keyed, batch_format="pyarrow", fn_kwargs={"partitions": partitions, "by": "b"})
-        keyed.union(keyed_docs).groupby("part").map_groups(verify_second, batch_format="pyarrow", fn_kwargs={"config": config}) \
+        grouped(keyed.union(keyed_docs)).map_groups(verify_second, batch_format="pyarrow", fn_kwargs={"config": config}) \
             .write_parquet(str(candidates))
 
     priority = {s.name: i for i, s in enumerate(ctx.config.sources)}

@@ -114,9 +114,13 @@ class RayConfig:
 
     num_cpus: int | None = None  # None: all cores of this machine
     progress_bars: bool = True  # forced off under pytest
+    # A groupby moving less than this many MB shuffles in Ray Data tasks (a sort); more, on Ray Data's
+    # hash-shuffle actors with partitions sized for the data (pipelines/engines.py: groupby). 0: always hash.
+    small_shuffle_mb: int = 256
 
     def validate(self, key: str) -> None:
         _at_least(self, key, 1, "num_cpus")
+        _at_least(self, key, 0, "small_shuffle_mb")
 
 
 @dataclass

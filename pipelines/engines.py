@@ -11,7 +11,9 @@ import logging
 import os
 import sys
 
-from pipelines.config import PipelineConfig
+from pipelines.config import PipelineConfig, RayConfig
+
+PARTITION_BYTES = 256 << 20  # of shuffled data per hash-shuffle partition, when the caller names no count
 
 
 def under_pytest() -> bool:
@@ -42,7 +44,30 @@ def start_ray(config: PipelineConfig) -> bool:
         started = True
     quiet = under_pytest() or not config.ray.progress_bars or not sys.stderr.isatty()  # no bars in logs
     ctx = ray.data.DataContext.get_current()
+    # Ray Data 2.60's default Parquet read (DataSourceV2) starts a pool of 32 FooterReader actors for every
+    # read_parquet, however few the files: 32 process start-ups per read, most of a small stage's time on a
+    # laptop (docs/benchmarks.md). Our reads are of our own parts (a few files of up to 256 MB per stage),
+    # which the V1 reader's footer tasks plan as well at any size.
+    ctx.use_datasource_v2 = False
     ctx.enable_progress_bars = not quiet
     if quiet:
         logging.getLogger("ray.data").setLevel(logging.WARNING)
     return started
+
+
+def groupby(ds, key: str, nbytes: int, ray_config: RayConfig, num_partitions: int | None = None):
+    """`ds.groupby(key)` with a shuffle sized for the `nbytes` it moves.
+
+    Ray Data's default shuffle hashes rows to 200 partitions held by aggregator actors, which is
+    what a corpus spread over a cluster needs; but every groupby then starts actor processes of its
+    own (3-6 s each on a 2-core laptop, whatever the data), and the sample's dedup spent 20 of its
+    27 s in three of them. Below `ray.small_shuffle_mb` the same groupby runs as Ray Data's
+    task-based sort shuffle instead (tasks on the warm worker pool, no actor). Above it, the hash
+    shuffle, with `num_partitions` (default: one per PARTITION_BYTES). The groups, and so every
+    result, are the same either way (tests/test_dedup.py runs both)."""
+    from ray.data.context import ShuffleStrategy
+
+    if nbytes < ray_config.small_shuffle_mb << 20:
+        ds.context.shuffle_strategy = ShuffleStrategy.SORT_SHUFFLE_PULL_BASED  # this dataset's own copy of the context
+        return ds.groupby(key)
+    return ds.groupby(key, num_partitions=num_partitions or max(1, -(-nbytes // PARTITION_BYTES)))

@@ -14,8 +14,10 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import ray.data
 
+from corpus.parts import parquet_bytes, parquet_files
 from pipelines.config import source_files
 from pipelines.dag import Stage, StageContext, StageResult
+from pipelines.engines import groupby
 from pipelines.stages import raw_files_identity
 
 
@@ -76,7 +78,8 @@ def _dedup_group(group: dict) -> dict:
 
 def dedup(ctx: StageContext) -> StageResult:
     ds = ray.data.read_parquet(str(ctx.input_output("normalize")))
-    ds = ds.groupby("text").map_groups(_dedup_group, batch_format="numpy")
+    ds = groupby(ds, "text", parquet_bytes(parquet_files(ctx.input_output("normalize"))), ctx.config.ray)
+    ds = ds.map_groups(_dedup_group, batch_format="numpy")
     ok, dups, total = _split(ds, "kept_id")
     ok.select_columns(["id", "text"]).write_parquet(str(ctx.output))
     dups.select_columns(["id", "kept_id"]).write_parquet(str(ctx.aside("duplicates")))

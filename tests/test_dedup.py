@@ -110,13 +110,15 @@ def test_mlflow_has_the_counts_and_the_histogram(corpus, deduped):
     assert "cluster_sizes.png" in [a.path for a in client.list_artifacts(run.info.run_id)]
 
 
-def test_rerun_with_one_cpu_keeps_the_same_documents(corpus, deduped):
-    """A fresh process, a Ray with 1 CPU, `--only dedup --force`: the same decisions."""
+def test_rerun_with_one_cpu_and_the_hash_shuffle_keeps_the_same_documents(corpus, deduped):
+    """A fresh process, a Ray with 1 CPU, `--only dedup --force`, and every groupby on Ray Data's hash
+    shuffle (the cluster's path; the first run took the task-based sort shuffle of small data): the
+    same decisions."""
     root, cfg, _, _ = corpus
     manifest, folder = deduped
     before = sorted((r["id"], r["kept_id"]) for r in rows(folder / "duplicates"))
     subprocess.run([sys.executable, str(ROOT / "pipelines" / "full.py"), "--config", str(cfg), "--only", "dedup",
-                    "--force", "--set", "ray.num_cpus=1"], check=True, capture_output=True, cwd=ROOT)
+                    "--force", "--set", "ray.num_cpus=1", "--set", "ray.small_shuffle_mb=0"], check=True, capture_output=True, cwd=ROOT)
     again = json.loads((root / "work" / "dedup" / "manifest.json").read_text())
     assert again["fingerprint"] == manifest["fingerprint"]  # num_cpus is not part of dedup's config
     assert again["mlflow_run_id"] != manifest["mlflow_run_id"]
