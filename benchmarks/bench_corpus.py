@@ -110,7 +110,7 @@ def main() -> None:
     text_bytes = generate(out / "pile", args.mb)
     mb = text_bytes / 1e6
     config = out / "bench.yaml"
-    config.write_text(f"workdir: {out}/work\nray: {{progress_bars: false}}\n"
+    config.write_text(f"workdir: {out}/work\n"
                       f"sources: [{{name: pile, format: pile, paths: ['{out}/pile/*.jsonl.zst']}}]\n")
 
     cores = os.cpu_count() or 1

@@ -86,7 +86,7 @@ def generate(path: Path, docs: int, seed: int = 5) -> dict:
 def run_pipeline(root: Path, data: Path) -> tuple[dict, float, float]:
     """The pipeline up to dedup; returns (dedup manifest, driver peak RSS MB, machine peak used MB)."""
     config = root / "bench.yaml"
-    config.write_text(f"workdir: {root}/work\nray: {{progress_bars: false}}\n"
+    config.write_text(f"workdir: {root}/work\n"
                       f"sources: [{{name: gen, format: jsonl, id_field: id, paths: ['{data}']}}]\n")
     cmd = [sys.executable, str(ROOT / "pipelines" / "full.py"), "--config", str(config), "--only", "ingest,normalize,dedup", "--force"]
     base = psutil.virtual_memory().used

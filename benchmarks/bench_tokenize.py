@@ -77,7 +77,7 @@ def stage(args: argparse.Namespace, out: Path, cores: int) -> None:
         shutil.rmtree(out, ignore_errors=True)
         text_bytes = generate(out / "pile", args.mb)
     config.write_text(
-        f"workdir: {out}/work\nray: {{progress_bars: false}}\n"
+        f"workdir: {out}/work\n"
         f"sources: [{{name: pile, format: pile, paths: ['{out}/pile/*.jsonl.zst']}}]\n"
         "tokenize: {seq_len: 2048, validation_fraction: 0.0025, tokenizer: {kind: train, vocab_size: 8192, train_bytes: 16000000}}\n")
     if not (out / "work" / "dedup" / "manifest.json").is_file():

@@ -37,6 +37,7 @@ from corpus.parts import DOCUMENT_SCHEMA, Parts, check_written, group_by_size, i
 from corpus.readers import READERS, REDDIT_FIELDS, relative_names
 from pipelines import storage
 from pipelines.config import RayConfig, SourceConfig, source_files
+from pipelines.console import note
 from pipelines.dag import StageContext, StageResult
 from pipelines.engines import groupby
 
@@ -197,7 +198,7 @@ def run(ctx: StageContext) -> StageResult:
     folders = {"output": str(ctx.output), "records": str(staging / "records")}
     folders.update({r: str(ctx.aside(folder_of(r))) for r in REASONS if r != "joined_into_thread"})
 
-    results = run_tasks(read_task, read_tasks(ctx, folders))
+    results = run_tasks(read_task, read_tasks(ctx, folders), stage="ingest")
     counts: collections.Counter = collections.Counter()
     subsets: collections.Counter = collections.Counter()
     for result in results:
@@ -234,6 +235,9 @@ def _result(ctx: StageContext, counts: collections.Counter, threads: collections
     for reason in ("rejected", "subset_not_kept"):  # each of these is one row in its folder
         check_written(ctx.folder / folder_of(reason), set_aside[reason], reason)
     check_written(ctx.output, result.rows_out, "documents")
+    if set_aside["rejected"]:
+        note("ingest", f"{set_aside['rejected']} input records rejected as unreadable: file, line and reason of each "
+                       f"in {folder_of('rejected')}/ beside the output")
     metrics = {"bytes_read": counts["bytes_read"], "chars_out": counts["chars_out"] + threads["chars_out"]}
     if threads["comments_in"]:
         metrics.update({"reddit_threads": threads["threads"], "reddit_comments_in": threads["comments_in"],

@@ -154,7 +154,7 @@ def run(ctx: StageContext) -> StageResult:
     tasks = [{"path": p, "row_groups": groups, "stem": f"{Path(p).stem}-{groups[0]:05d}", "config": config, **folders}
              for p, groups in row_group_ranges(parts, target)]
     counts: collections.Counter = collections.Counter()
-    for result in run_tasks(normalize_task, tasks):
+    for result in run_tasks(normalize_task, tasks, stage="normalize"):
         counts.update(result)
     check_read(counts["rows_in"], ctx.inputs, "ingest")
     check_written(ctx.output, counts["rows_out"], "rows_out")

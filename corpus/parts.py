@@ -11,6 +11,7 @@ overwrites its own parts and a rerun of the same input gives the same files.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
@@ -162,12 +163,15 @@ def group_by_size(sizes: dict[str, int], target_bytes: int) -> list[list[str]]:
     return groups
 
 
-def run_tasks(fn: Callable[[dict], dict], tasks: list[dict], num_cpus: float = 1) -> list[dict]:
-    """`fn(task) -> counters` for every task, as Ray Data tasks (one block per task), results in task order.
+def run_tasks(fn: Callable[[dict], dict], tasks: list[dict], num_cpus: float = 1, stage: str | None = None) -> list[dict]:
+    """`fn(task) -> counters` for every task, as Ray Data tasks (one block per task), results in task order;
+    with `stage`, a progress bar of the tasks done under that stage's name.
 
     Tasks and results travel as JSON strings so that Arrow never has to infer a schema for them.
     """
     import ray.data
+
+    from pipelines.console import Bar
 
     if not tasks:
         return []
@@ -177,5 +181,10 @@ def run_tasks(fn: Callable[[dict], dict], tasks: list[dict], num_cpus: float = 1
         return {"index": row["index"], "result": json.dumps(fn(task))}
 
     items = [{"index": i, "task": json.dumps(t)} for i, t in enumerate(tasks)]
-    rows = ray.data.from_items(items, override_num_blocks=len(items)).map(one, num_cpus=num_cpus).take_all()
+    rows = []
+    with Bar(stage, "tasks", len(items)) if stage else contextlib.nullcontext() as bar:
+        for row in ray.data.from_items(items, override_num_blocks=len(items)).map(one, num_cpus=num_cpus).iter_rows():
+            rows.append(row)
+            if bar is not None:
+                bar.update()
     return [json.loads(r["result"]) for r in sorted(rows, key=lambda r: r["index"])]

@@ -38,6 +38,7 @@ from corpus.parts import DOCUMENT_SCHEMA, Parts, check_read, check_written, iter
 from dedup.lsh import band_keys, choose_banding
 from dedup.minhash import MinHasher, jaccard_of_sets
 from pipelines.config import DedupConfig
+from pipelines.console import Bar
 from pipelines.dag import StageContext, StageResult
 from pipelines.engines import groupby
 
@@ -236,31 +237,37 @@ def run(ctx: StageContext) -> StageResult:
     def grouped(ds):  # by `part`, which takes `partitions` values; sized by the documents, which the joins carry
         return groupby(ds, "part", nbytes, ctx.config.ray, num_partitions=partitions)
 
-    docs = ray.data.read_parquet(parts).select_columns(["id", "source", "text"])  # projected into the read
-    band_ds = docs.map_batches(band_rows, batch_format="pyarrow", batch_size=500,
-                               fn_kwargs={"config": config, "bands": bands, "rows": rows, "partitions": partitions})
-    grouped(band_ds).map_groups(candidate_pairs, batch_format="pyarrow").write_parquet(str(work / "pairs"))
+    with Bar("dedup", "phases", 5) as bar:  # bands and candidates; two joins; components; output
+        docs = ray.data.read_parquet(parts).select_columns(["id", "source", "text"])  # projected into the read
+        band_ds = docs.map_batches(band_rows, batch_format="pyarrow", batch_size=500,
+                                   fn_kwargs={"config": config, "bands": bands, "rows": rows, "partitions": partitions})
+        grouped(band_ds).map_groups(candidate_pairs, batch_format="pyarrow").write_parquet(str(work / "pairs"))
+        bar.update()
 
-    candidates = ctx.aside("candidates")
-    if parquet_files(work / "pairs"):  # no shared band key anywhere: nothing to verify
-        keyed_docs = docs.map_batches(docs_keyed, batch_format="pyarrow", fn_kwargs={"partitions": partitions})
-        pairs = ray.data.read_parquet(str(work / "pairs"))
-        keyed = pairs.map_batches(pairs_keyed, batch_format="pyarrow", fn_kwargs={"partitions": partitions, "by": "a"})
-        grouped(keyed.union(keyed_docs)).map_groups(attach_first, batch_format="pyarrow", fn_kwargs={"config": config}) \
-            .write_parquet(str(work / "first"))
-        first = ray.data.read_parquet(str(work / "first"))
-        keyed = first.map_batches(pairs_keyed, batch_format="pyarrow", fn_kwargs={"partitions": partitions, "by": "b"})
-        grouped(keyed.union(keyed_docs)).map_groups(verify_second, batch_format="pyarrow", fn_kwargs={"config": config}) \
-            .write_parquet(str(candidates))
+        candidates = ctx.aside("candidates")
+        if parquet_files(work / "pairs"):  # no shared band key anywhere: nothing to verify
+            keyed_docs = docs.map_batches(docs_keyed, batch_format="pyarrow", fn_kwargs={"partitions": partitions})
+            pairs = ray.data.read_parquet(str(work / "pairs"))
+            keyed = pairs.map_batches(pairs_keyed, batch_format="pyarrow", fn_kwargs={"partitions": partitions, "by": "a"})
+            grouped(keyed.union(keyed_docs)).map_groups(attach_first, batch_format="pyarrow", fn_kwargs={"config": config}) \
+                .write_parquet(str(work / "first"))
+            bar.update()
+            first = ray.data.read_parquet(str(work / "first"))
+            keyed = first.map_batches(pairs_keyed, batch_format="pyarrow", fn_kwargs={"partitions": partitions, "by": "b"})
+            grouped(keyed.union(keyed_docs)).map_groups(verify_second, batch_format="pyarrow", fn_kwargs={"config": config}) \
+                .write_parquet(str(candidates))
+        bar.update_to(3)
 
-    priority = {s.name: i for i, s in enumerate(ctx.config.sources)}
-    duplicates = ctx.aside("duplicates")
-    found = ray.get(ray.remote(components).remote(str(candidates), str(duplicates), cfg.threshold, priority))
+        priority = {s.name: i for i, s in enumerate(ctx.config.sources)}
+        duplicates = ctx.aside("duplicates")
+        found = ray.get(ray.remote(components).remote(str(candidates), str(duplicates), cfg.threshold, priority))
+        bar.update()
 
-    tasks = [{"path": p, "stem": Path(p).stem, "duplicates": str(duplicates), "output": str(ctx.output)} for p in parts]
-    counts: collections.Counter = collections.Counter()
-    for result in run_tasks(filter_task, tasks):
-        counts.update(result)
+        tasks = [{"path": p, "stem": Path(p).stem, "duplicates": str(duplicates), "output": str(ctx.output)} for p in parts]
+        counts: collections.Counter = collections.Counter()
+        for result in run_tasks(filter_task, tasks):
+            counts.update(result)
+        bar.update()
     check_written(duplicates, counts["duplicate"], "duplicates removed")
     check_written(ctx.output, counts["rows_out"], "documents kept")
     check_read(counts["rows_in"], ctx.inputs, "normalize")

@@ -113,7 +113,6 @@ class RayConfig:
     """How Ray starts when RAY_ADDRESS is not set (with it set, the cluster decides)."""
 
     num_cpus: int | None = None  # None: all cores of this machine
-    progress_bars: bool = True  # forced off under pytest
     # A groupby moving less than this many MB shuffles in Ray Data tasks (a sort); more, on Ray Data's
     # hash-shuffle actors with partitions sized for the data (pipelines/engines.py: groupby). 0: always hash.
     small_shuffle_mb: int = 256

@@ -37,6 +37,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol
 
+from pipelines import console
 from pipelines.config import PipelineConfig, section_dict
 
 log = logging.getLogger("pipelines")
@@ -267,7 +268,7 @@ class Runner:
         config: PipelineConfig,
         stages: list[Stage],
         start_engines: Callable[[], None] = lambda: None,
-        say: Callable[[str], None] = print,
+        say: Callable[[str], None] = console.say,
     ):
         check_dag(stages)
         self.config = config
@@ -325,66 +326,60 @@ class Runner:
         return outcomes
 
     def _execute(self, tracker: Tracker, stage: Stage, fp: str, inputs: dict[str, dict]) -> dict:
-        self.start_engines()
         folder = self.workdir.new_partial(stage.name, fp)
         log_path = folder / "stage.log"
-        handler = logging.FileHandler(log_path)
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        with console.stage_log(log_path):
+            self.start_engines()  # inside: the engines' start-up notices go to the first stage's log
+            return self._run_logged(tracker, stage, fp, inputs, folder, log_path)
+
+    def _run_logged(self, tracker: Tracker, stage: Stage, fp: str, inputs: dict[str, dict], folder: Path,
+                    log_path: Path) -> dict:
         stage_log = logging.getLogger(f"pipelines.stage.{stage.name}")
-        root = logging.getLogger()
-        root.addHandler(handler)
-        previous_level = root.level
-        root.setLevel(min(previous_level, logging.INFO))
         config_section = section_dict(self.config, stage.section)
         started, t0 = _now(), time.perf_counter()
         attempt = self.workdir.stage_dir(stage.name) / f".attempt-{fp[:16]}.json"  # an unfinished run of this fingerprint
         resume = json.loads(attempt.read_text())["mlflow_run_id"] if stage.resumable and attempt.is_file() else None
         self.say(f"[{stage.name}] {'resuming' if resume else 'running'} ({fp[:12]}) in {folder}")
-        try:
-            with tracker.stage(
-                stage.name,
-                params=config_section,
-                tags={"stage": stage.name, "fingerprint": fp, "cache_hit": "false"},  # + "counts" when done
-                resume_run_id=resume,
-            ) as run_id:
-                try:
-                    if stage.resumable:
-                        _write_json_atomic(attempt, {"mlflow_run_id": run_id, "started": started})
-                    first = stage.section[0] if isinstance(stage.section, tuple) else stage.section
-                    section = getattr(self.config, first)
-                    ctx = StageContext(stage.name, self.config, section, inputs, folder, stage_log, run_id, fp, bool(resume))
-                    result = stage.run(ctx)
-                    _check_result(stage.name, result)
-                except BaseException as exc:
-                    stage_log.error("stage failed:\n%s", traceback.format_exc())
-                    reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-                    raise StageFailed(stage.name, reason, folder, log_path) from exc
-                seconds = time.perf_counter() - t0
-                counts = result.counts()
-                metrics = {**counts, **result.metrics, "seconds": seconds}
-                if seconds > 0:
-                    metrics["rows_per_second"] = result.rows_in / seconds
-                tracker.log_metrics(metrics)
-                tracker.set_tag("counts", ",".join(counts))  # which metrics are row counts (pipelines/compare.py)
-                manifest = {
-                    "stage": stage.name,
-                    "fingerprint": fp,
-                    "inputs": {name: m["fingerprint"] for name, m in inputs.items()},
-                    "config": config_section,
-                    "code_version": code_version(stage.code),
-                    "counts": counts,
-                    "metrics": {k: v for k, v in metrics.items() if k not in counts},
-                    "started": started,
-                    "finished": _now(),
-                    "mlflow_run_id": run_id,
-                    **{k: v for k, v in result.fields.items() if k not in _MANIFEST_KEYS},
-                }
-                manifest = self.workdir.commit(folder, manifest)
-                attempt.unlink(missing_ok=True)
-        finally:
-            root.removeHandler(handler)
-            root.setLevel(previous_level)
-            handler.close()
+        with tracker.stage(
+            stage.name,
+            params=config_section,
+            tags={"stage": stage.name, "fingerprint": fp, "cache_hit": "false"},  # + "counts" when done
+            resume_run_id=resume,
+        ) as run_id:
+            try:
+                if stage.resumable:
+                    _write_json_atomic(attempt, {"mlflow_run_id": run_id, "started": started})
+                first = stage.section[0] if isinstance(stage.section, tuple) else stage.section
+                section = getattr(self.config, first)
+                ctx = StageContext(stage.name, self.config, section, inputs, folder, stage_log, run_id, fp, bool(resume))
+                result = stage.run(ctx)
+                _check_result(stage.name, result)
+            except BaseException as exc:
+                stage_log.error("stage failed:\n%s", traceback.format_exc())
+                reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+                raise StageFailed(stage.name, reason, folder, log_path) from exc
+            seconds = time.perf_counter() - t0
+            counts = result.counts()
+            metrics = {**counts, **result.metrics, "seconds": seconds}
+            if seconds > 0:
+                metrics["rows_per_second"] = result.rows_in / seconds
+            tracker.log_metrics(metrics)
+            tracker.set_tag("counts", ",".join(counts))  # which metrics are row counts (pipelines/compare.py)
+            manifest = {
+                "stage": stage.name,
+                "fingerprint": fp,
+                "inputs": {name: m["fingerprint"] for name, m in inputs.items()},
+                "config": config_section,
+                "code_version": code_version(stage.code),
+                "counts": counts,
+                "metrics": {k: v for k, v in metrics.items() if k not in counts},
+                "started": started,
+                "finished": _now(),
+                "mlflow_run_id": run_id,
+                **{k: v for k, v in result.fields.items() if k not in _MANIFEST_KEYS},
+            }
+            manifest = self.workdir.commit(folder, manifest)
+            attempt.unlink(missing_ok=True)
         aside = ", ".join(f"{k}={v}" for k, v in result.set_aside.items())
         self.say(
             f"[{stage.name}] done in {seconds:.1f}s: rows_in={result.rows_in} rows_out={result.rows_out}"

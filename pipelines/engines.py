@@ -12,12 +12,16 @@ import os
 import sys
 
 from pipelines.config import PipelineConfig, RayConfig
+from pipelines.console import route_ray_logging
 
 PARTITION_BYTES = 256 << 20  # of shuffled data per hash-shuffle partition, when the caller names no count
 
 
-def under_pytest() -> bool:
-    return "PYTEST_CURRENT_TEST" in os.environ
+# Ray Train settings for a Ray this process starts (never for a cluster's): a laptop is not preempted,
+# so no preemption-watcher actor per job (one process start, and an error-level log line of Ray's
+# own about its constructor arguments); and the controller looks at its workers every 0.25 s, not
+# 2 s, so a finished or failed worker group is seen at once (a job's end, and each restart).
+LOCAL_TRAIN_ENV = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.25"}
 
 
 def quiet_worker_logs() -> None:
@@ -28,30 +32,40 @@ def quiet_worker_logs() -> None:
         logging.getLogger("ray.train.v2._internal.execution.controller.placement_group_cleaner").setLevel(logging.ERROR)
 
 
-def start_ray(config: PipelineConfig) -> bool:
-    """Start (or join) Ray; True when this call started it, so the caller shuts it down."""
+def init_ray(num_cpus: int | None = None, verbose: bool = False) -> None:
+    """`ray.init`: the cluster named by RAY_ADDRESS, else a Ray inside this process with `num_cpus`
+    (None: every core). The workers', raylet's and GCS's output stays in Ray's session logs unless
+    `verbose`; the driver's Ray loggers show only errors (pipelines/console.py)."""
+    import ray
+    import ray.data  # its loggers exist from here on
+
+    route_ray_logging(verbose)  # before ray.init, which logs notices of its own
+    runtime_env = {"worker_process_setup_hook": "pipelines.engines.quiet_worker_logs"}
+    if os.environ.get("RAY_ADDRESS"):
+        ray.init(runtime_env=runtime_env, logging_level=logging.INFO, log_to_driver=verbose)
+    else:
+        ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level=logging.INFO, log_to_driver=verbose,
+                 runtime_env={**runtime_env, "env_vars": LOCAL_TRAIN_ENV})
+
+
+def start_ray(config: PipelineConfig, verbose: bool = False) -> bool:
+    """Start (or join) Ray and set Ray Data up for this pipeline; True when this call started Ray, so
+    the caller shuts it down."""
     import ray
     import ray.data
 
     started = False
-    runtime_env = {"worker_process_setup_hook": "pipelines.engines.quiet_worker_logs"}
     if not ray.is_initialized():
-        if os.environ.get("RAY_ADDRESS"):
-            ray.init(runtime_env=runtime_env)  # joins the cluster named by RAY_ADDRESS
-        else:
-            ray.init(num_cpus=config.ray.num_cpus, include_dashboard=False, logging_level=logging.WARNING,
-                     runtime_env=runtime_env)
+        init_ray(config.ray.num_cpus, verbose)
         started = True
-    quiet = under_pytest() or not config.ray.progress_bars or not sys.stderr.isatty()  # no bars in logs
     ctx = ray.data.DataContext.get_current()
     # Ray Data 2.60's default Parquet read (DataSourceV2) starts a pool of 32 FooterReader actors for every
     # read_parquet, however few the files: 32 process start-ups per read, most of a small stage's time on a
     # laptop (docs/benchmarks.md). Our reads are of our own parts (a few files of up to 256 MB per stage),
     # which the V1 reader's footer tasks plan as well at any size.
     ctx.use_datasource_v2 = False
-    ctx.enable_progress_bars = not quiet
-    if quiet:
-        logging.getLogger("ray.data").setLevel(logging.WARNING)
+    # Ray Data's own bars (one per operator) with --verbose on a terminal; the stages draw one of their own.
+    ctx.enable_progress_bars = verbose and sys.stderr.isatty()
     return started
 
 

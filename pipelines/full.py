@@ -20,6 +20,7 @@ if __package__ in (None, ""):  # run as a script: make the project importable wi
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from pipelines.config import ConfigError, PipelineConfig, check_inputs_exist, load_config
+from pipelines import summary
 from pipelines.dag import Runner, Stage, StageFailed, UsageError, iter_outcomes_table
 from pipelines.stages import STAGES
 from pipelines.tracking import flatten
@@ -43,6 +44,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--force", action="store_true", help="ignore the cache for the selected stages")
     p.add_argument("--set", dest="overrides", action="append", default=[], metavar="KEY=VALUE",
                    help="override a config key, e.g. --set dedup.threshold=0.9 (repeatable)")
+    p.add_argument("--verbose", action="store_true", help="show Ray's own output (its loggers, and the workers', "
+                   "raylet's and GCS's) on the terminal instead of only in the stage logs and Ray's session logs")
     p.add_argument("--ablation", metavar="NAME", help="name this run's data ablation: its MLflow runs are tagged with the "
                    "name and its differences from the config file (default: 'base' without --set, else the --set list); "
                    "compare ablations with pipelines/compare.py")
@@ -89,7 +92,7 @@ def run(config: PipelineConfig, args: argparse.Namespace, only: list[str] | None
     from pipelines.tracking import MlflowTracker
 
     ray_started: list[bool] = []
-    runner = Runner(config, stages, start_engines=lambda: ray_started or ray_started.append(start_ray(config)))
+    runner = Runner(config, stages, start_engines=lambda: ray_started or ray_started.append(start_ray(config, args.verbose)))
     plan = runner.plan(only, args.from_, args.force)  # a bad selection fails here, before any run
     os.makedirs(config.workdir, exist_ok=True)
     tracker = MlflowTracker(config.mlflow.tracking_uri, config.mlflow.experiment,
@@ -99,19 +102,33 @@ def run(config: PipelineConfig, args: argparse.Namespace, only: list[str] | None
     try:
         with tracker.pipeline(f"{config.name} [{ablation['ablation']}]", params=params, tags=_pipeline_tags(config)) as parent:
             outcomes = runner.execute(plan, tracker)
+            table, funnel = summary.write(outcomes, Path(config.workdir))
+            for path in (table, funnel):
+                tracker.log_artifact(path)
+            tracker.set_tag("mlflow.note.content", table.read_text())  # the run's description, on its Overview tab
+            tracker.log_metrics({f"{o.stage}.{k}": v for o in outcomes for k, v in o.manifest["counts"].items()})
     finally:
         if any(ray_started):
             import ray
 
             ray.shutdown()
-    print(f"\npipeline '{config.name}' finished; workdir {config.workdir}")
+    print(f"\npipeline '{config.name}' finished; workdir {config.workdir} (summary: {summary.TABLE}, {summary.FUNNEL})")
     for line in iter_outcomes_table(outcomes):
         print(line)
     print(f"\nMLflow: experiment '{config.mlflow.experiment}', run {parent}, store {config.mlflow.tracking_uri}")
-    print(f"  look at it with: mlflow ui --backend-store-uri {config.mlflow.tracking_uri}")
+    print("  look at it with: " + ui_hint(config.mlflow.tracking_uri, tracker.experiment_id))
     print(f"  ablation '{ablation['ablation']}'; compare ablations with: python pipelines/compare.py"
           + (f" --config {args.config}" if args.config else ""))
     return 0
+
+
+def ui_hint(tracking_uri: str, experiment_id: str) -> str:
+    """How to open the experiment on its runs: the MLflow 3 UI opens on its GenAI view unless the link asks
+    for the model-training one (`workflowType`, which takes precedence over the experiment's type tag)."""
+    page = f"#/experiments/{experiment_id}?workflowType=machine_learning"
+    if tracking_uri.startswith(("http://", "https://")):
+        return f"{tracking_uri.rstrip('/')}/{page}"
+    return f"mlflow ui --backend-store-uri {tracking_uri}, then http://127.0.0.1:5000/{page}"
 
 
 def _pipeline_tags(config: PipelineConfig) -> dict[str, str]:

@@ -17,6 +17,9 @@ from mlflow import MlflowClient
 from mlflow.entities import Metric, Param
 
 MAX_PARAM_LENGTH = 6000  # MLflow's limit on a param value
+# The experiment's type, which the MLflow 3 UI reads to open an experiment on its training runs, not on
+# the GenAI overview (traces, evaluations) it shows an experiment of unknown type.
+EXPERIMENT_KIND, MODEL_TRAINING = "mlflow.experimentKind", "custom_model_development"
 BATCH = 100  # MLflow's limit on params per log_batch call
 
 
@@ -61,15 +64,16 @@ class MlflowTracker:
 
     def _experiment(self, name: str, artifact_location: str | None) -> str:
         found = self.client.get_experiment_by_name(name)
-        if found is not None:
-            return found.experiment_id
-        try:
-            return self.client.create_experiment(name, artifact_location=artifact_location)
-        except Exception:  # created meanwhile by a concurrent invocation
-            found = self.client.get_experiment_by_name(name)
-            if found is None:
-                raise
-            return found.experiment_id
+        if found is None:
+            try:
+                found = self.client.get_experiment(self.client.create_experiment(name, artifact_location=artifact_location))
+            except Exception:  # created meanwhile by a concurrent invocation
+                found = self.client.get_experiment_by_name(name)
+                if found is None:
+                    raise
+        if found.tags.get(EXPERIMENT_KIND) != MODEL_TRAINING:
+            self.client.set_experiment_tag(found.experiment_id, EXPERIMENT_KIND, MODEL_TRAINING)
+        return found.experiment_id
 
     @contextlib.contextmanager
     def _run(self, name: str, params: dict, tags: dict, resume_run_id: str | None = None) -> Iterator[str]:
@@ -124,3 +128,6 @@ class MlflowTracker:
 
     def set_tag(self, key: str, value: str) -> None:
         self.client.set_tag(self._run_id, key, value)
+
+    def log_artifact(self, path) -> None:
+        self.client.log_artifact(self._run_id, str(path))

@@ -30,8 +30,10 @@ from corpus.parts import DOCUMENT_SCHEMA, DROPPED_SCHEMA, Parts, check_read, che
 from corpus.tokenize import tokenizer_task
 from corpus import tokenizer as tokenizers
 from pipelines.config import AutopilotConfig, PipelineConfig, ScreenConfig, TrainConfig
+from pipelines.console import Bar
 from pipelines.dag import StageContext, StageResult
 from screen import mixture, score
+from train.follow import Follower
 from screen.mixture import BASELINE
 
 TASK_BYTES = 64 << 20  # of dedup's documents per census/sample/filter task, at most
@@ -195,10 +197,7 @@ def run_proxies(ctx: StageContext, jobs: list[dict]) -> None:
         folder.mkdir(parents=True, exist_ok=True)
         running[fit.remote(proxy_train_config(cfg, cfg.seed), {"runs": configs}, folder)] = group
 
-    while pending or running:
-        while pending and len(running) < cfg.concurrent_runs:
-            start(*pending.pop(0))
-        done, _ = ray.wait(list(running), num_returns=1)
+    def finish(done: list) -> None:
         for ref in done:
             group = running.pop(ref)
             try:
@@ -216,6 +215,13 @@ def run_proxies(ctx: StageContext, jobs: list[dict]) -> None:
                 client.log_batch(job["run_id"], metrics=[Metric(f"spike.{key}", float(value), now, 0)
                                                          for key, value in job["score"].to_dict().items()])
                 client.set_terminated(job["run_id"], "FINISHED")
+
+    runs = {f"{job['subset']} seed {job['seed']}": job["folder"] for job in jobs}
+    with Bar("screen", "proxy steps", len(jobs) * cfg.steps) as bar, Follower("screen", runs, bar):
+        while pending or running:
+            while pending and len(running) < cfg.concurrent_runs:
+                start(*pending.pop(0))
+            finish(ray.wait(list(running), num_returns=1)[0])
 
 
 def proxy_loop(config: dict) -> None:

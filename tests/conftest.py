@@ -1,5 +1,5 @@
-"""Shared fixtures: one Ray session for the whole test run (ray.init costs seconds), and one run
-of the whole pipeline on the sample corpus that the stage tests read."""
+"""Shared fixtures: one Ray session for the whole test run (ray.init costs seconds), started as the
+pipeline starts it, and one run of the whole pipeline on the sample corpus that the stage tests read."""
 
 from __future__ import annotations
 
@@ -21,9 +21,11 @@ def ray_session():
 
     import minipipeline
 
+    from pipelines.engines import init_ray
+
     # Test-only stage code lives in tests/, which Ray workers cannot import: ship it by value.
     ray.cloudpickle.register_pickle_by_value(minipipeline)
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING")
+    init_ray(num_cpus=2)  # as pipelines/full.py starts it
     yield ray
     ray.shutdown()
 

@@ -69,7 +69,7 @@ def test_defaults_and_resolved_paths(cfg, tmp_path, monkeypatch):
     ("train: {precision: fp8}\n", "train.precision", "expected one of 'fp32', 'bf16', 'fp16'"),
     ("train: {zero_stage: 4}\n", "train.zero_stage", "expected 0, 1, 2 or 3"),
     ("train: {max_steps: yes}\n", "train.max_steps", "expected an integer or null, got True (bool)"),
-    ("ray: {progress_bars: 1}\n", "ray.progress_bars", "expected true or false"),
+    ("normalize: {ftfy: 1}\n", "normalize.ftfy", "expected true or false"),
     ("tokenize: {tokenizer: {kind: gpt2}}\n", "tokenize.tokenizer.vocab", "required when kind is 'gpt2'"),
     ("tokenize: {tokenizer: {fairseq_dict: d.txt}}\n", "tokenize.tokenizer.fairseq_dict", "only read when kind is 'gpt2'"),
     ("tokenize: {tokenizer: {train_bytes: 0}}\n", "tokenize.tokenizer.train_bytes", "expected a value >= 1"),
@@ -134,12 +134,12 @@ def test_missing_input_paths_name_the_key(cfg, tmp_path):
 
 def test_set_overrides_are_typed_by_their_field(cfg):
     config = load_config(cfg(), [
-        "dedup.threshold=0.9", "dedup.ngram=3", "ray.progress_bars=false", "train.lr=null",
+        "dedup.threshold=0.9", "dedup.ngram=3", "normalize.ftfy=false", "train.lr=null",
         "mlflow.experiment=2024", "sources.0.text_field=body", "tokenize.tokenizer.vocab_size=512",
         "train.grad_clip=3e-1",
     ])
     assert config.train.grad_clip == 0.3  # exponent notation without a dot (a string to YAML 1.1)
-    assert config.dedup.threshold == 0.9 and config.dedup.ngram == 3 and config.ray.progress_bars is False
+    assert config.dedup.threshold == 0.9 and config.dedup.ngram == 3 and config.normalize.ftfy is False
     assert config.train.lr is None
     assert config.mlflow.experiment == "2024"  # a string field keeps the text verbatim
     assert config.sources[0].text_field == "body" and config.tokenize.tokenizer.vocab_size == 512

@@ -117,9 +117,16 @@ def test_rerun_with_one_cpu_and_the_hash_shuffle_keeps_the_same_documents(corpus
     root, cfg, _, _ = corpus
     manifest, folder = deduped
     before = sorted((r["id"], r["kept_id"]) for r in rows(folder / "duplicates"))
+    first_log = (folder / "stage.log").read_text()  # the rerun replaces this folder (the same fingerprint)
     subprocess.run([sys.executable, str(ROOT / "pipelines" / "full.py"), "--config", str(cfg), "--only", "dedup",
                     "--force", "--set", "ray.num_cpus=1", "--set", "ray.small_shuffle_mb=0"], check=True, capture_output=True, cwd=ROOT)
     again = json.loads((root / "work" / "dedup" / "manifest.json").read_text())
     assert again["fingerprint"] == manifest["fingerprint"]  # num_cpus is not part of dedup's config
     assert again["mlflow_run_id"] != manifest["mlflow_run_id"]
     assert sorted((r["id"], r["kept_id"]) for r in rows(Path(again["output"]).parent / "duplicates")) == before
+    # Which shuffle each run took, from Ray Data's execution plans in the stage logs; both read Parquet with
+    # the V1 reader (V2 would start 32 footer-reader actors per read).
+    again_log = (Path(again["output"]).parent / "stage.log").read_text()
+    assert "AllToAllOperator[Sort]" in first_log and "HashShuffle" not in first_log
+    assert "HashShuffleMap(keys=('part',), partitions=1)" in again_log and "[Sort]" not in again_log
+    assert "ReadParquet" in first_log and "ReadFilesParquetV2" not in first_log + again_log

@@ -127,7 +127,6 @@ def test_the_ingest_stage_reads_sources_by_uri_as_by_path(tmp_path, sample, ray_
 sources:
   - {{name: pile,   format: pile,  paths: ["{root}/pile/*.jsonl.zst"]}}
   - {{name: ccnews, format: jsonl, paths: ["{root}/ccnews/*.jsonl"], text_field: text, id_field: id}}
-ray: {{progress_bars: false}}
 """, how)
         assert main(["--config", str(cfg), "--only", "ingest"]) == 0
         m = manifest(tmp_path / how, "ingest")

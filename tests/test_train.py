@@ -143,8 +143,9 @@ def lr_at(step: int) -> float:
     return Schedule(3e-3, 5, 97, 0.1).lr(step)
 
 
-def test_autopilot_rolls_back_skips_escalates_and_survives_a_kill_during_recovery(baseline):
+def test_autopilot_rolls_back_skips_escalates_and_survives_a_kill_during_recovery(baseline, capsys):
     cfg, wd, _, curve = baseline
+    capsys.readouterr()
     faults = ("train.inject=[{kind: spike, step: 14, factor: 300}, {kind: kill, step: 17}, {kind: spike, step: 24, factor: 300}, "
               "{kind: spike, step: 34, factor: 300}]")
     assert main(["--config", str(cfg), "--only", "train", "--set", faults, "--set", "train.max_steps=40",
@@ -167,6 +168,12 @@ def test_autopilot_rolls_back_skips_escalates_and_survives_a_kill_during_recover
     assert book[0]["skipped_batches"] == [10, 25]
     incidents = [json.loads(line)["what"] for line in (out / "incidents.jsonl").read_text().splitlines()]
     assert "injected kill on rank 1" in incidents and "resumed from step-00000010" in incidents
+    # A person at the terminal saw each intervention and the restart as they happened (train/follow.py).
+    err = capsys.readouterr().err
+    for e in book:
+        assert f"[train] step {e['step']}: autopilot: loss_spike: {', '.join(e['actions'])} (back to step " \
+               f"{e['rolled_back_to']})" in err, err
+    assert "[train] step 17: injected kill on rank 1" in err and "resumed from step-00000010" in err
     assert train["interventions"] == [{k: e[k] for k in ("step", "kind", "actions")} for e in book]
     assert train["steps"] == 40 and train["final_loss"] < curve[1] - 0.5  # recovered: it still learned
     assert "LOGBOOK.md" in os.listdir(out) and (out / "training.png").stat().st_size > 10_000

@@ -277,13 +277,31 @@ def quiet() -> None:
 
 
 def train_loop(config: dict) -> None:
+    """The worker's whole run; rank 0 also writes its log to the run folder's train.log (appended across
+    restarts), since the workers' output stays off the driver's terminal."""
+    import ray.train
+
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    handler = None
+    if ray.train.get_context().get_world_rank() == 0:
+        handler = logging.FileHandler(Path(config["run_dir"]) / "train.log")
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+        logging.getLogger().addHandler(handler)
+    try:
+        _train(config)
+    finally:
+        if handler is not None:
+            logging.getLogger().removeHandler(handler)
+            handler.close()
+
+
+def _train(config: dict) -> None:
     quiet()
     import deepspeed
     import ray.train
 
     from model.configs import OPTConfig, flops_per_token
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     train_ctx = ray.train.get_context()
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     ctx = Context(train_ctx.get_world_rank(), train_ctx.get_world_size(), Path(config["run_dir"]), device)

@@ -18,8 +18,10 @@ from pathlib import Path
 
 from model.configs import get
 from pipelines.config import TrainConfig
+from pipelines.console import Bar
 from pipelines.dag import StageContext, StageResult
 from train import autopilot
+from train.follow import Follower
 from train.loader import read_index
 from train.plot import plot_run
 
@@ -97,9 +99,10 @@ def run(ctx: StageContext) -> StageResult:
     (folder / "loop_config.json").write_text(json.dumps(config, indent=1))
     ctx.log.info("run folder %s: %d steps of %d sequences x %d tokens on %d workers", folder, config["max_steps"],
                  config["global_batch"], config["seq_len"], cfg.num_workers)
-    fit(cfg, config, folder)
+    with Bar("train", "steps", config["max_steps"]) as bar, Follower("train", {"": folder}, bar):
+        fit(cfg, config, folder)
     summary = json.loads((folder / "summary.json").read_text())
-    for name in ("metrics.jsonl", "incidents.jsonl", "loop_config.json", "logbook.jsonl", "LOGBOOK.md"):
+    for name in ("metrics.jsonl", "incidents.jsonl", "loop_config.json", "logbook.jsonl", "LOGBOOK.md", "train.log"):
         if (folder / name).exists():
             (ctx.output / name).write_bytes((folder / name).read_bytes())
     logbook = autopilot.Logbook(folder).entries()
