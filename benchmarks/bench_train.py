@@ -107,6 +107,38 @@ def bare(name: str, vocab: int, steps: int, threads: int, device: str, precision
     return rates[2:]
 
 
+def measure(models: list[str], device: str, precision: str, out: Path, steps: int | None = None,
+            overrides: list[str] = (), cores: int | None = None) -> list[str]:
+    """Ours against the bare loop for each model, on the Ray this process has started; the table's lines."""
+    cores = cores or os.cpu_count() or 1
+    results = {}
+    for name in models:
+        setup = {**SETUPS[device][name], **({"steps": steps} if steps else {})}
+        vocab = 512 if name == "tiny" else 50272
+        shards = out / name / "shards"
+        make_shards(shards, setup["batch"] * (setup["steps"] + 1), seq_len=setup["seq_len"], vocab=vocab)
+        rates, rows = ours(name, shards, out, setup["steps"], cores, device, precision, list(overrides))
+        # bf16 and fp16 bare: the model cast whole (no fp32 master weights; the cheapest loop there is)
+        base = bare(name, vocab, setup["steps"], cores, device, "fp32" if precision == "fp32" else precision)
+        results[name] = (statistics.median(rates), statistics.median(base), vocab, rows)
+
+    peak = peak_tflops(torch.device(device, 0), precision) if device == "cuda" else None
+    lines = ["| model | seq_len x batch (micro) | bare PyTorch tokens/s | ours tokens/s | time per token, ours / bare "
+             "| ours TFLOP/s | ours MFU | bare MFU |", "|---|---|---|---|---|---|---|---|"]
+    for name, (mine, base, vocab, rows) in results.items():
+        s = SETUPS[device][name]
+        model = get(name).replace(vocab_size=vocab, max_seq_len=max(s["seq_len"], get(name).max_seq_len))
+        per_token = flops_per_token(model, s["seq_len"])
+        mfu = (lambda rate: f"{rate * per_token / 1e12 / peak:.1%}" if peak else "-")
+        lines.append(f"| {name} | {s['seq_len']} x {s['batch']} ({s['micro']}) | {base:,.0f} | {mine:,.0f} | "
+                     f"{base / mine:.2f}x | {mine * per_token / 1e12:.3f} | {mfu(mine)} | {mfu(base)} |")
+        skipped = max((r.get("skipped_steps", 0) for r in rows), default=0)
+        if skipped:
+            scales = " ".join(f"{r['loss_scale']:g}" for r in rows if "loss_scale" in r)
+            lines.append(f"  {name}: {skipped} overflow-skipped steps; loss scale per step: {scales}")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--models", default="tiny,125m")
@@ -114,6 +146,7 @@ def main() -> None:
     parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
                         help="a config override for our run (pipelines/full.py's --set), e.g. train.zero_stage=1")
+    parser.add_argument("--steps", type=int, help="steps per model (default: each model's own, SETUPS)")
     parser.add_argument("--out", default="/tmp/bench_train")
     args = parser.parse_args()
     out = Path(args.out)
@@ -123,39 +156,17 @@ def main() -> None:
 
     import ray
 
-    ray.init(num_cpus=cores, include_dashboard=False, logging_level=logging.WARNING,
-             runtime_env={"worker_process_setup_hook": "pipelines.engines.quiet_worker_logs"})
-    results = {}
-    for name in args.models.split(","):
-        setup = SETUPS[args.device][name]
-        vocab = 512 if name == "tiny" else 50272
-        shards = out / name / "shards"
-        make_shards(shards, setup["batch"] * (setup["steps"] + 1), seq_len=setup["seq_len"], vocab=vocab)
-        rates, rows = ours(name, shards, out, setup["steps"], cores, args.device, args.precision, args.set)
-        # bf16 and fp16 bare: the model cast whole (no fp32 master weights; the cheapest loop there is)
-        base = bare(name, vocab, setup["steps"], cores, args.device, "fp32" if args.precision == "fp32" else args.precision)
-        results[name] = (statistics.median(rates), statistics.median(base), vocab, rows)
-    ray.shutdown()
+    from pipelines.engines import init_ray
 
-    commit = provenance.commit()
-    print(f"commit {commit}; {provenance.machine()}, {cores} cores, Python {platform.python_version()}, "
+    init_ray(cores)
+    try:
+        lines = measure(args.models.split(","), args.device, args.precision, out, args.steps, args.set, cores)
+    finally:
+        ray.shutdown()
+    print(f"commit {provenance.commit()}; {provenance.machine()}, {cores} cores, Python {platform.python_version()}, "
           f"torch {torch.__version__}, {args.device} {args.precision}")
     print()
-    peak = peak_tflops(torch.device(args.device, 0), args.precision) if args.device == "cuda" else None
-    print("| model | seq_len x batch (micro) | bare PyTorch tokens/s | ours tokens/s | time per token, ours / bare "
-          "| ours TFLOP/s | ours MFU | bare MFU |")
-    print("|---|---|---|---|---|---|---|---|")
-    for name, (mine, base, vocab, rows) in results.items():
-        s = SETUPS[args.device][name]
-        model = get(name).replace(vocab_size=vocab, max_seq_len=max(s["seq_len"], get(name).max_seq_len))
-        per_token = flops_per_token(model, s["seq_len"])
-        mfu = (lambda rate: f"{rate * per_token / 1e12 / peak:.1%}" if peak else "-")
-        print(f"| {name} | {s['seq_len']} x {s['batch']} ({s['micro']}) | {base:,.0f} | {mine:,.0f} | {base / mine:.2f}x "
-              f"| {mine * per_token / 1e12:.3f} | {mfu(mine)} | {mfu(base)} |")
-        skipped = max((r.get("skipped_steps", 0) for r in rows), default=0)
-        if skipped:
-            scales = " ".join(f"{r['loss_scale']:g}" for r in rows if "loss_scale" in r)
-            print(f"  {name}: {skipped} overflow-skipped steps; loss scale per step: {scales}")
+    print("\n".join(lines))
 
 
 if __name__ == "__main__":

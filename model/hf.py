@@ -1,16 +1,24 @@
 """Hugging Face format: a folder `transformers.OPTForCausalLM.from_pretrained` loads, and back.
 
-Export writes config.json (an OPTConfig, written as JSON: transformers is not needed to export)
-and model.safetensors with OPT's parameter names ("model." + ours; the output layer is tied, so
-only the embeddings are stored), plus the tokenizer when given (a `tokenizers.Tokenizer`,
-saved as tokenizer.json with OPT's special tokens) so that `AutoTokenizer.from_pretrained` works
-on the same folder. Import reads such a folder (ours, or a released OPT checkpoint on local disk).
+Export writes config.json (an OPTConfig, written as JSON: transformers is not needed to export,
+labelled with the dtype the weights are stored in) and the weights with OPT's parameter names
+("model." + ours; the output layer is tied, so only the embeddings are stored) in safetensors
+files of at most `max_shard_bytes`, as transformers writes big models: `model.safetensors` when
+one file holds them all, else `model-0000i-of-0000N.safetensors` and the
+`model.safetensors.index.json` that maps each tensor to its file. The model is written one piece
+at a time (the embeddings, each block, the final LayerNorm: `export_parts`), so a caller whose
+parameters are partitioned (ZeRO-3) gathers one block at a time, and the writer holds at most
+one file's tensors in host memory. The tokenizer, when given (a `tokenizers.Tokenizer`), is saved
+as tokenizer.json with OPT's special tokens, so that `AutoTokenizer.from_pretrained` works on the
+same folder. Import reads such a folder (ours, or a released OPT checkpoint on local disk).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 from pathlib import Path
+from typing import Callable, ContextManager, Iterator
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -20,11 +28,13 @@ from model.configs import OPTConfig
 from model.opt import OPT, POSITION_OFFSET
 
 PREFIX = "model."
+SHARD_BYTES = 5 << 30  # the most one weights file holds (transformers' default max_shard_size, 5 GB)
+WEIGHTS, INDEX = "model.safetensors", "model.safetensors.index.json"
 
 
-def hf_config(config: OPTConfig) -> dict:
+def hf_config(config: OPTConfig, dtype: torch.dtype = torch.float32) -> dict:
     return {
-        "architectures": ["OPTForCausalLM"], "model_type": "opt", "torch_dtype": "float32",
+        "architectures": ["OPTForCausalLM"], "model_type": "opt", "torch_dtype": str(dtype).removeprefix("torch."),
         "vocab_size": config.vocab_size, "hidden_size": config.d_model, "word_embed_proj_dim": config.d_model,
         "num_hidden_layers": config.n_layer, "num_attention_heads": config.n_head, "ffn_dim": config.ffn_dim,
         "max_position_embeddings": config.max_seq_len, "do_layer_norm_before": config.pre_ln,
@@ -35,14 +45,82 @@ def hf_config(config: OPTConfig) -> dict:
     }
 
 
-def save_pretrained(model: OPT, out_dir: str | Path, tokenizer=None) -> Path:
+def export_parts(model: OPT) -> Iterator[torch.nn.Module]:
+    """The pieces export gathers and writes one at a time: the embeddings, each block, the final LayerNorm."""
+    d = model.decoder
+    yield from (d.embed_tokens, d.embed_positions, *d.layers)
+    if d.final_layer_norm is not None:
+        yield d.final_layer_norm
+
+
+class WeightsWriter:
+    """Tensors appended a piece at a time into safetensors files of at most `max_bytes` (a single tensor
+    larger than that gets a file of its own), named and indexed as transformers names and indexes them."""
+
+    def __init__(self, out: Path, max_bytes: int = SHARD_BYTES):
+        self.out, self.max_bytes = out, max_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes, self.total_bytes = 0, 0
+        self.files: list[tuple[Path, list[str]]] = []  # written so far, under temporary names
+        self.dtypes: set[torch.dtype] = set()
+
+    def add(self, tensors: dict[str, torch.Tensor]) -> None:
+        for name, tensor in tensors.items():
+            size = tensor.numel() * tensor.element_size()
+            if self.pending and self.pending_bytes + size > self.max_bytes:
+                self._flush()
+            self.pending[name] = tensor.detach().to("cpu", copy=True).contiguous()  # a copy: ZeRO-3 frees the gathered data
+            self.pending_bytes += size
+            self.total_bytes += size
+            self.dtypes.add(tensor.dtype)
+
+    def _flush(self) -> None:
+        path = self.out / f".part-{len(self.files):05d}.safetensors"
+        save_file(self.pending, str(path), metadata={"format": "pt"})
+        self.files.append((path, list(self.pending)))
+        self.pending, self.pending_bytes = {}, 0
+
+    def close(self) -> torch.dtype:
+        """The files under their final names (and the index, for more than one); the weights' dtype."""
+        if self.pending or not self.files:
+            self._flush()
+        if len(self.dtypes) > 1:
+            raise ValueError(f"the weights are of several dtypes {sorted(map(str, self.dtypes))}: one config cannot say which")
+        n = len(self.files)
+        if n == 1:
+            self.files[0][0].rename(self.out / WEIGHTS)
+            (self.out / INDEX).unlink(missing_ok=True)
+        else:
+            weight_map = {}
+            for i, (path, names) in enumerate(self.files, 1):
+                final = f"model-{i:05d}-of-{n:05d}.safetensors"
+                path.rename(self.out / final)
+                weight_map.update(dict.fromkeys(names, final))
+            (self.out / INDEX).write_text(json.dumps({"metadata": {"total_size": self.total_bytes},
+                                                      "weight_map": weight_map}, indent=2) + "\n")
+        return next(iter(self.dtypes), torch.float32)
+
+
+def save_pretrained(model: OPT, out_dir: str | Path, tokenizer=None, *,
+                    gather: Callable[[torch.nn.Module], ContextManager] | None = None, write: bool = True,
+                    max_shard_bytes: int = SHARD_BYTES) -> Path:
+    """Write `model` as a Hugging Face folder. Under ZeRO-3 every rank calls this, with `gather` making one
+    piece's parameters whole (a collective) and `write` true on one rank only."""
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "config.json").write_text(json.dumps(hf_config(model.config), indent=2) + "\n")
-    tensors = {PREFIX + k: v.detach().contiguous().cpu() for k, v in model.state_dict().items()}
-    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
-    if tokenizer is not None:
-        tokenizers.save(tokenizer, out)
+    writer = None
+    if write:
+        out.mkdir(parents=True, exist_ok=True)
+        writer = WeightsWriter(out, max_shard_bytes)
+    names = {id(p): name for name, p in model.named_parameters()}
+    for part in export_parts(model):
+        with (gather or (lambda _: contextlib.nullcontext()))(part):
+            if writer is not None:
+                writer.add({PREFIX + names[id(p)]: p for p in part.parameters()})
+    if writer is not None:
+        dtype = writer.close()
+        (out / "config.json").write_text(json.dumps(hf_config(model.config, dtype), indent=2) + "\n")
+        if tokenizer is not None:
+            tokenizers.save(tokenizer, out)
     return out
 
 
@@ -59,7 +137,11 @@ def from_pretrained(path: str | Path) -> OPT:
                        attn_dropout=hf.get("attention_dropout", 0.0), init_std=hf.get("init_std", 0.006))
     if hf.get("ffn_dim", 4 * config.d_model) != config.ffn_dim:
         raise ValueError(f"{path}: ffn_dim {hf['ffn_dim']} is not 4 * hidden_size")
-    files = sorted(path.glob("*.safetensors"))
+    index = path / INDEX
+    if index.is_file():
+        files = sorted({path / name for name in json.loads(index.read_text())["weight_map"].values()})
+    else:
+        files = sorted(f for f in path.glob("*.safetensors") if not f.name.startswith("."))
     if not files:
         raise FileNotFoundError(f"{path}: no *.safetensors weights")
     tensors: dict[str, torch.Tensor] = {}

@@ -63,6 +63,11 @@ def _check_engine(section: object, key: str) -> None:
         raise ConfigError(f"{key}.zero_stage", "fp16 needs zero_stage 1, 2 or 3")
 
 
+# DeepSpeed's dynamic loss scale never goes under this (its `min_loss_scale`: an integer, at least 1); an overflow
+# at it raises "Current loss scale already at minimum" and ends the run.
+DEEPSPEED_MIN_LOSS_SCALE = 1
+
+
 # The Pile subsets OPT kept (by `meta.pile_set_name`); the other 14 it dropped.
 OPT_PILE_SUBSETS = [
     "Pile-CC", "DM Mathematics", "Gutenberg (PG-19)", "HackerNews",
@@ -274,9 +279,11 @@ class AutopilotConfig:
     grad_ratio: float = 2.0  # and at least three times the rolling mean (grad norms are heavy-tailed)
     patience: int = 1  # consecutive steps with the loss over the line before it is an incident
     grad_patience: int = 3  # the same for the grad norm: a single-step grad-norm burst is common and harmless
-    # fp16: a loss scale under this is a collapse (OPT: healthy means >= 1); DeepSpeed's own minimum is set two
-    # halvings below it (train/optim.py), so the autopilot sees the collapse before DeepSpeed gives up.
-    scale_floor: float = 1.0
+    # fp16: a loss scale under this is a collapse, and a checkpoint at a scale under it is not healthy. It sits
+    # above DeepSpeed's own minimum (DEEPSPEED_MIN_LOSS_SCALE), where DeepSpeed's next overflow ends the run: with
+    # 2, the step that halves the scale to 1 is seen and rolled back (the scaler reset) before that can happen.
+    # (OPT called a scale >= 1 healthy; its fairseq scaler went on below 1.)
+    scale_floor: float = 2.0
     overflow_window: int = 50
     overflow_limit: int = 10  # overflow-skipped steps within overflow_window
     activation_window: int = 100  # 0: off
@@ -369,6 +376,10 @@ class TrainConfig:
             raise ConfigError(f"{key}.collective_timeout_seconds", f"expected more than hang_seconds and startup_seconds "
                               f"({slowest:g}), got {self.collective_timeout_seconds:g}: a hung rank's watchdog must act first")
         _check_engine(self, key)
+        if self.precision == "fp16" and self.autopilot.enabled and self.autopilot.scale_floor <= DEEPSPEED_MIN_LOSS_SCALE:
+            raise ConfigError(f"{key}.autopilot.scale_floor", f"expected more than {DEEPSPEED_MIN_LOSS_SCALE}, DeepSpeed's "
+                              f"minimum loss scale, got {self.autopilot.scale_floor:g}: at its minimum DeepSpeed ends the "
+                              "run on the next overflow, before the autopilot sees a collapse")
         if not 0.0 <= self.final_lr_ratio <= 1.0:
             raise ConfigError(f"{key}.final_lr_ratio", f"expected a fraction in [0, 1], got {self.final_lr_ratio}")
         for i, fault in enumerate(self.inject):

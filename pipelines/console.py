@@ -81,8 +81,11 @@ def say(line: str) -> None:
 
 
 def note(stage: str, message: str) -> None:
-    """Something a person must see: on the terminal (stderr, above any bar) and in the stage's log."""
-    logging.getLogger(f"pipelines.stage.{stage}").warning(message)
+    """Something a person must see: on the terminal (stderr, above any bar) and in the stage's log (when one
+    is open: without any handler, Python's last resort would print the line a second time)."""
+    logger = logging.getLogger(f"pipelines.stage.{stage}")
+    if logger.hasHandlers():
+        logger.warning(message)
     _write(f"[{stage}] {message}", sys.stderr)
 
 

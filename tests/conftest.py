@@ -30,6 +30,30 @@ def ray_session():
     ray.shutdown()
 
 
+@pytest.fixture(scope="module")
+def deepspeed_rank():
+    """This process as rank 0 of 1 of a gloo process group, as a CPU Ray Train worker is: DeepSpeed
+    engines in the test process itself (checkpoints, the loss scaler, ZeRO-3's partitioned build).
+    The group is made once and kept: DeepSpeed holds on to the first group it saw, process-wide."""
+    import socket
+
+    import deepspeed
+    import torch.distributed as dist
+
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "DS_ACCELERATOR": "cpu"}.items():
+            mp.setenv(key, value)
+        if not dist.is_initialized():
+            with socket.socket() as s:
+                s.bind(("127.0.0.1", 0))
+                port = s.getsockname()[1]
+            mp.setenv("MASTER_ADDR", "127.0.0.1")
+            mp.setenv("MASTER_PORT", str(port))
+            deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no g++ build of a shared-memory op
+            deepspeed.init_distributed(dist_backend="gloo")
+        yield
+
+
 @pytest.fixture(scope="session")
 def sample(tmp_path_factory):
     """(folder, what it planted): the clean sample corpus, written once; tests only read it."""

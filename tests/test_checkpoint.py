@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import logging
-import socket
 
 import pytest
 import torch
@@ -17,18 +16,9 @@ from train.optim import Schedule, adamw, deepspeed_config, param_groups
 
 
 @pytest.fixture(scope="module")
-def engine_factory(monkeypatch_module):
+def engine_factory(deepspeed_rank):
     import deepspeed
-    import torch.distributed as dist
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    for key, value in {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0", "WORLD_SIZE": "1",
-                       "LOCAL_RANK": "0", "DS_ACCELERATOR": "cpu"}.items():
-        monkeypatch_module.setenv(key, value)
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    deepspeed.init_distributed(dist_backend="gloo")
     engines = []
 
     def make(seed: int = 0):
@@ -42,13 +32,6 @@ def engine_factory(monkeypatch_module):
     yield make
     for engine in engines:
         engine.destroy()
-    dist.destroy_process_group()
-
-
-@pytest.fixture(scope="module")
-def monkeypatch_module():
-    with pytest.MonkeyPatch.context() as mp:
-        yield mp
 
 
 def train_step(engine, seed: int) -> None:
@@ -72,6 +55,11 @@ def test_save_verify_fall_back_and_prune(engine_factory, tmp_path, caplog):
     meta = checkpoint.read_meta(tmp_path / "step-00000003")
     assert meta["step"] == 3 and meta["loader"] == {"epoch": 0, "step": 3} and meta["world_size"] == 1
     assert any(name.startswith("ds/") for name in meta["files"]) and "rng-rank00000.pt" in meta["files"]
+    # Every file is listed with the rank that wrote and hashed it: here rank 0, DeepSpeed's `latest` and
+    # recovery script (written past its checkpoint engine) too.
+    on_disk = {str(p.relative_to(tmp_path / "step-00000003")) for p in (tmp_path / "step-00000003").rglob("*")
+               if p.is_file() and p.name != "meta.json"}
+    assert set(meta["files"]) == on_disk and {owner for _, _, owner in meta["files"].values()} == {0}
     (tmp_path / ".tmp-step-00000004").mkdir()  # a save that died before its publish: never read
 
     # Corrupt the newest: one byte of DeepSpeed's model file.
@@ -86,6 +74,9 @@ def test_save_verify_fall_back_and_prune(engine_factory, tmp_path, caplog):
     assert loaded["step"] == 2 and torch.equal(weights(fresh), saved[2])
     assert skipped == [f"step-00000003: ds/{model_file.name} does not match its SHA-256 in meta.json"]
     assert "skipping checkpoint step-00000003" in caplog.text
+    # With two ranks, each checks the files of its own number: the corrupt one is rank 0's to find.
+    assert checkpoint.verify(tmp_path / "step-00000003", rank=1, world=2) is None
+    assert "does not match" in checkpoint.verify(tmp_path / "step-00000003", rank=0, world=2)
 
     # A checkpoint without its meta.json is partial: the one before it is loaded.
     (tmp_path / "step-00000002" / "meta.json").unlink()
@@ -142,3 +133,20 @@ def test_deepspeed_config_per_precision():
     fp32 = deepspeed_config(zero_stage=2, precision="fp32", **common)
     assert "fp16" not in fp32 and "bf16" not in fp32 and fp32["gradient_clipping"] == 1.0
     json.dumps(fp32)
+
+
+def test_a_gpus_rng_state_goes_into_the_checkpoint_and_back(monkeypatch):
+    """On a GPU dropout draws from the device's generator: it is saved and restored with the others. No GPU
+    here, so torch.cuda's getter and setter stand in (the GPU check, benchmarks/gpu_check.py, resumes a
+    killed run on a real one and compares its losses step for step)."""
+    device_state = torch.arange(16, dtype=torch.uint8)
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": device_state.clone())
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device="cuda": restored.append(state))
+    state = checkpoint.rng_state()
+    assert torch.equal(state["cuda"], device_state)
+    checkpoint.set_rng_state(state)
+    assert len(restored) == 1 and torch.equal(restored[0], device_state)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert "cuda" not in checkpoint.rng_state()

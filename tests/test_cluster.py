@@ -58,3 +58,42 @@ def test_the_image_holds_every_package_the_project_installs():
     copied = {line.split()[1] for line in (ROOT / "Dockerfile").read_text().splitlines() if line.startswith("COPY ")}
     missing = [p.rstrip("*") for p in packages if p.rstrip("*") not in copied]
     assert not missing, f"Dockerfile does not COPY {missing}: `pip install -e .` in the image would miss them"
+
+
+def test_the_nodes_run_a_pinned_current_dlami_and_efa_has_what_aws_documents(cluster):
+    for node_type in cluster["available_node_types"].values():
+        assert node_type["node_config"]["ImageId"].startswith("ami-")  # pinned; Ray's latest_dlami is Ubuntu 18.04's
+    text = (ROOT / "cluster.yaml").read_text()
+    assert "latest_dlami" not in text.replace("Ray's `latest_dlami`", "")
+    assert "/aws/service/deeplearning/ami/x86_64/base-oss-nvidia-driver-gpu-ubuntu-22.04/latest/ami-id" in text
+    options = cluster["docker"]["run_options"]
+    assert "--ulimit memlock=-1:-1" in options and "--device=/dev/infiniband" in options
+    image = (ROOT / "Dockerfile").read_text()
+    assert "FI_PROVIDER=efa" in image and "NCCL_DEBUG=INFO" in image and "NCCL_DEBUG_FILE=" in image
+
+
+EFA_LOG = """ip-10-0-1-23:812:851 [0] NCCL INFO NET/OFI Initializing aws-ofi-nccl 1.13.2
+ip-10-0-1-23:812:851 [0] NCCL INFO NET/OFI Selected Provider is efa, fabric is efa-direct (found 4 nics)
+ip-10-0-1-23:812:851 [0] NCCL INFO Using network Libfabric
+"""
+SOCKET_LOG = """ip-10-0-1-23:812:851 [0] NCCL INFO NET/OFI No eligible providers were found
+ip-10-0-1-23:812:851 [0] NCCL INFO NET/IB : No device found.
+ip-10-0-1-23:812:851 [0] NCCL INFO NET/Socket : Using [0]eth0:10.0.1.23<0>
+ip-10-0-1-23:812:851 [0] NCCL INFO Using network Socket
+"""
+
+
+def test_the_training_start_fails_when_nccl_is_not_on_efa(tmp_path):
+    from train.network import debug_file, efa_problem, nccl_choice
+
+    assert nccl_choice(EFA_LOG) == ("efa", "Libfabric") and nccl_choice(SOCKET_LOG) == (None, "Socket")
+    pattern = str(tmp_path / "nccl.%h.%p.log")
+    env = {"FI_PROVIDER": "efa", "NCCL_DEBUG": "INFO", "NCCL_DEBUG_FILE": pattern}
+    debug_file(pattern).write_text(EFA_LOG)
+    assert efa_problem(env) is None
+    debug_file(pattern).write_text(SOCKET_LOG)
+    problem = efa_problem(env)
+    assert problem.startswith("NCCL is not using EFA") and "provider none, network Socket" in problem
+    assert efa_problem(env, spans_nodes=False) is None  # one node: NVLink, no network to check
+    assert efa_problem({**env, "FI_PROVIDER": "tcp"}) is None  # EFA not meant here
+    assert "NCCL's log is off" in efa_problem({"FI_PROVIDER": "efa"})

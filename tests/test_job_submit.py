@@ -63,15 +63,16 @@ def cluster_pids(marker: str) -> list[int]:
 
 
 def stop(marker: str) -> None:
-    for sig in (signal.SIGTERM, signal.SIGKILL):
+    """SIGTERM, 3 s for a clean exit (some of Ray's processes never take it), then SIGKILL."""
+    for sig, grace in ((signal.SIGTERM, 3), (signal.SIGKILL, 15)):
         for pid in cluster_pids(marker):
             try:
                 os.kill(pid, sig)
             except ProcessLookupError:
                 pass
-        deadline = time.time() + 15
+        deadline = time.time() + grace
         while cluster_pids(marker) and time.time() < deadline:
-            time.sleep(0.5)
+            time.sleep(0.2)
 
 
 def test_ray_job_submit_runs_the_pipeline_on_both_nodes_and_reruns_one_stage(tmp_path):
@@ -120,14 +121,10 @@ sources:
     with open(server_log, "wb") as log:  # a file, not a pipe nobody reads (a full pipe would stall the server)
         server = subprocess.Popen([f"{bin_dir}/mlflow", "server", "--backend-store-uri", f"sqlite:///{tmp_path}/server.db",
                                    "--artifacts-destination", str(tmp_path / "server-artifacts"), "--host", "127.0.0.1",
-                                   "--port", str(tracking)], env=env, stdout=log, stderr=subprocess.STDOUT,
+                                   "--port", str(tracking), "--workers", "1"], env=env, stdout=log, stderr=subprocess.STDOUT,
                                   start_new_session=True)
     tracking_uri = f"http://127.0.0.1:{tracking}"
     try:
-        deadline = time.time() + 120
-        while not up(f"{tracking_uri}/health"):
-            assert server.poll() is None and time.time() < deadline, server_log.read_text(errors="replace")[-3000:]
-            time.sleep(1)
         head = ray("start", "--head", f"--port={gcs}", "--num-cpus=1", '--resources={"head_node": 1}',
                    f"--temp-dir={temp}", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
                    f"--dashboard-port={dashboard}", f"--dashboard-agent-listen-port={head_agent}", "--disable-usage-stats",
@@ -138,6 +135,10 @@ sources:
         node = ray("start", f"--address=127.0.0.1:{gcs}", "--num-cpus=1", '--resources={"worker_node": 1}',
                    f"--dashboard-agent-listen-port={node_agent}", "--disable-usage-stats")
         assert node.returncode == 0, node.stderr[-3000:]
+        deadline = time.time() + 120  # the MLflow server has been starting meanwhile
+        while not up(f"{tracking_uri}/health"):
+            assert server.poll() is None and time.time() < deadline, server_log.read_text(errors="replace")[-3000:]
+            time.sleep(0.5)
 
         out = submit("--only", "ingest,normalize,dedup")
         before = {stage: manifest(shared, stage) for stage in ("ingest", "normalize", "dedup")}

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
+import json
 import math
+import re
 
 import pytest
 import torch
@@ -30,6 +33,33 @@ def test_exported_model_gives_the_same_logits_and_loss_in_transformers(tmp_path,
         ours_loss = ours(ids[:, :-1], ids[:, 1:])
         assert ours_loss.item() == pytest.approx(theirs(ids, labels=ids).loss.item(), abs=1e-5)
     assert (from_pretrained(tmp_path).eval()(ids) - ours(ids)).abs().max().item() == 0.0
+
+
+def test_a_big_export_is_sharded_with_an_index_and_labels_its_dtype(tmp_path):
+    """Files of at most max_shard_bytes (here 200 kB, so the tiny model takes several), named and indexed
+    as transformers names them, written one piece at a time; fp16 weights say float16."""
+    from model.hf import INDEX
+
+    ours = tiny().half()
+    pieces = []
+    save_pretrained(ours, tmp_path, max_shard_bytes=200_000,
+                    gather=lambda part: pieces.append(type(part).__name__) or contextlib.nullcontext())
+    assert pieces == ["Embedding", "Embedding", "Block", "Block", "LayerNorm"]  # gathered one at a time
+    index = json.loads((tmp_path / INDEX).read_text())
+    files = sorted(p.name for p in tmp_path.glob("*.safetensors"))
+    assert len(files) > 1 and files == sorted(set(index["weight_map"].values()))
+    assert all(re.fullmatch(rf"model-\d{{5}}-of-{len(files):05d}\.safetensors", f) for f in files)
+    assert all((tmp_path / f).stat().st_size <= 200_000 + 10_000 for f in files)  # + the safetensors header
+    assert set(index["weight_map"]) == {"model." + k for k in ours.state_dict()}
+    assert index["metadata"]["total_size"] == sum(t.numel() * 2 for t in ours.state_dict().values())
+    assert json.loads((tmp_path / "config.json").read_text())["torch_dtype"] == "float16"
+    theirs = OPTForCausalLM.from_pretrained(tmp_path).eval()
+    assert theirs.dtype == torch.float16
+    ids = torch.randint(0, ours.config.vocab_size, (2, 30), generator=torch.Generator().manual_seed(2))
+    back = from_pretrained(tmp_path)
+    assert all(torch.equal(a, b) for a, b in zip(back.state_dict().values(), ours.float().state_dict().values()))
+    with torch.no_grad():
+        assert (theirs.float()(ids).logits - back.eval()(ids)).abs().max().item() < 1e-5
 
 
 def test_a_model_made_by_transformers_imports_with_the_same_logits(tmp_path):

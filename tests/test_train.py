@@ -59,6 +59,12 @@ def test_loss_falls_and_the_curves_reach_mlflow(baseline):
     lr = {r["step"]: r["lr"] for r in rows if "lr" in r}
     assert lr[1] == pytest.approx(3e-3 / 5) and lr[5] == pytest.approx(3e-3) and lr[30] < lr[6] < 3e-3  # warmup, decay
     assert sorted(r["step"] for r in rows if "val_loss" in r) == [10, 20, 30]
+    # Each of the two ranks hashed the files it wrote: its ZeRO-2 optimizer shard and its RNG states.
+    meta = json.loads((Path(train["run_dir"]) / "checkpoints" / "step-00000030" / "meta.json").read_text())
+    owners = {name: owner for name, (_, _, owner) in meta["files"].items()}
+    assert owners["rng-rank00001.pt"] == 1 and owners["rng-rank00000.pt"] == 0
+    assert {owners[n] for n in owners if "zero_pp_rank_1_" in n} == {1} and {owners[n] for n in owners if "zero_pp_rank_0_" in n} == {0}
+    assert set(owners.values()) == {0, 1}
 
 
 def test_export_loads_in_transformers_with_the_same_loss(baseline):
@@ -181,3 +187,41 @@ def test_autopilot_rolls_back_skips_escalates_and_survives_a_kill_during_recover
     tags = client.get_run(train["mlflow_run_id"]).data.tags
     assert tags["autopilot.interventions"] == "3" and tags["autopilot.2"] == "step 25: loss_spike -> rollback, skip, lower_lr"
     assert {a.path for a in client.list_artifacts(train["mlflow_run_id"])} >= {"training.png", "LOGBOOK.md", "logbook.jsonl"}
+
+
+def test_a_hung_start_up_ends_its_worker_with_the_reason(tmp_path):
+    """The watchdog runs from the worker's first line: a start-up (model build, DeepSpeed's initialize, the
+    checkpoint load) that outlasts train.startup_seconds ends the process, saying so, for Ray Train to restart;
+    once started, each step has hang_seconds."""
+    script = """
+import sys, time
+from train.loop import Watchdog
+said = []
+def on_hang(step, stalled, started):
+    print(f"hang step={step} started={started} stalled>={stalled >= float(sys.argv[1])}", flush=True)
+dog = Watchdog(float(sys.argv[1]), on_hang)
+if sys.argv[2] == "step":
+    dog.beat(0, 0.4)  # start-up done; steps get 0.4 s
+time.sleep(30)
+"""
+    for mode, expected in (("startup", "hang step=0 started=False stalled>=True"), ("step", "hang step=0 started=True")):
+        proc = subprocess.run([sys.executable, "-c", script, "0.4", mode], capture_output=True, text=True, timeout=60,
+                              cwd=ROOT)
+        assert proc.returncode == 3 and proc.stdout.startswith(expected), (mode, proc.stdout, proc.stderr)
+
+
+def test_restarts_from_the_same_checkpoint_stop_after_the_limit(tmp_path):
+    from train.loop import Context, restarts_without_progress
+
+    ctx = Context(rank=0, world=1, run_dir=tmp_path, device=torch.device("cpu"))
+    assert restarts_without_progress(ctx, None, limit=2) is None  # the first start
+    assert restarts_without_progress(ctx, 10, limit=2) is None  # progress: a new checkpoint since
+    assert restarts_without_progress(ctx, 10, limit=2) is None  # one restart without progress
+    assert restarts_without_progress(ctx, 10, limit=2) is None  # two
+    why = restarts_without_progress(ctx, 10, limit=2)  # three in a row from step 10: a fault that always comes back
+    assert why.startswith("3 restarts in a row from step 10 without reaching another checkpoint")
+    assert "train.max_stalled_restarts=2" in why
+    assert restarts_without_progress(ctx, 20, limit=2) is None  # progress resets the count
+    assert restarts_without_progress(ctx, 20, limit=0) is None and restarts_without_progress(ctx, 20, limit=0) is None
+    assert json.loads((tmp_path / "starts.json").read_text()) == [0, 10, 10, 10, 10, 20, 20, 20]
+    assert "3 restarts in a row" in (tmp_path / "incidents.jsonl").read_text()

@@ -3,16 +3,18 @@
 OPT-175B lost days to partially written checkpoints and to storage hangs while loading one.
 Here a checkpoint is DeepSpeed's own sharded files (every rank writes its shard) plus:
 
-- `rng-rank<R>.pt`: every rank's torch/numpy/python RNG states (dropout continues exactly);
+- `rng-rank<R>.pt`: every rank's torch/numpy/python RNG states, and its GPU's (dropout continues
+  exactly);
 - `meta.json`: the step, the loader state, the schedule, the loss scale, health (the autopilot
-  fills it in), the metrics at that step, and the SHA-256 and size of every file.
+  fills it in), the metrics at that step, and the SHA-256, size and writing rank of every file.
 
-Write: all ranks write into `.tmp-step-<N>/`; each rank hashes its share of the files; rank 0
-writes meta.json last and renames the folder to `step-<N>/` (the publish). A crash before the
-rename leaves a `.tmp-*` folder that nothing reads and the next save of that step replaces.
-Load: the newest `step-*` whose files all match meta.json; a corrupt or partial one is skipped
-with a logged reason and the previous one is tried. Keep: the newest K plus every checkpoint
-whose meta says healthy.
+Write: all ranks write into `.tmp-step-<N>/`; each rank hashes the files it wrote itself (at 175B,
+2.4 TB over 992 ranks: each reads back its own 2.5 GB, not a slice of everyone's); rank 0 writes
+meta.json last and renames the folder to `step-<N>/` (the publish). A crash before the rename
+leaves a `.tmp-*` folder that nothing reads and the next save of that step replaces. Load: the
+newest `step-*` whose files all match meta.json, each rank checking the files of its own number
+(the ones DeepSpeed then reads on it); a corrupt or partial one is skipped with a logged reason
+and the previous one is tried. Keep: the newest K plus every checkpoint whose meta says healthy.
 
 Collective calls (barrier, all_reduce) go through `train.collectives`, on the process group's
 device, so the same code runs in one process (tests) and on every rank of a Ray Train job.
@@ -20,6 +22,7 @@ device, so the same code runs in one process (tests) and on every rank of a Ray 
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -28,6 +31,7 @@ import random
 import shutil
 import time
 from pathlib import Path
+from typing import Iterator
 
 import numpy as np
 import torch
@@ -56,13 +60,40 @@ def _sha256(path: Path) -> str:
 
 
 def rng_state() -> dict:
-    return {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    """This process's random states; on a GPU, its device's too (dropout draws from it there)."""
+    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()  # the current device: the worker's own GPU
+    return state
 
 
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
     np.random.set_state(state["numpy"])
     random.setstate(state["python"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+
+
+@contextlib.contextmanager
+def recording_writes(engine) -> Iterator[list[Path]]:
+    """The files this rank's `engine.save_checkpoint` writes, as it writes them: DeepSpeed writes every
+    data file through its checkpoint engine's `save` (each rank its own shards); only the small
+    `latest` and `zero_to_fp32.py` are written past it, by rank 0."""
+    written: list[Path] = []
+    ckpt_engine = engine.checkpoint_engine
+    original = ckpt_engine.save
+
+    def save(state_dict, path, *args, **kwargs):
+        result = original(state_dict, path, *args, **kwargs)
+        written.append(Path(path))
+        return result
+
+    ckpt_engine.save = save
+    try:
+        yield written
+    finally:
+        ckpt_engine.save = original
 
 
 def save(engine, root: Path, step: int, meta: dict) -> Path:
@@ -73,11 +104,12 @@ def save(engine, root: Path, step: int, meta: dict) -> Path:
         shutil.rmtree(tmp, ignore_errors=True)  # a save of this step that died before its publish
         tmp.mkdir(parents=True)
     barrier()
-    engine.save_checkpoint(str(tmp), tag=TAG)  # collective: each rank writes its shard
-    torch.save(rng_state(), tmp / f"rng-rank{rank:05d}.pt")
-    barrier()
-    files = _files(tmp)
-    mine = {name: [_sha256(tmp / name), (tmp / name).stat().st_size] for name in files[rank::world]}
+    with recording_writes(engine) as written:
+        engine.save_checkpoint(str(tmp), tag=TAG)  # collective: each rank writes its shard
+    rng = tmp / f"rng-rank{rank:05d}.pt"
+    torch.save(rng_state(), rng)
+    # Each rank hashes what it wrote (still in its page cache), not a slice of everyone's files.
+    mine = {str(p.relative_to(tmp)): [_sha256(p), p.stat().st_size, rank] for p in [*written, rng]}
     (tmp / f".sha256-rank{rank:05d}.json").write_text(json.dumps(mine))
     barrier()
     if rank == 0:
@@ -86,6 +118,8 @@ def save(engine, root: Path, step: int, meta: dict) -> Path:
             part = tmp / f".sha256-rank{r:05d}.json"
             sums.update(json.loads(part.read_text()))
             part.unlink()
+        for name in set(_files(tmp)) - set(sums):  # what DeepSpeed wrote past its checkpoint engine
+            sums[name] = [_sha256(tmp / name), (tmp / name).stat().st_size, 0]
         full = {**meta, "step": step, "world_size": world, "saved_at": time.time(), "files": sums}
         with open(tmp / META, "w") as f:
             json.dump(full, f, indent=1)
@@ -113,15 +147,17 @@ def read_meta(path: Path) -> dict | None:
 
 
 def verify(path: Path, rank: int = 0, world: int = 1) -> str | None:
-    """Why this checkpoint cannot be used (checking this rank's share of its files), or None."""
+    """Why this checkpoint cannot be used (checking this rank's share of its files), or None. A rank's
+    share is what the rank of the same number wrote (with fewer ranks now, rank r also checks those of
+    r + world, ...): the files it is about to read, on the node that wrote them."""
     meta = read_meta(path)
     if meta is None:
         return f"{path.name}: no readable {META}"
     names = sorted(meta.get("files", {}))
     if not names:
         return f"{path.name}: {META} lists no files"
-    for name in names[rank::world]:
-        digest, size = meta["files"][name]
+    for name in [n for n in names if meta["files"][n][2] % world == rank]:
+        digest, size, _ = meta["files"][name]
         file = path / name
         if not file.is_file():
             return f"{path.name}: {name} is missing"

@@ -25,9 +25,14 @@ def rank_world() -> tuple[int, int]:
     return 0, 1
 
 
+def backend() -> str | None:
+    """The process group's backend ("nccl", "gloo"), None without one."""
+    return dist.get_backend() if initialized() else None
+
+
 def device() -> torch.device:
     """Where the process group's collectives take their tensors."""
-    if initialized() and dist.get_backend() == "nccl":
+    if backend() == "nccl":
         return torch.device("cuda", torch.cuda.current_device())
     return torch.device("cpu")
 

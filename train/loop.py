@@ -32,8 +32,9 @@ import torch
 
 from pipelines.config import AutopilotConfig
 from train import autopilot, checkpoint
-from train.collectives import all_mean, barrier
+from train.collectives import all_mean, backend, barrier
 from train.loader import Loader, validation_batches
+from train.network import efa_problem
 from train.build import build
 from train.optim import INITIAL_SCALE_POWER, Schedule, adamw, deepspeed_config
 
@@ -110,7 +111,7 @@ class Watchdog:
         self._stop.set()
 
     def _watch(self) -> None:
-        while not self._stop.wait(min(5.0, self.seconds / 4)):
+        while not self._stop.wait(min(1.0, self.seconds / 4)):  # at most a second late, whatever the limit was
             stalled = time.monotonic() - self.beat_at
             if stalled > self.seconds:
                 self.on_hang(self.step, stalled, self.started)
@@ -323,7 +324,7 @@ def _train(config: dict) -> None:
     model_config = OPTConfig(**config["model"])
     ds_config = deepspeed_config(micro_batch=config["micro_batch"], accumulation=config["accumulation"],
                                  world_size=ctx.world, zero_stage=config["zero_stage"], precision=config["precision"],
-                                 grad_clip=config["grad_clip"], scale_floor=config["autopilot"]["scale_floor"])
+                                 grad_clip=config["grad_clip"])
     model = build(model_config, ds_config, seed=config["seed"], rank=ctx.rank)
     engine, _, _, _ = deepspeed.initialize(
         model=model, optimizer=adamw(model, config["lr"], config["weight_decay"]), config=ds_config)
@@ -341,6 +342,10 @@ def _train(config: dict) -> None:
     if saved is not None and ctx.leader:  # a rollback decided before a crash: its abandoned checkpoints stay out
         checkpoint.abandon_after(ckpt_dir, saved[1]["rolled_back_to"], saved[1]["decided_at"])
     barrier()
+    if backend() == "nccl":  # its communicator exists by now (DeepSpeed's initialize broadcast the weights)
+        problem = efa_problem(spans_nodes=train_ctx.get_world_size() > train_ctx.get_local_world_size())
+        if problem is not None:
+            raise RuntimeError(problem)
 
     def skipped(reason: str) -> None:
         incident(ctx, 0, f"checkpoint skipped on load: {reason}")
@@ -614,15 +619,24 @@ def report_checkpoint(step: int, loss: float, path: Path, ctx: Context) -> None:
 
 
 def export(engine, model, config: dict, ctx: Context) -> None:
-    """The final weights (gathered from every rank under ZeRO-3) as a Hugging Face folder, with the tokenizer."""
+    """The final weights as a Hugging Face folder, with the tokenizer: one piece of the model at a time
+    (embeddings, each block, the final LayerNorm) is gathered on every rank (under ZeRO-3; a block of
+    175B is 3.6 GB in fp16) and written by rank 0 into safetensors files of at most 5 GB, so neither
+    a GPU nor rank 0's host ever holds the whole model."""
     import deepspeed
 
     from corpus import tokenizer
     from model.hf import save_pretrained
 
+    tok = None
     tok_path = Path(config["shards"]) / tokenizer.FILE
-    with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
-        if ctx.leader:
-            if not tok_path.is_file():
-                log.warning("%s is missing: the model is exported without a tokenizer", tok_path)
-            save_pretrained(model, config["export_dir"], tokenizer=tokenizer.load(str(tok_path)) if tok_path.is_file() else None)
+    if ctx.leader:
+        if tok_path.is_file():
+            tok = tokenizer.load(str(tok_path))
+        else:
+            log.warning("%s is missing: the model is exported without a tokenizer", tok_path)
+
+    def gather(part):
+        return deepspeed.zero.GatheredParameters(list(part.parameters()), modifier_rank=None)
+
+    save_pretrained(model, config["export_dir"], tokenizer=tok, gather=gather, write=ctx.leader)

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pipelines.config import DEEPSPEED_MIN_LOSS_SCALE
 from train.build import shape_of
 
 BETAS = (0.9, 0.95)
@@ -57,13 +58,8 @@ INITIAL_SCALE_POWER = 16  # fp16's dynamic loss scale starts (and is reset by th
 
 
 def deepspeed_config(*, micro_batch: int, accumulation: int, world_size: int, zero_stage: int, precision: str,
-                     grad_clip: float, scale_floor: float = 1.0) -> dict:
-    """DeepSpeed's JSON config for our settings. The optimizer and schedule are ours (above).
-
-    `scale_floor` is the autopilot's: fp16's scale under it is a collapse. DeepSpeed raises ("already
-    at minimum") on an overflow at its `min_loss_scale`, so that minimum sits two halvings below the
-    floor: the scale first drops under the floor (at most one halving), the autopilot sees it at the
-    end of that step and acts, and DeepSpeed's exception is never the first to know."""
+                     grad_clip: float) -> dict:
+    """DeepSpeed's JSON config for our settings. The optimizer and schedule are ours (above)."""
     config = {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": accumulation,
@@ -86,5 +82,5 @@ def deepspeed_config(*, micro_batch: int, accumulation: int, world_size: int, ze
     elif precision == "fp16":
         # fp16 weights, fp32 master weights and Adam state, dynamic loss scale (OPT-175B's setup).
         config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": INITIAL_SCALE_POWER,
-                          "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": scale_floor / 4}
+                          "loss_scale_window": 1000, "hysteresis": 2, "min_loss_scale": DEEPSPEED_MIN_LOSS_SCALE}
     return config

@@ -1,0 +1,184 @@
+"""What the first GPU run would hit, tested on this CPU wherever DeepSpeed allows: DeepSpeed's real
+fp16 loss scaler (its fp16 check overridden, as no CPU claims fp16), a ZeRO-3 model built
+partitioned under `deepspeed.zero.Init`, and collectives on the process group's own device. The
+GPU itself: benchmarks/gpu_check.py."""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT
+from model.configs import get
+from model.opt import OPT
+from train.optim import INITIAL_SCALE_POWER, adamw, deepspeed_config, param_groups
+
+
+@pytest.fixture
+def fp16_on_cpu(monkeypatch):
+    """DeepSpeed refuses fp16 where its accelerator says it has none; the CPU computes it (slowly) all the same."""
+    from deepspeed.accelerator import get_accelerator
+
+    monkeypatch.setattr(get_accelerator(), "is_fp16_supported", lambda: True)
+
+
+def engine_for(zero_stage: int, precision: str, model: torch.nn.Module | None = None):
+    import deepspeed
+
+    torch.manual_seed(0)
+    model = model if model is not None else OPT(get("tiny"))
+    engine, *_ = deepspeed.initialize(model=model, optimizer=adamw(model, 1e-3, 0.1), config=deepspeed_config(
+        micro_batch=2, accumulation=1, world_size=1, zero_stage=zero_stage, precision=precision, grad_clip=1.0))
+    return engine
+
+
+def step(engine, seed: int, overflow: bool = False) -> None:
+    """One training step; `overflow`: the loop's injected overflow (the scaled loss times 1e38 is inf in fp16)."""
+    ids = torch.randint(4, 512, (2, 17), generator=torch.Generator().manual_seed(seed))
+    loss = engine(ids[:, :-1], ids[:, 1:])
+    engine.backward(loss * 1e38 if overflow else loss)
+    engine.step()
+
+
+def eval_loss(engine) -> float:
+    """The loss on a fixed batch without dropout: it moves when the weights do (ZeRO-3 gathers them itself)."""
+    ids = torch.randint(4, 512, (2, 17), generator=torch.Generator().manual_seed(7))
+    engine.eval()
+    with torch.no_grad():
+        loss = engine(ids[:, :-1], ids[:, 1:]).item()
+    engine.train()
+    return loss
+
+
+@pytest.mark.parametrize("zero_stage", [1, 2, 3])
+def test_the_autopilot_sees_the_loss_scale_collapse_before_deepspeed_gives_up_and_a_reset_takes(
+        deepspeed_rank, fp16_on_cpu, zero_stage):
+    from pipelines.config import AutopilotConfig
+    from train.autopilot import Detectors
+    from train.loop import loss_scale, reset_loss_scale
+
+    engine = engine_for(zero_stage, "fp16")
+    floor = AutopilotConfig().scale_floor
+    assert loss_scale(engine) == 2.0 ** INITIAL_SCALE_POWER and floor == 2.0
+    overflows = 0
+    while loss_scale(engine) >= floor:
+        step(engine, overflows, overflow=True)
+        overflows += 1
+        assert overflows < 40
+    assert loss_scale(engine) == 1.0 and engine.skipped_steps == overflows  # DeepSpeed's minimum, no exception
+    seen = Detectors(AutopilotConfig()).observe(overflows, {"loss": 5.0, "grad_norm": None, "loss_scale": 1.0,
+                                                            "fp16": True, "overflow": True, "activation_norm": 1.0})
+    assert seen is not None and seen.kind == "loss_scale_collapse"  # the loop acts at the end of this very step
+    before, after = reset_loss_scale(engine)
+    assert (before, after) == (1.0, 2.0 ** INITIAL_SCALE_POWER) and loss_scale(engine) == after
+    step(engine, 100, overflow=True)  # hysteresis refilled: one overflow does not halve the fresh scale at once
+    assert loss_scale(engine) == 2.0 ** INITIAL_SCALE_POWER and engine.skipped_steps == overflows + 1
+    before_step = eval_loss(engine)
+    step(engine, 101)  # a clean step is taken, not skipped
+    assert engine.skipped_steps == overflows + 1 and eval_loss(engine) != before_step
+    # What the floor is for: left at DeepSpeed's minimum, the next overflows end the run.
+    with pytest.raises(Exception, match="Current loss scale already at minimum"):
+        for i in range(40):
+            step(engine, 200 + i, overflow=True)
+    engine.destroy()
+
+
+def test_an_fp16_floor_at_deepspeeds_minimum_is_refused_at_load():
+    from pipelines.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"'train.autopilot.scale_floor': expected more than 1, DeepSpeed's minimum"):
+        load_config(ROOT / "configs" / "opt-125m.yaml", ["train.autopilot.scale_floor=1.0"])
+
+
+def test_fp16_on_zero_0_is_refused_at_load():
+    from pipelines.config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match="'train.zero_stage': fp16 needs zero_stage 1, 2 or 3"):
+        load_config(ROOT / "configs" / "opt-125m.yaml", ["train.zero_stage=0"])
+
+
+def test_a_zero3_model_is_built_partitioned_with_opts_init_and_decay_groups(deepspeed_rank):
+    """Under zero.Init no process holds a module whole; OPT's init is drawn on each rank's partition and the
+    weight-decay groups go by each parameter's real shape (a partitioned placeholder is 1-D)."""
+    from train.build import build, is_partitioned, shape_of
+
+    config = get("tiny").replace(d_model=128, n_head=4, vocab_size=2048)  # enough values for the statistics
+    ds_config = deepspeed_config(micro_batch=2, accumulation=1, world_size=1, zero_stage=3, precision="fp32", grad_clip=1.0)
+    model = build(config, ds_config, seed=0, rank=0)
+    whole = OPT(config)
+    params = dict(model.named_parameters())
+    assert params and all(is_partitioned(p) and p.numel() == 0 for p in params.values())  # placeholders only
+    assert {n: tuple(shape_of(p)) for n, p in params.items()} == {n: tuple(p.shape) for n, p in whole.named_parameters()}
+    std = config.init_std
+    for name, p in params.items():
+        part = p.ds_tensor[: p.ds_numel].float()  # this rank's partition, without its padding
+        if "layer_norm" in name:
+            assert torch.all(part == (1.0 if name.endswith("weight") else 0.0)), name
+        elif name.endswith("bias"):
+            assert torch.all(part == 0.0), name
+        else:
+            want = std / math.sqrt(2 * config.n_layer) if name.endswith(("out_proj.weight", "fc2.weight")) else std
+            assert part.mean().abs() < 4 * want / math.sqrt(part.numel()) and part.std() == pytest.approx(want, rel=0.05), name
+    ours = {id(p): n for n, p in model.named_parameters()}
+    groups = [{ours[id(p)] for p in g["params"]} for g in param_groups(model, 0.1)]
+    ref = {id(p): n for n, p in whole.named_parameters()}
+    assert groups == [{ref[id(p)] for p in g["params"]} for g in param_groups(whole, 0.1)]
+    assert all(n.endswith("bias") or "layer_norm" in n for n in groups[1]) and groups[0] and groups[1]
+    engine = engine_for(3, "fp32", model=model)  # and it trains
+    losses = []
+    for i in range(3):
+        ids = torch.randint(4, 2048, (2, 17), generator=torch.Generator().manual_seed(0))
+        loss = engine(ids[:, :-1], ids[:, 1:])
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    assert losses[2] < losses[0]
+    engine.destroy()
+
+
+def test_collectives_run_on_the_process_groups_device_and_nothing_else_calls_torch_distributed(deepspeed_rank):
+    """NCCL takes CUDA tensors only: every collective of ours makes its tensors on `collectives.device()`,
+    and no other module of the project calls a torch.distributed collective with a tensor of its own."""
+    from train import collectives
+
+    assert collectives.backend() == "gloo" and collectives.device() == torch.device("cpu")
+    assert collectives.all_mean([2.0, torch.tensor(3.0), torch.tensor([4.0])]) == [2.0, 3.0, 4.0]
+    assert collectives.all_ok(True) and not collectives.all_ok(False)
+    calls = re.compile(r"\bdist\.(all_reduce|all_gather\w*|broadcast\w*|reduce\w*|barrier|gather|scatter|send|recv)\(")
+    offenders = [f"{path.relative_to(ROOT)}:{i}" for folder in ("train", "screen", "model", "pipelines", "corpus", "dedup")
+                 for path in (ROOT / folder).glob("*.py") if path.name != "collectives.py"
+                 for i, line in enumerate(path.read_text().splitlines(), 1) if calls.search(line)]
+    assert offenders == []
+
+
+def test_bf16_zero_accumulates_gradients_in_fp32_and_mfu_knows_each_h100():
+    from train.loop import peak_for
+
+    assert deepspeed_config(micro_batch=1, accumulation=8, world_size=8, zero_stage=1, precision="bf16",
+                            grad_clip=1.0)["data_types"] == {"grad_accum_dtype": "fp32"}
+    assert "data_types" not in deepspeed_config(micro_batch=1, accumulation=8, world_size=8, zero_stage=0,
+                                                precision="bf16", grad_clip=1.0)  # DeepSpeed refuses the mix there
+    assert peak_for("NVIDIA H100 80GB HBM3", "bf16") == 989.0
+    assert peak_for("NVIDIA H100 PCIe", "bf16") == 756.0 and peak_for("NVIDIA H100 NVL", "bf16") == 835.0
+    assert peak_for("NVIDIA H200", "fp16") == 989.0 and peak_for("NVIDIA A100-SXM4-80GB", "bf16") == 312.0
+    assert peak_for("NVIDIA GeForce RTX 4090", "bf16") is None
+
+
+def test_the_gpu_check_passes_its_dry_run(ray_session, tmp_path):
+    """benchmarks/gpu_check.py, the first command a session with a GPU runs, end to end on this CPU at tiny
+    scale (the train stage in bf16 with ZeRO-3 and its export to transformers, an fp16 overflow burst on
+    DeepSpeed's real scaler, a kill and resume, bench_train), so that it works when a GPU comes."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_check
+
+    assert gpu_check.main(["--dry-run", "--out", str(tmp_path / "check")]) == 0
+    verdicts = json.loads((tmp_path / "check" / "verdicts.json").read_text())
+    assert [v["check"][:2] for v in verdicts] == ["1.", "2.", "3.", "4."] and all(v["ok"] for v in verdicts), verdicts
+    assert ray_session.is_initialized()  # the session's Ray is left as it was
