@@ -3,6 +3,7 @@ a planted spiky subset (sample_run: HackerNews), through real Ray Train + DeepSp
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -53,6 +54,19 @@ def test_growth_and_non_finite_norms():
     broken = list(smooth())
     broken[40] = float("nan")
     assert score.spike_score(broken).score == math.inf
+
+
+def test_overflow_skipped_steps_are_left_out_of_a_runs_grad_norms(tmp_path):
+    """fp16: DeepSpeed reports an overflow-skipped step's grad norm as inf; such a step says how high the loss
+    scale was, not how the run behaves, so it is not scored (else one overflow makes a score infinite)."""
+    rows = [{"step": s, "grad_norm": 1.0 + s / 100, "overflow": 0} for s in range(1, 31)]
+    rows[11] = {"step": 12, "grad_norm": float("inf"), "overflow": 1}
+    rows.append({"step": 13, "val_loss": 5.0})  # other rows pass by
+    path = tmp_path / "metrics.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    norms = score.read_grad_norms(path)
+    assert len(norms) == 29 and all(math.isfinite(n) for n in norms)
+    assert math.isfinite(score.spike_score(norms).score)
 
 
 def test_the_rule_uses_the_margin_and_the_baselines_spread():
