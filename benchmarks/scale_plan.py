@@ -44,11 +44,9 @@ BANDS, BAND_ROW_BYTES = 10, 8 + 40 + 8 + 8
 # Tokenize's shuffle: one small row per document (key, source, id, where its tokens are).
 TOKENIZE_ROW_BYTES = 8 + 8 + 40 + 24
 
-# Training (OPT-175B as configs/opt-175b.yaml sets it up).
-GPUS, PEAK_TFLOPS, GPU_GB = 992, 312.0, 80  # A100 80GB, dense fp16/bf16 peak
-BATCH_TOKENS, SEQ, MICRO = 2_031_616, 2048, 1
-TRAIN_TOKENS = 300e9
-CHECKPOINT_EVERY = 250  # steps (configs/opt-175b.yaml)
+# The screen's proxies and OPT-175B's checkpoints (configs/opt-175b.yaml); training's layout and speed are
+# the layout planner's (python -m train.plan).
+GPUS, PEAK_TFLOPS, SEQ = 992, 312.0, 2048  # A100 80GB, dense fp16/bf16 peak
 KEEP_CHECKPOINTS = 3
 
 
@@ -105,39 +103,12 @@ def screen(mfus: list[float]) -> None:
           f"(oversampling) = {gb(steps * batch * BYTES_PER_TOKEN * 1.5)} of text.\n")
 
 
-def training(mfus: list[float], fsx_bytes_s: float) -> None:
-    cfg = get("175b")
-    psi = param_count(cfg)
-    d, layers, heads = cfg.d_model, cfg.n_layer, cfg.n_head
-    states = 16 * psi / GPUS  # fp16 params (2) + fp16 grads (2) + fp32 master, Adam m, v (12), all sharded (ZeRO-3)
-    layer_inputs = 2 * SEQ * MICRO * d * layers  # activation checkpointing keeps each block's input (fp16)
-    one_layer = SEQ * MICRO * d * (34 + 5 * heads * SEQ / d)  # a block's activations while it is recomputed (Korthikanti et al.)
-    gathered = 2 * 2 * (12 * d * d)  # ZeRO-3 gathers a block's fp16 weights; with prefetch, two blocks
-    logits = 4 * SEQ * MICRO * cfg.vocab_size * 2  # fp32 logits and their gradient (only before the loss)
-    total = states + layer_inputs + one_layer + gathered + logits
-    print(f"## Training OPT-175B: {psi / 1e9:.1f}B parameters on {GPUS} A100 80GB, ZeRO-3, fp16, micro batch {MICRO}\n")
-    print("| per GPU | bytes |\n|---|---|")
-    print(f"| model states, 16 bytes x params / {GPUS} | {gb(states)} |")
-    print(f"| checkpointed block inputs, {layers} x seq x d_model x 2 B | {gb(layer_inputs)} |")
-    print(f"| one block's activations during its recompute | {gb(one_layer)} |")
-    print(f"| two gathered blocks' fp16 weights (ZeRO-3 prefetch) | {gb(gathered)} |")
-    print(f"| logits and their gradient, fp32 | {gb(logits)} |")
-    print(f"| total, before allocator slack and NCCL buffers | {gb(total)} of {GPU_GB} GB |\n")
-    fpt = flops_per_token(cfg, SEQ)
-    step_flops = fpt * BATCH_TOKENS
-    steps = TRAIN_TOKENS / BATCH_TOKENS
-    print(f"{fpt / 1e12:.2f} TFLOP per token (model FLOPs, recompute not counted); a step of {BATCH_TOKENS:,} tokens "
-          f"= {step_flops / 1e18:.2f} EFLOP; {steps:,.0f} steps for {TRAIN_TOKENS / 1e9:.0f}B tokens.\n")
-    print("| MFU | TFLOP/s per GPU | step time | tokens/s | days for 300B tokens (pure compute) | checkpoint every |")
-    print("|---|---|---|---|---|---|")
-    for mfu in mfus:
-        rate = GPUS * PEAK_TFLOPS * 1e12 * mfu
-        step = step_flops / rate
-        print(f"| {mfu:.0%} | {PEAK_TFLOPS * mfu:.0f} | {step:.1f} s | {BATCH_TOKENS / step / 1e3:,.0f}k | "
-              f"{steps * step / 86400:.1f} | {hours(CHECKPOINT_EVERY * step)} |")
+def checkpoints(fsx_bytes_s: float) -> None:
+    """OPT-175B's checkpoints (the training layout, step time and memory are the planner's: python -m train.plan)."""
+    psi = param_count(get("175b"))
     ckpt = 14 * psi  # fp16 weights (2) + fp32 master and Adam m, v (12); gradients are not saved
-    print(f"\nCheckpoint: 14 bytes x params = {ckpt / 1e12:.2f} TB ({ckpt / GPUS / 1e9:.2f} GB per rank, one file each); "
-          f"write at {fsx_bytes_s / 1e9:.0f} GB/s of FSx: {ckpt / fsx_bytes_s:.0f} s; "
+    print(f"## Checkpoints of OPT-175B\n\n14 bytes x params = {ckpt / 1e12:.2f} TB ({ckpt / GPUS / 1e9:.2f} GB per rank "
+          f"on {GPUS} GPUs); write at {fsx_bytes_s / 1e9:.0f} GB/s of FSx: {ckpt / fsx_bytes_s:.0f} s; "
           f"{KEEP_CHECKPOINTS} kept: {KEEP_CHECKPOINTS * ckpt / 1e12:.1f} TB on /fsx.")
 
 
@@ -151,7 +122,7 @@ def main() -> None:
     args = parser.parse_args()
     data_stages(args.nodes, args.fsx_gbps * 1e9)
     screen(args.mfu)
-    training(args.mfu, args.fsx_gbps * 1e9)
+    checkpoints(args.fsx_gbps * 1e9)
 
 
 if __name__ == "__main__":

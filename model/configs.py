@@ -64,11 +64,16 @@ def get(name: str) -> OPTConfig:
 
 def param_count(config: OPTConfig) -> int:
     """Exact trainable parameters (the output layer is tied to the token embeddings)."""
-    d, f = config.d_model, config.ffn_dim
+    d = config.d_model
     embeddings = config.vocab_size * d + (config.max_seq_len + 2) * d  # HF's positions are offset by 2
-    block = 4 * (d * d + d) + (d * f + f) + (f * d + d) + 2 * (2 * d)  # attention, FFN, two LayerNorms
     final_ln = 2 * d if config.pre_ln else 0
-    return embeddings + config.n_layer * block + final_ln
+    return embeddings + config.n_layer * block_params(config) + final_ln
+
+
+def block_params(config: OPTConfig) -> int:
+    """One decoder block: attention (q, k, v, out with biases), the FFN, two LayerNorms."""
+    d, f = config.d_model, config.ffn_dim
+    return 4 * (d * d + d) + (d * f + f) + (f * d + d) + 2 * (2 * d)
 
 
 def flops_per_token(config: OPTConfig, seq_len: int | None = None) -> float:

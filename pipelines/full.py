@@ -46,6 +46,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="override a config key, e.g. --set dedup.threshold=0.9 (repeatable)")
     p.add_argument("--verbose", action="store_true", help="show Ray's own output (its loggers, and the workers', "
                    "raylet's and GCS's) on the terminal instead of only in the stage logs and Ray's session logs")
+    p.add_argument("--force-layout", action="store_true", help="train with the configured GPU layout even when the "
+                   "layout planner (python -m train.plan) predicts it will not fit in GPU memory")
     p.add_argument("--ablation", metavar="NAME", help="name this run's data ablation: its MLflow runs are tagged with the "
                    "name and its differences from the config file (default: 'base' without --set, else the --set list); "
                    "compare ablations with pipelines/compare.py")
@@ -95,6 +97,11 @@ def run(config: PipelineConfig, args: argparse.Namespace, only: list[str] | None
     runner = Runner(config, stages, start_engines=lambda: ray_started or ray_started.append(start_ray(config, args.verbose)))
     plan = runner.plan(only, args.from_, args.force)  # a bad selection fails here, before any run
     os.makedirs(config.workdir, exist_ok=True)
+    layout_files = []
+    if plan.actions.get("train") == "run":  # GPU training: its layout priced against the best (train/plan.py)
+        from train.plan import startup_check
+
+        layout_files = startup_check(config, args.config, args.force_layout, Path(config.workdir) / "plan")
     tracker = MlflowTracker(config.mlflow.tracking_uri, config.mlflow.experiment,
                             artifact_location=config.mlflow.artifact_location, tags=ablation)
     params = {"config": args.config or "configs/local.yaml", "workdir": config.workdir,
@@ -103,7 +110,7 @@ def run(config: PipelineConfig, args: argparse.Namespace, only: list[str] | None
         with tracker.pipeline(f"{config.name} [{ablation['ablation']}]", params=params, tags=_pipeline_tags(config)) as parent:
             outcomes = runner.execute(plan, tracker)
             table, funnel = summary.write(outcomes, Path(config.workdir))
-            for path in (table, funnel):
+            for path in (table, funnel, *layout_files):
                 tracker.log_artifact(path)
             tracker.set_tag("mlflow.note.content", table.read_text())  # the run's description, on its Overview tab
             tracker.log_metrics({f"{o.stage}.{k}": v for o in outcomes for k, v in o.manifest["counts"].items()})

@@ -156,7 +156,7 @@ def test_collectives_run_on_the_process_groups_device_and_nothing_else_calls_tor
 
 
 def test_bf16_zero_accumulates_gradients_in_fp32_and_mfu_knows_each_h100():
-    from train.loop import peak_for
+    from train.hardware import peak_for
 
     assert deepspeed_config(micro_batch=1, accumulation=8, world_size=8, zero_stage=1, precision="bf16",
                             grad_clip=1.0)["data_types"] == {"grad_accum_dtype": "fp32"}

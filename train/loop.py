@@ -33,6 +33,7 @@ import torch
 from pipelines.config import AutopilotConfig
 from train import autopilot, checkpoint
 from train.collectives import all_mean, backend, barrier
+from train.hardware import peak_for
 from train.loader import Loader, validation_batches
 from train.network import efa_problem
 from train.build import build
@@ -41,15 +42,6 @@ from train.optim import INITIAL_SCALE_POWER, Schedule, adamw, deepspeed_config
 log = logging.getLogger("train")
 
 FLUSH_SECONDS = 2.0  # rank 0 sends metrics to MLflow this often
-
-# Dense peak TFLOP/s per device for MFU (NVIDIA's datasheets, without sparsity; fp32 without tensor
-# cores), by a substring of torch.cuda.get_device_name(), the first that matches: the H100 PCIe and
-# NVL parts are slower than the SXM one ("NVIDIA H100 80GB HBM3"), so they come before it.
-PEAK_TFLOPS = [("H200", {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0}),
-               ("H100 PCIe", {"bf16": 756.0, "fp16": 756.0, "fp32": 51.0}),
-               ("H100 NVL", {"bf16": 835.0, "fp16": 835.0, "fp32": 60.0}),
-               ("H100", {"bf16": 989.0, "fp16": 989.0, "fp32": 67.0}),
-               ("A100", {"bf16": 312.0, "fp16": 312.0, "fp32": 19.5})]
 
 
 @dataclass
@@ -79,13 +71,6 @@ def peak_tflops(device: torch.device, precision: str) -> float | None:
     if device.type != "cuda":
         return None  # on CPU: tokens/s only, no MFU
     return peak_for(torch.cuda.get_device_name(device), precision)
-
-
-def peak_for(device_name: str, precision: str) -> float | None:
-    for key, peaks in PEAK_TFLOPS:
-        if key in device_name:
-            return peaks[precision]
-    return None
 
 
 class Watchdog:

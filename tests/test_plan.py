@@ -1,0 +1,226 @@
+"""The layout planner (train/layout.py, train/plan.py): each term against a hand calculation, the memory
+against DeepSpeed's own estimator, the published PTD-P vs ZeRO-3 comparison, the command line, and the
+pipeline's start-up check."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from conftest import ROOT, SAMPLE_SOURCES, write_config
+from model.configs import OPTConfig, block_params, flops_per_token, get, param_count
+from train import layout as L
+from train.hardware import GPUS
+from train.layout import Cluster, Layout, LayoutError, Workload, predict
+from train.plan import main, make_plan, why_not
+
+SMALL = OPTConfig("small", n_layer=4, n_head=8, d_model=1024, lr=1e-4, batch_tokens=65536, vocab_size=8192, max_seq_len=1024)
+
+
+def small(precision="fp16", fused=False, batch_seqs=64):
+    return Workload(SMALL, 1024, batch_seqs, precision, 1e9, fused_attention=fused)
+
+
+def one_node(gpus=8, gpu="a100-80gb", inter=400):
+    return Cluster(GPUS[gpu], gpus, 8, 8 * 2400, inter)
+
+
+def test_memory_terms_by_hand():
+    s, b, h, a, V = 1024, 2, 1024, 8, 8192
+    block = 4 * (h * h + h) + (h * 4 * h + 4 * h) + (4 * h * h + h) + 4 * h
+    embedding = V * h + (1024 + 2) * h
+    p = predict(Layout(tp=2, pp=2, dp=2, zero=1, micro_batch=b, recompute="none"), small(), one_node())
+    # Stage 0 needs most: 2 layers and the embedding, split over tp=2; 2 micro-batches in flight (1F1B, pp=2).
+    params = (2 * block + embedding) / 2
+    per_layer = s * b * h * (10 + 24 / 2) + 5 * a * s * s * b / 2
+    assert p.memory["weights"] == pytest.approx(2 * params)
+    assert p.memory["gradients"] == pytest.approx(2 * params)  # fp16 gradients, not partitioned by ZeRO-1
+    assert p.memory["optimizer"] == pytest.approx(16 * params / 2)  # partitioned over dp=2
+    assert p.memory["activations"] == pytest.approx(2 * 2 * per_layer)
+    assert p.memory["logits"] == 0  # on the last stage
+    live = 2 * params + 2 * params + 8 * params + 4 * per_layer
+    assert p.memory["allocator margin"] == pytest.approx(0.10 * live + 2e9)
+
+    # Full recompute keeps each layer's input and rebuilds one layer; the fused kernel stores no scores. Now
+    # the last stage needs most: its logits outweigh stage 0's second micro-batch in flight.
+    q = predict(Layout(2, 2, 2, 1, b, "full"), small(fused=True), one_node())
+    assert q.memory["activations"] == pytest.approx(1 * 2 * (2 * s * b * h) + s * b * h * (10 + 24 / 2))
+    assert q.memory["logits"] == pytest.approx(s * b * V / 2 * 10)
+    assert q.memory["weights"] == pytest.approx(2 * (params + h))  # the tied output layer and the final LayerNorm
+    # bf16 under ZeRO >= 1 accumulates gradients in fp32 (train/optim.py); ZeRO-2 partitions them, ZeRO-3 the weights.
+    r = predict(Layout(1, 1, 8, 2, 1, "full"), small("bf16"), one_node())
+    whole = param_count(SMALL)
+    assert r.memory["gradients"] == pytest.approx(4 * whole / 8)
+    assert r.memory["weights"] == pytest.approx(2 * whole)
+    assert r.memory["logits"] == pytest.approx(s * 1 * V * 10)
+    z3 = predict(Layout(1, 1, 8, 3, 1, "full"), small("bf16"), one_node())
+    assert z3.memory["weights"] == pytest.approx(2 * whole / 8)
+    assert z3.memory["gathered module"] == pytest.approx(4 * (h * 4 * h + 4 * h))
+
+
+def test_model_states_agree_with_deepspeeds_estimator():
+    from deepspeed.runtime.zero.stage3 import estimate_zero3_model_states_mem_needs
+    from deepspeed.runtime.zero.stage_1_and_2 import estimate_zero2_model_states_mem_needs
+
+    cfg = get("1.3b")
+    work = Workload(cfg, 2048, 512, "fp16", 1e9)
+    cluster = Cluster(GPUS["a100-80gb"], 64, 8, 8 * 2400, 400)
+    psi = param_count(cfg)
+    z2 = predict(Layout(1, 1, 64, 2, 1, "full"), work, cluster).memory
+    _, expected = estimate_zero2_model_states_mem_needs(psi, num_gpus_per_node=8, num_nodes=8, cpu_offload=False)
+    assert z2["weights"] + z2["gradients"] + z2["optimizer"] == pytest.approx(expected, rel=1e-6)
+    z3 = predict(Layout(1, 1, 64, 3, 1, "full"), work, cluster).memory
+    largest = cfg.d_model * cfg.ffn_dim + cfg.ffn_dim  # fc1
+    _, expected, _ = estimate_zero3_model_states_mem_needs(psi, largest, num_gpus_per_node=8, num_nodes=8, cpu_offload=False,
+                                                            cpu_offload_params=False)
+    # The estimator counts 18 B per parameter under ZeRO-3; we count 20: its own ZeRO-2 comment lists the fp16
+    # weights (2) apart from the 18 (fp16 and fp32 gradients, fp32 weights, Adam), and ZeRO-3 partitions them too.
+    ours = z3["weights"] + z3["gradients"] + z3["optimizer"] + z3["gathered module"]
+    assert ours == pytest.approx(expected + 2 * psi / 64, rel=1e-6)
+
+
+def test_compute_is_model_flops_at_the_achievable_fraction():
+    cluster = Cluster(GPUS["h100"], 64, 8, 8 * 3600, 3200)
+    work = Workload(get("1.3b"), 2048, 512, "bf16", 1e9)
+    rate = 989e12 * L.ACHIEVABLE_FRACTION
+    p = predict(Layout(1, 1, 64, 1, 2, "none"), work, cluster)
+    # The final LayerNorm's 2 x d_model parameters are the only FLOPs flops_per_token counts and we leave out.
+    assert p.time["compute"] == pytest.approx(flops_per_token(work.model, 2048) * work.batch_tokens / 64 / rate, rel=1e-5)
+    cfg, h, s = work.model, work.model.d_model, 2048
+    full = predict(Layout(1, 1, 64, 1, 2, "full"), work, cluster)
+    extra = cfg.n_layer * (2 * block_params(cfg) + 4 * h * s) * work.batch_tokens / 64 / rate  # the forward again
+    assert full.time["compute"] == pytest.approx(p.time["compute"] + extra, rel=1e-9)
+    assert p.tflops_per_gpu == pytest.approx(flops_per_token(cfg, s) * work.batch_tokens / p.step_seconds / 64 / 1e12)
+    assert p.mfu == pytest.approx(p.tflops_per_gpu / 989)
+
+
+def test_communication_terms_by_hand():
+    s, h = 1024, 1024
+    cluster = Cluster(GPUS["a100-80gb"], 64, 8, 8 * 2400, 400)
+    nvlink, share = 300e9 * L.BUS_EFFICIENCY, 400e9 / 8 / 8 * L.BUS_EFFICIENCY
+    work = small(batch_seqs=256)
+    # Tensor parallel: 4 all-reduces of the layer's activations per layer, plus the embedding's and the output
+    # layer's, each 2(t-1)/t of s*b*h*2 bytes over NVLink; 256 / (8 x 1) = 32 micro-batches.
+    p = predict(Layout(8, 1, 8, 1, 1, "none"), work, cluster)
+    assert p.time["tensor parallel"] == pytest.approx(32 * (4 * 4 + 2) * (2 * 7 / 8) * (2 * s * h) / nvlink)
+    # A pipeline of 4 over nodes (tp x dp = 2 x 8 ranks apart: other nodes): the activation and its gradient.
+    q = predict(Layout(2, 4, 8, 0, 1, "none"), work, cluster)
+    assert q.time["pipeline sends"] == pytest.approx(32 * 2 * (2 * s * h) / share)
+    # ... and ZeRO-0's all-reduce after the last micro-batch, nothing hidden, over the largest stage's parameters.
+    last = (1 * block_params(SMALL) + SMALL.vocab_size * h + 1026 * h + 2 * h) / 2  # the tied copy, the final LayerNorm
+    assert q.time["data parallel"] == pytest.approx(2 * 7 / 8 * 2 * last / share)
+    # ZeRO-3 without a pipeline: three gathers of the weights (forward, recompute, backward) and a
+    # reduce-scatter of the gradients per micro-batch, (n-1)/n each, hidden behind OVERLAP of the compute.
+    z = predict(Layout(1, 1, 64, 3, 1, "full"), small(batch_seqs=128), cluster)
+    per_mb = 63 / 64 * (3 * 2 + 2) * param_count(SMALL) / share
+    assert z.traffic["data parallel"] == pytest.approx(2 * per_mb)
+    assert z.time["data parallel"] == pytest.approx(2 * max(0.0, per_mb - L.OVERLAP * z.time["compute"] / 2))
+
+
+def test_the_bubble_is_pp_minus_one_slots_of_m_plus_pp_minus_one():
+    for pp, mb in ((2, 1), (4, 1), (4, 2)):
+        p = predict(Layout(2, pp, 32 // (2 * pp), 1, mb, "full"), Workload(get("1.3b"), 2048, 512, "bf16", 1e9), one_node(32))
+        pipeline = p.time["compute"] + p.time["tensor parallel"] + p.time["pipeline sends"] + p.time["pipeline bubble"]
+        assert p.bubble_fraction == pytest.approx((pp - 1) / (p.micro_batches + pp - 1))
+        assert p.time["pipeline bubble"] / pipeline == pytest.approx(p.bubble_fraction)
+        assert p.step_seconds == pytest.approx(sum(p.time.values()))
+
+
+def test_layouts_that_cannot_run_are_refused_with_the_reason():
+    work, cluster = Workload(get("175b"), 2048, 992, "fp16", 3e11), Cluster(GPUS["a100-80gb"], 992, 8, 19200, 400)
+    cases = {Layout(16, 1, 62, 1, 1, "full"): "spans nodes", Layout(8, 2, 62, 2, 1, "full"): "ZeRO 0 or 1",
+             Layout(8, 4, 31, 1, 3, "full"): "does not split", Layout(1, 1, 992, 3, 1, "selective"): "fused attention"}
+    for layout, reason in cases.items():
+        with pytest.raises(LayoutError, match=reason):
+            predict(layout, work, cluster)
+    plan = make_plan(work, cluster)
+    assert plan.considered > 100 and plan.ranked
+    for p in plan.ranked:
+        lay = p.layout
+        assert lay.tp <= 8 and lay.tp * lay.pp * lay.dp == 992 and (lay.pp == 1 or lay.zero <= 1) and p.fits
+        assert p.memory_bytes <= GPUS["a100-80gb"].memory_bytes
+    assert [p.step_seconds for p in plan.ranked] == sorted(p.step_seconds for p in plan.ranked)
+
+
+def test_reproduces_narayanan_2021_ptdp_against_zero3():
+    """Table 2 of arXiv 2104.04473 (the rows and the setup: benchmarks/plan_vs_published.py): ZeRO-3 alone
+    against tensor 8 x pipeline 12 at 384, 768 and 1,536 A100s, batch 1536, on 8 x 200 Gb/s InfiniBand."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from plan_vs_published import compare
+
+    zero3_at = {}
+    for gpus, (zero3, _, ptdp), z, p in compare():
+        assert z.tflops_per_gpu / p.tflops_per_gpu == pytest.approx(zero3 / ptdp, rel=0.3), gpus
+        zero3_at[gpus] = z.tflops_per_gpu
+    assert set(zero3_at) == {384, 768, 1536}
+    # ZeRO-3 alone loses most of its throughput from 384 to 1536 GPUs, as published (44 / 144).
+    assert zero3_at[1536] / zero3_at[384] == pytest.approx(44 / 144, rel=0.3)
+
+
+def test_opts_cluster_best_layout_against_the_configured_zero3():
+    plan = make_plan(*_inputs([]))  # configs/opt-175b.yaml on cluster.yaml's 124 p4de nodes
+    assert plan.cluster.gpus == 992 and plan.cluster.inter_gbps == 400 and plan.node == "p4de.24xlarge"
+    best, mine = plan.best, plan.configured
+    assert best.layout.tp == 8 and best.layout.pp > 1 and best.fits
+    assert (mine.layout.tp, mine.layout.pp, mine.layout.zero) == (1, 1, 3) and mine.fits
+    assert plan.slowdown() > 1.5
+    line = why_not(plan)
+    assert str(mine.layout) in line and str(best.layout) in line and "data parallel" in line
+
+
+def _inputs(argv):
+    from train.plan import inputs, parse_args
+
+    return inputs(parse_args(argv))
+
+
+def test_the_command_line(tmp_path, capsys):
+    assert main(["--json", "--layout", "tp=8,pp=4,zero=1,mb=1,recompute=full"]) == 0
+    [row] = json.loads(capsys.readouterr().out)
+    for key in ("tp", "pp", "dp", "zero", "micro_batch", "recompute", "memory_gb", "step_seconds", "tflops_per_gpu", "mfu", "fits"):
+        assert key in row
+    assert (row["tp"], row["pp"], row["dp"], row["fits"]) == (8, 4, 31, True)
+    assert main(["--json", "--layout", "tp=8,pp=2,zero=0"]) == 0  # 175B's Adam states unsharded over 16 GPUs
+    [row] = json.loads(capsys.readouterr().out)
+    assert row["fits"] is False and "optimizer" in row["why"]
+    assert main(["--json", "--node", "p5.48xlarge", "--gpus", "64", "--model", "13b", "--batch-tokens", "4194304"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert rows and all(r["fits"] for r in rows) and rows[0]["step_seconds"] == min(r["step_seconds"] for r in rows)
+    assert main(["--png", str(tmp_path / "plan.png"), "--top", "3"]) == 0
+    text = capsys.readouterr().out
+    assert "Why not the configured layout" in text and (tmp_path / "plan.png").stat().st_size > 10_000
+    for argv, message in ((["--layout", "tp=8,pp=4,zero=1,foo=2"], "foo=2"), (["--node", "p9.huge"], "p9.huge"),
+                          (["--gpus", "0"], "--gpus must be positive"), (["--layout", "tp=8,pp=4,dp=4"], "not 4")):
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert message in err and len(err.strip().splitlines()) == 1, err
+
+
+def test_the_pipeline_refuses_a_layout_that_does_not_fit_and_warns_about_a_slow_one(tmp_path, sample, capsys):
+    from pipelines.config import ConfigError, load_config
+    from pipelines.full import main as full
+    from train.plan import startup_check
+
+    folder, _ = sample
+    gpu_train = ("train: {model: 175b, num_workers: 992, gpus_per_worker: 1, precision: fp16, zero_stage: %d, "
+                 "micro_batch_size: 1, global_batch_tokens: 2031616, activation_checkpointing: true}\n")
+    text = f"workdir: {tmp_path}/work\n" + SAMPLE_SOURCES.format(s=folder).split("train:")[0]
+    text = text.replace("tokenize: {seq_len: 64", "tokenize: {seq_len: 2048")
+    too_big = write_config(tmp_path, text + gpu_train % 1, name="zero1")  # 175B's fp16 weights whole on every GPU
+    assert full(["--config", str(too_big)]) == 2
+    err = capsys.readouterr().err
+    assert "predicted not to fit" in err and "--force-layout" in err and "python -m train.plan" in err
+    assert not (tmp_path / "work" / "ingest").exists()  # refused before any stage ran
+
+    slow = load_config(write_config(tmp_path, text + gpu_train % 3, name="zero3"))
+    files = startup_check(slow, "zero3.yaml", force=False, out_dir=tmp_path / "plan")
+    err = capsys.readouterr().err
+    assert err.count("warning:") == 1 and "tp=1,pp=1,dp=992,zero=3" in err and "slower than tp=8" in err
+    assert [f.name for f in files] == ["plan.md", "plan.json", "plan.png"] and all(f.stat().st_size for f in files)
+    forced = startup_check(load_config(too_big), str(too_big), force=True, out_dir=tmp_path / "forced")
+    assert forced and "does not fit" in (tmp_path / "forced" / "plan.md").read_text()
+    with pytest.raises(ConfigError):
+        startup_check(load_config(too_big), str(too_big), force=False, out_dir=tmp_path / "again")
+    assert startup_check(load_config(None), None, force=False, out_dir=tmp_path / "cpu") == []  # nothing on CPU
