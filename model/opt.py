@@ -49,16 +49,17 @@ class Attention(nn.Module):
     def __init__(self, config: OPTConfig):
         super().__init__()
         d = config.d_model
-        self.n_head, self.dropout = config.n_head, config.attn_dropout
+        self.head_dim, self.dropout = config.head_dim, config.attn_dropout
         self.q_proj, self.k_proj, self.v_proj = nn.Linear(d, d), nn.Linear(d, d), nn.Linear(d, d)
         self.out_proj = nn.Linear(d, d)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        B, T, C = x.shape
-        # (B, T, C) -> (B, n_head, T, head_dim)
-        q, k, v = (p(x).view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
+        B, T, _ = x.shape
+        # (B, T, C) -> (B, heads, T, head_dim): all n_head heads, or a tensor-parallel rank's share of them
+        # (train/parallel.py splits q/k/v by heads), so the head count is read off the projection
+        q, k, v = (p(x).view(B, T, -1, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
-        return self.out_proj(y.transpose(1, 2).reshape(B, T, C))
+        return self.out_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
 class Block(nn.Module):
@@ -81,10 +82,21 @@ class Block(nn.Module):
         return x if self.pre_ln else self.final_layer_norm(x)
 
 
+class TokenEmbedding(nn.Embedding):
+    """The token embeddings, and the output layer tied to them."""
+
+    def output(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
+        """(B, T, d_model) -> (B, T, vocab_size) logits, or with (B, T) targets the mean cross-entropy."""
+        logits = F.linear(x, self.weight)
+        if targets is None:
+            return logits
+        return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+
+
 class Decoder(nn.Module):
     def __init__(self, config: OPTConfig):
         super().__init__()
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.d_model)
+        self.embed_tokens = TokenEmbedding(config.vocab_size, config.d_model)
         self.embed_positions = nn.Embedding(config.max_seq_len + POSITION_OFFSET, config.d_model)
         self.layers = nn.ModuleList(Block(config) for _ in range(config.n_layer))
         self.final_layer_norm = nn.LayerNorm(config.d_model, eps=config.layer_norm_eps) if config.pre_ln else None
@@ -104,6 +116,10 @@ class OPT(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """(B, T) token ids -> (B, T, vocab_size) logits; with (B, T) targets, the mean cross-entropy."""
+        return self.decoder.embed_tokens.output(self.hidden(input_ids), targets)
+
+    def hidden(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """(B, T) token ids -> (B, T, d_model): the embeddings, every block, the final LayerNorm."""
         B, T = input_ids.shape
         if T > self.config.max_seq_len:
             raise ValueError(f"sequence of {T} tokens, the model takes at most {self.config.max_seq_len}")
@@ -119,10 +135,7 @@ class OPT(nn.Module):
             x = d.final_layer_norm(x)
         with torch.no_grad():  # a tensor, so that no step waits for it unless it is read
             self.last_activation_norm = x.detach().float().norm(dim=-1).mean()
-        logits = F.linear(x, d.embed_tokens.weight)  # tied output projection
-        if targets is None:
-            return logits
-        return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
+        return x
 
     def block_grad_norms(self) -> list[float]:
         """Each block's gradient L2 norm (after backward; 0 for a block without gradients)."""

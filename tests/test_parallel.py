@@ -1,0 +1,183 @@
+"""Tensor parallelism (train/parallel.py, train/tensor_parallel.py) on CPU with gloo: real process groups
+of 2 and 4 ranks, each a process; the split model trains step for step as the unsplit one."""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import socket
+import traceback
+
+import pytest
+import torch
+
+from model.configs import get
+from train.parallel import ParallelDims
+
+STEPS, MICRO = 10, 2  # optimizer steps, micro-batches accumulated per step
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(world: int, fn, *args) -> list:
+    """fn(rank, world, *args) in `world` processes joined by a gloo group; each rank's return value."""
+    ctx = multiprocessing.get_context("spawn")
+    port, results = _free_port(), ctx.Queue()
+    procs = [ctx.Process(target=_rank_main, args=(rank, world, port, results, fn, args)) for rank in range(world)]
+    for p in procs:
+        p.start()
+    out = dict(results.get(timeout=240) for _ in procs)
+    for p in procs:
+        p.join(timeout=60)
+    errors = [v for v in out.values() if isinstance(v, str) and v.startswith("Traceback")]
+    assert not errors, errors[0]
+    return [out[r] for r in range(world)]
+
+
+def _rank_main(rank, world, port, results, fn, args):
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+        results.put((rank, _by_value(fn(rank, world, *args))))
+        dist.destroy_process_group()
+    except Exception:
+        results.put((rank, traceback.format_exc()))
+
+
+def _by_value(value):
+    """Tensors as numpy arrays: a queue would pass a tensor's shared memory, gone once this process exits."""
+    if isinstance(value, torch.Tensor):
+        return value.numpy()
+    if isinstance(value, dict):
+        return {k: _by_value(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_by_value(v) for v in value)
+    return value
+
+
+def _batches(cfg, dp_rank: int, dp: int):
+    """The same global batches whatever the layout: 4 sequences per micro-batch, split over dp; the same
+    step's worth every step, so that the loss visibly falls."""
+    g = torch.Generator().manual_seed(7)
+    step = []
+    for _ in range(MICRO):
+        mine = torch.randint(0, cfg.vocab_size, (4, 33), generator=g).chunk(dp)[dp_rank]
+        step.append((mine[:, :-1], mine[:, 1:]))
+    for _ in range(STEPS):
+        yield step
+
+
+def _train(rank, world, tp, with_deepspeed, dropout=0.1):
+    """Losses per step (the mean over the data-parallel group) and the final full weights on rank 0."""
+    import torch.distributed as dist
+
+    from model.opt import OPT
+    from train.parallel import Groups, full_state_dict, parallelize
+
+    torch.manual_seed(0)
+    cfg = get("tiny").replace(dropout=dropout)
+    model = OPT(cfg)  # the whole model from the seed, then split: the same weights in every layout
+    groups = Groups(ParallelDims.for_world(world, tp=tp), rank)
+    parallelize(model, groups)
+    if with_deepspeed:
+        import deepspeed
+
+        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+        deepspeed.init_distributed(dist_backend="gloo")
+        config = {"train_micro_batch_size_per_gpu": 4 // groups.dims.dp, "gradient_accumulation_steps": MICRO,
+                  "zero_optimization": {"stage": 1}, "steps_per_print": 1 << 30,
+                  "gradient_clipping": 0.1}  # below every step's norm: clipping sees the whole model's norm
+        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=3e-3),
+                                          config=config, mpu=groups)
+    else:
+        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    losses = []
+    for step, micro_batches in enumerate(_batches(cfg, groups.data_rank, groups.dims.dp)):
+        total = 0.0
+        for i, (x, y) in enumerate(micro_batches):
+            torch.manual_seed(1000 * step + i)  # the same dropout masks in every layout
+            if with_deepspeed:
+                loss = engine(x, y)
+                engine.backward(loss)  # divides by the accumulation steps itself
+                engine.step()
+            else:
+                loss = model(x, y)
+                (loss / MICRO).backward()
+            total += loss.item() / MICRO
+        if not with_deepspeed:
+            optimizer.step()
+            optimizer.zero_grad()
+        mean = torch.tensor([total])
+        dist.all_reduce(mean, group=groups.data)
+        losses.append(mean.item() / groups.dims.dp)
+    weights = full_state_dict(model, groups)
+    return (losses, weights if rank == 0 else None)
+
+
+def _close(a: list[float], b: list[float]) -> bool:
+    return all(abs(x - y) <= 1e-5 * abs(y) for x, y in zip(a, b, strict=True))
+
+
+def test_dims_order_ranks_pipe_data_tensor():
+    dims = ParallelDims.for_world(8, tp=2, pp=2)
+    assert dims.dp == 2 and dims.coords(5) == (1, 0, 1) and dims.rank_of(1, 0, 1) == 5
+    assert dims.tensor_groups() == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert dims.data_groups() == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert dims.pipeline_groups() == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    with pytest.raises(ValueError, match="does not divide 6"):
+        ParallelDims.for_world(6, tp=4)
+
+
+@pytest.fixture(scope="module")
+def unsplit():
+    return run_ranks(1, _train, 1, False)[0]
+
+
+def test_tensor_parallel_trains_as_the_unsplit_model(unsplit):
+    """T=2 gives the unsplit model's loss at every step and its weights after 10 steps of AdamW with 2
+    micro-batches accumulated, dropout on (the same masks on both ranks: the same seed)."""
+    losses, weights = unsplit
+    assert len(losses) == STEPS and losses[-1] < losses[0] - 0.5
+    split_losses, split_weights = run_ranks(2, _train, 2, False)[0]
+    assert _close(split_losses, losses), (split_losses, losses)
+    assert split_weights.keys() == weights.keys()
+    for name, w in weights.items():
+        torch.testing.assert_close(torch.from_numpy(split_weights[name]), torch.from_numpy(w), rtol=1e-4, atol=1e-5, msg=name)
+
+
+def test_tensor_parallel_under_deepspeed_zero1_trains_as_the_unsplit_model():
+    """DeepSpeed's engine with the groups as its mpu: ZeRO-1 over the data-parallel group, the gradient
+    norm for clipping over the tensor group (split parameters summed, replicated ones counted once).
+    T=2 and T=2 x D=2 against one rank; no dropout, since a replica's half batch draws other masks."""
+    reference, _ = run_ranks(1, _train, 1, True, 0.0)[0]
+    assert reference[-1] < reference[0] - 0.5
+    for world in (2, 4):
+        split, _ = run_ranks(world, _train, 2, True, 0.0)[0]
+        assert _close(split, reference), (world, split, reference)
+
+
+def test_the_vocabulary_parallel_output_gathers_the_unsplit_logits():
+    assert run_ranks(2, _logits)[0] is True
+
+
+def _logits(rank, world):
+    from model.opt import OPT
+    from train.parallel import Groups, parallelize
+
+    torch.manual_seed(0)
+    model = OPT(get("tiny")).eval()
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        whole = model(ids)
+        parallelize(model, Groups(ParallelDims.for_world(world, tp=world), rank))
+        split = model(ids)
+    torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-5)
+    return True

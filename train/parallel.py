@@ -1,0 +1,141 @@
+"""Who is who in a tensor x pipeline x data layout, the process groups, and the tensor-parallel form of an OPT.
+
+`ParallelDims` is the layout (sizes that multiply to the world) and each rank's coordinates in it;
+`Groups` builds every process group once and answers DeepSpeed's `mpu` questions (ZeRO shards over
+the data-parallel group, the gradient norm sums over the tensor group); `parallelize` turns an OPT
+built whole from the seed into this rank's tensor-parallel shard of it, and `full_state_dict` gathers
+the shards back, so the same weights load into either form (model/opt.py stays the reference).
+
+Ranks are ordered (pipe, data, tensor), DeepSpeed's PipeModelDataParallelTopology: a tensor group is
+T neighbouring ranks, which Ray Train places on one node (it fills a node's GPUs with consecutive
+world ranks), so the all-reduces of every layer stay on NVLink.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from model.opt import OPT
+from train.tensor_parallel import ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+
+    @classmethod
+    def for_world(cls, world: int, tp: int = 1, pp: int = 1) -> "ParallelDims":
+        if tp < 1 or pp < 1 or world % (tp * pp):
+            raise ValueError(f"tensor {tp} x pipeline {pp} does not divide {world} workers")
+        return cls(tp, pp, world // (tp * pp))
+
+    @property
+    def world(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(pipeline stage, data-parallel rank, tensor rank) of a world rank."""
+        return rank // (self.dp * self.tp), rank // self.tp % self.dp, rank % self.tp
+
+    def rank_of(self, stage: int, data: int, tensor: int) -> int:
+        return (stage * self.dp + data) * self.tp + tensor
+
+    def tensor_groups(self) -> list[list[int]]:
+        return [[self.rank_of(s, d, t) for t in range(self.tp)] for s in range(self.pp) for d in range(self.dp)]
+
+    def data_groups(self) -> list[list[int]]:
+        return [[self.rank_of(s, d, t) for d in range(self.dp)] for s in range(self.pp) for t in range(self.tp)]
+
+    def pipeline_groups(self) -> list[list[int]]:
+        return [[self.rank_of(s, d, t) for s in range(self.pp)] for d in range(self.dp) for t in range(self.tp)]
+
+
+class Groups:
+    """This rank's process groups (every rank creates every group, in the same order, as torch requires),
+    and DeepSpeed's `mpu` interface over them."""
+
+    def __init__(self, dims: ParallelDims, rank: int):
+        if dist.get_world_size() != dims.world:
+            raise ValueError(f"{dims} needs {dims.world} ranks, the process group has {dist.get_world_size()}")
+        self.dims, self.rank = dims, rank
+        self.stage, self.data_rank, self.tensor_rank = dims.coords(rank)
+        self.tensor = self._mine(dims.tensor_groups())
+        self.data = self._mine(dims.data_groups())
+        self.pipeline = self._mine(dims.pipeline_groups())
+
+    def _mine(self, all_groups: list[list[int]]):
+        mine = None
+        for ranks in all_groups:
+            group = dist.new_group(ranks)
+            if self.rank in ranks:
+                mine = group
+        return mine
+
+    # DeepSpeed's mpu: "model parallel" is the tensor group (the pipeline engine keeps its own grid)
+    def get_model_parallel_group(self):
+        return self.tensor
+
+    def get_model_parallel_rank(self) -> int:
+        return self.tensor_rank
+
+    def get_model_parallel_world_size(self) -> int:
+        return self.dims.tp
+
+    get_tensor_model_parallel_group = get_model_parallel_group
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+
+    def get_data_parallel_group(self):
+        return self.data
+
+    def get_data_parallel_rank(self) -> int:
+        return self.data_rank
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.dims.dp
+
+
+def parallelize(model: OPT, groups: Groups) -> OPT:
+    """This rank's tensor-parallel shard of `model`, in place: q/k/v and fc1 split by output (heads, FFN
+    columns), out_proj and fc2 by input, the token embedding (and so the tied output layer) by vocabulary.
+    LayerNorms, positions and the row-parallel biases stay whole on every rank."""
+    tp, rank, group = groups.dims.tp, groups.tensor_rank, groups.tensor
+    cfg = model.config
+    if tp == 1:
+        return model
+    for what, size in (("n_head", cfg.n_head), ("ffn_dim", cfg.ffn_dim), ("vocab_size", cfg.vocab_size)):
+        if size % tp:
+            raise ValueError(f"tensor parallel {tp} does not divide {what} {size}")
+    if cfg.attn_dropout and model.training:
+        # Each rank holds other heads, so attention dropout would need a generator per rank (Megatron's RNG
+        # tracker); OPT trains with none, and nothing else draws random numbers inside the split region.
+        raise ValueError("attention dropout under tensor parallelism is not supported (OPT's is 0.0)")
+    d = model.decoder
+    d.embed_tokens = VocabParallelEmbedding(d.embed_tokens, group, rank, tp)
+    for block in d.layers:
+        attn = block.self_attn
+        for name in ("q_proj", "k_proj", "v_proj"):
+            setattr(attn, name, ColumnParallelLinear(getattr(attn, name), group, rank, tp))
+        attn.out_proj = RowParallelLinear(attn.out_proj, group, rank, tp)
+        block.fc1 = ColumnParallelLinear(block.fc1, group, rank, tp)
+        block.fc2 = RowParallelLinear(block.fc2, group, rank, tp)
+    return model
+
+
+def full_state_dict(model: nn.Module, groups: Groups) -> dict[str, torch.Tensor]:
+    """The unsplit model's state dict (the names of model/opt.py), gathered over the tensor group on every rank."""
+    out = {}
+    for name, p in model.named_parameters():
+        t = p.detach()
+        if getattr(p, "tensor_model_parallel", False) and groups.dims.tp > 1:
+            shards = [torch.empty_like(t) for _ in range(groups.dims.tp)]
+            dist.all_gather(shards, t.contiguous(), group=groups.tensor)
+            t = torch.cat(shards, dim=p.partition_dim)
+        out[name] = t.clone()
+    return out
