@@ -267,6 +267,38 @@ class TokenizeConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """How the training workers split the model (train/parallel.py); data parallelism is what is left:
+    num_workers / tensor. `python -m train.plan` says which layout is fastest for a cluster."""
+
+    tensor: int = 1  # Megatron-style tensor parallelism: each layer split over this many neighbouring workers
+
+    def validate(self, key: str) -> None:
+        _at_least(self, key, 1, "tensor")
+
+    def check(self, key: str, train: "TrainConfig") -> None:
+        """What depends on the rest of the training section."""
+        from model.configs import CONFIGS
+        from train.hardware import NODES
+
+        t = self.tensor
+        if train.num_workers % t:
+            raise ConfigError(f"{key}.tensor", f"{t} does not divide train.num_workers={train.num_workers}")
+        model = CONFIGS.get(train.model)
+        for what in ("n_head", "ffn_dim", "vocab_size"):
+            if model is not None and getattr(model, what) % t:
+                raise ConfigError(f"{key}.tensor", f"{t} does not divide the {train.model} model's {what} "
+                                  f"({getattr(model, what)})")
+        per_node = max(node.gpus for node in NODES.values())
+        if train.gpus_per_worker and t * train.gpus_per_worker > per_node:
+            raise ConfigError(f"{key}.tensor", f"a tensor group of {t} workers x {train.gpus_per_worker:g} GPUs would "
+                              f"span nodes of {per_node} GPUs: its all-reduces, two per layer, would cross the network")
+        if t > 1 and train.zero_stage == 3:
+            raise ConfigError(f"{key}.tensor", "tensor parallelism takes ZeRO 0-2 here: the model is built whole and "
+                              "then split (train/parallel.py), which ZeRO-3's partitioned build cannot follow")
+
+
+@dataclass
 class AutopilotConfig:
     """The stability autopilot (train/autopilot.py); defaults modelled on OPT, PaLM and OLMo."""
 
@@ -363,6 +395,11 @@ class TrainConfig:
     seed: int = 0
     inject: list[InjectConfig] = field(default_factory=list)
     autopilot: AutopilotConfig = field(default_factory=AutopilotConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+
+    @property
+    def data_parallel(self) -> int:
+        return self.num_workers // self.parallel.tensor
 
     def validate(self, key: str) -> None:
         _at_least(self, key, 1, "num_workers", "micro_batch_size", "max_steps", "global_batch_tokens",
@@ -376,6 +413,7 @@ class TrainConfig:
             raise ConfigError(f"{key}.collective_timeout_seconds", f"expected more than hang_seconds and startup_seconds "
                               f"({slowest:g}), got {self.collective_timeout_seconds:g}: a hung rank's watchdog must act first")
         _check_engine(self, key)
+        self.parallel.check(f"{key}.parallel", self)
         if self.precision == "fp16" and self.autopilot.enabled and self.autopilot.scale_floor <= DEEPSPEED_MIN_LOSS_SCALE:
             raise ConfigError(f"{key}.autopilot.scale_floor", f"expected more than {DEEPSPEED_MIN_LOSS_SCALE}, DeepSpeed's "
                               f"minimum loss scale, got {self.autopilot.scale_floor:g}: at its minimum DeepSpeed ends the "
@@ -419,7 +457,7 @@ class PipelineConfig:
                 raise ConfigError(f"screen.sources[{i}]", f"expected the name of a source ({', '.join(names)}), got {source!r}")
         train = self.train
         check_batch("train", train.model, train.global_batch_tokens, self.tokenize.seq_len, train.micro_batch_size,
-                    train.num_workers, seq_len_key="tokenize.seq_len")
+                    train.data_parallel, seq_len_key="tokenize.seq_len")
 
 
 def check_batch(key: str, model: str, batch_tokens: int | None, seq_len: int, micro: int, workers: int,
@@ -433,8 +471,8 @@ def check_batch(key: str, model: str, batch_tokens: int | None, seq_len: int, mi
     sequences = batch_tokens // seq_len
     if sequences == 0 or sequences % (micro * workers):
         raise ConfigError(f"{key}.global_batch_tokens", f"{batch_tokens} tokens are {sequences} sequences of "
-                          f"{seq_len_key or key + '.seq_len'}={seq_len}: not a multiple of micro_batch_size x num_workers = "
-                          f"{micro * workers}")
+                          f"{seq_len_key or key + '.seq_len'}={seq_len}: not a multiple of micro_batch_size x num_workers"
+                          f"{' / parallel.tensor' if key == 'train' else ''} = {micro * workers}")
 
 
 # --------------------------------------------------------------------------- loading

@@ -83,9 +83,16 @@ def test_defaults_and_resolved_paths(cfg, tmp_path, monkeypatch):
     ("train: {eval_micro_batch_size: 0}\n", "train.eval_micro_batch_size", "expected a value >= 1"),
     ("train: {inject: [{kind: spike, step: 0}]}\n", "train.inject[0].step", "expected a value >= 1"),
     ("train: {global_batch_tokens: 6144, micro_batch_size: 2}\n", "train.global_batch_tokens",
-     "6144 tokens are 3 sequences of tokenize.seq_len=2048: not a multiple of micro_batch_size x num_workers = 4"),
+     "6144 tokens are 3 sequences of tokenize.seq_len=2048: not a multiple of micro_batch_size x num_workers / parallel.tensor = 4"),
     ("train: {inject: [{kind: explode, step: 3}]}\n", "train.inject[0].kind", "expected one of 'kill', 'hang'"),
     ("train: {inject: [{kind: kill, step: 3, rank: 2}]}\n", "train.inject[0].rank", "expected a rank below num_workers=2"),
+    ("train: {parallel: {tensor: 0}}\n", "train.parallel.tensor", "expected a value >= 1"),
+    ("train: {num_workers: 3, parallel: {tensor: 2}}\n", "train.parallel.tensor", "2 does not divide train.num_workers=3"),
+    ("train: {num_workers: 3, parallel: {tensor: 3}}\n", "train.parallel.tensor", "does not divide the tiny model's n_head (4)"),
+    ("train: {model: 1.3b, num_workers: 16, gpus_per_worker: 1, precision: bf16, parallel: {tensor: 16}}\n", "train.parallel.tensor",
+     "would span nodes of 8 GPUs"),
+    ("train: {num_workers: 2, zero_stage: 3, parallel: {tensor: 2}}\n", "train.parallel.tensor", "takes ZeRO 0-2 here"),
+    ("train: {parallel: {pipeline: 2}}\n", "train.parallel.pipeline", "unknown key"),
 ])
 def test_bad_values_name_their_key(cfg, text, key, expected):
     with pytest.raises(ConfigError) as exc:

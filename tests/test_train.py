@@ -225,3 +225,32 @@ def test_restarts_from_the_same_checkpoint_stop_after_the_limit(tmp_path):
     assert restarts_without_progress(ctx, 20, limit=0) is None and restarts_without_progress(ctx, 20, limit=0) is None
     assert json.loads((tmp_path / "starts.json").read_text()) == [0, 10, 10, 10, 10, 20, 20, 20]
     assert "3 restarts in a row" in (tmp_path / "incidents.jsonl").read_text()
+
+
+def test_tensor_parallel_training_matches_one_worker_and_exports_the_unsplit_model(baseline):
+    """train.parallel.tensor=2 on 2 workers (one data-parallel rank) against 1 worker: the same global batches,
+    the same dropout masks (every rank seeds alike), so the same loss at every step, also after a worker of
+    the split run is killed and both restart from its checkpoint; the export of the split run gathers its
+    shards into a model that transformers loads with the unsplit run's logits.
+    Last in this module: it moves the train stage's current output, which the tests above read."""
+    from transformers import OPTForCausalLM
+
+    cfg, wd, _, _ = baseline
+    curves, exports = {}, {}
+    for name, settings in (("one", ["train.num_workers=1"]), ("split", ["train.num_workers=2", "train.parallel.tensor=2", "train.inject=[{kind: kill, step: 8}]"])):
+        args = ["--config", str(cfg), "--only", "train", "--set", "train.max_steps=10", "--set", "train.checkpoint_every=5"]
+        assert main(args + [x for s in settings for x in ("--set", s)]) == 0
+        train = manifest(wd, "train")
+        curves[name], exports[name] = losses(Path(train["output"]) / "metrics.jsonl"), Path(train["output"]) / "model"
+        loop = json.loads((Path(train["output"]) / "loop_config.json").read_text())
+        assert loop["tensor_parallel"] == (2 if name == "split" else 1) and loop["accumulation"] == 4
+        if name == "split":
+            incidents = [json.loads(line)["what"] for line in (Path(train["output"]) / "incidents.jsonl").read_text().splitlines()]
+            assert "injected kill on rank 1" in incidents and "resumed from step-00000005" in incidents
+    assert sorted(curves["split"]) == list(range(1, 11)) and curves["one"][10] < curves["one"][1] - 0.3
+    for step, loss in curves["one"].items():
+        assert curves["split"][step] == pytest.approx(loss, rel=1e-5), step
+    tokens = torch.from_numpy(TokenShards(manifest(wd, "tokenize")["output"]).rows(np.arange(4)).astype(np.int64))
+    with torch.no_grad():
+        one, split = (OPTForCausalLM.from_pretrained(exports[n]).eval()(tokens).logits for n in ("one", "split"))
+    torch.testing.assert_close(split, one, rtol=1e-4, atol=1e-4)

@@ -34,6 +34,7 @@ from pipelines.config import AutopilotConfig
 from train import autopilot, checkpoint
 from train.collectives import all_mean, backend, barrier
 from train.hardware import peak_for
+from train.parallel import Groups, ParallelDims, full_state_dict, parallelize
 from train.loader import Loader, validation_batches
 from train.network import efa_problem
 from train.build import build
@@ -52,6 +53,16 @@ class Context:
     world: int
     run_dir: Path
     device: torch.device
+    groups: Groups | None = None  # the tensor x data process groups when the model is split (train.parallel.tensor > 1)
+
+    @property
+    def data_rank(self) -> int:
+        """Which share of each batch this rank trains on: the ranks of a tensor group share theirs."""
+        return self.groups.data_rank if self.groups else self.rank
+
+    @property
+    def data_world(self) -> int:
+        return self.groups.dims.dp if self.groups else self.world
 
     @property
     def leader(self) -> bool:
@@ -233,8 +244,8 @@ def validation_losses(engine, shards_dir: str, sources: list[str], micro: int, e
     with torch.no_grad():
         for source in sources:
             total, count = torch.zeros((), dtype=torch.float64, device=ctx.device), 0
-            for rows in validation_batches(shards_dir, source, eval_micro, rank=ctx.rank, world_size=ctx.world,
-                                           limit=max_batches * micro * ctx.world):
+            for rows in validation_batches(shards_dir, source, eval_micro, rank=ctx.data_rank, world_size=ctx.data_world,
+                                           limit=max_batches * micro * ctx.data_world):
                 tokens = torch.from_numpy(rows.astype(np.int64)).to(ctx.device)
                 total += engine(tokens[:, :-1], tokens[:, 1:]).double() * len(tokens)
                 count += len(tokens)
@@ -305,14 +316,18 @@ def _train(config: dict) -> None:
     watchdog = Watchdog(config["startup_seconds"], on_hang)
     if device.type == "cpu":  # DeepSpeed's shared-memory allreduce would be compiled with g++ on first use
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    seed_everything(config["seed"])
+    seed_everything(config["seed"])  # the same on every rank: a tensor group draws the same dropout masks
+    if config["tensor_parallel"] > 1:
+        ctx.groups = Groups(ParallelDims.for_world(ctx.world, tp=config["tensor_parallel"]), ctx.rank)
     model_config = OPTConfig(**config["model"])
     ds_config = deepspeed_config(micro_batch=config["micro_batch"], accumulation=config["accumulation"],
-                                 world_size=ctx.world, zero_stage=config["zero_stage"], precision=config["precision"],
+                                 world_size=ctx.data_world, zero_stage=config["zero_stage"], precision=config["precision"],
                                  grad_clip=config["grad_clip"])
     model = build(model_config, ds_config, seed=config["seed"], rank=ctx.rank)
+    if ctx.groups:  # built whole from the seed (ZeRO 0-2), then this rank's shard of it kept
+        parallelize(model, ctx.groups)
     engine, _, _, _ = deepspeed.initialize(
-        model=model, optimizer=adamw(model, config["lr"], config["weight_decay"]), config=ds_config)
+        model=model, optimizer=adamw(model, config["lr"], config["weight_decay"]), config=ds_config, mpu=ctx.groups)
     # DeepSpeed reports the pre-clip grad norm from its ZeRO and mixed-precision optimizers only.
     own_grad_norm = config["zero_stage"] == 0 and config["precision"] == "fp32"
     grad_norm = None
@@ -349,7 +364,7 @@ def _train(config: dict) -> None:
         if ctx.leader:
             incident(ctx, step, f"resumed from {Path(resumed['path']).name}")
     apply_settings(engine, schedule, pilot, config)
-    loader = Loader(config["shards"], config["global_batch"], rank=ctx.rank, world_size=ctx.world, seed=config["seed"],
+    loader = Loader(config["shards"], config["global_batch"], rank=ctx.data_rank, world_size=ctx.data_world, seed=config["seed"],
                     skip_ranges=pilot.skip_ranges, state=loader_state)
     batches = iter(loader)
     detectors = autopilot.Detectors(settings)
@@ -401,7 +416,7 @@ def _train(config: dict) -> None:
                 micro_loss = micro_loss * 1e38  # the gradients overflow; the loss itself was fine
             engine.backward(micro_loss)
             if own_grad_norm and engine.is_gradient_accumulation_boundary():
-                grad_norm = gradient_norm(model)  # all-reduced by backward at the boundary, before the clip
+                grad_norm = gradient_norm(model, ctx.groups)  # all-reduced by backward at the boundary, before the clip
             engine.step()  # the optimizer steps at the last micro-batch (gradient_accumulation_steps)
         step += 1
         if not own_grad_norm:
@@ -476,10 +491,18 @@ def _train(config: dict) -> None:
         sink.close()
 
 
-def gradient_norm(model: torch.nn.Module) -> float:
-    """The L2 norm of all gradients (what DeepSpeed's ZeRO optimizers report as the global grad norm)."""
-    norms = [p.grad.detach().float().norm() for p in model.parameters() if p.grad is not None]
-    return float(torch.linalg.vector_norm(torch.stack(norms))) if norms else 0.0
+def gradient_norm(model: torch.nn.Module, groups: Groups | None = None) -> float:
+    """The L2 norm of all gradients (what DeepSpeed's ZeRO optimizers report as the global grad norm); with
+    the model split over a tensor group, the shards' squares summed over the group and the replicated
+    parameters' counted once."""
+    squares = {True: [], False: []}  # split over the tensor group or not
+    for p in model.parameters():
+        if p.grad is not None:
+            squares[bool(groups and getattr(p, "tensor_model_parallel", False))].append(p.grad.detach().float().pow(2).sum())
+    if not squares[True] and not squares[False]:
+        return 0.0
+    total = sum(squares[False]) + (groups.sum_over_tensor(sum(squares[True])) if squares[True] else 0.0)
+    return float(torch.as_tensor(total).sqrt())
 
 
 def loss_scale(engine) -> float:
@@ -611,7 +634,9 @@ def export(engine, model, config: dict, ctx: Context) -> None:
     import deepspeed
 
     from corpus import tokenizer
+    from model.configs import OPTConfig
     from model.hf import save_pretrained
+    from model.opt import OPT
 
     tok = None
     tok_path = Path(config["shards"]) / tokenizer.FILE
@@ -620,6 +645,14 @@ def export(engine, model, config: dict, ctx: Context) -> None:
             tok = tokenizer.load(str(tok_path))
         else:
             log.warning("%s is missing: the model is exported without a tokenizer", tok_path)
+
+    if ctx.groups:  # the tensor group's shards gathered into the unsplit model (ZeRO 0-2: it fits in host memory)
+        whole = full_state_dict(model, ctx.groups)
+        if ctx.leader:
+            unsplit = OPT(OPTConfig(**config["model"]))
+            unsplit.load_state_dict(whole)
+            save_pretrained(unsplit, config["export_dir"], tokenizer=tok)
+        return
 
     def gather(part):
         return deepspeed.zero.GatheredParameters(list(part.parameters()), modifier_rank=None)

@@ -100,6 +100,12 @@ class Groups:
     def get_data_parallel_world_size(self) -> int:
         return self.dims.dp
 
+    def sum_over_tensor(self, t: torch.Tensor) -> torch.Tensor:
+        """The sum of a tensor of the model's (on its device) over this rank's tensor group."""
+        t = t.clone()
+        dist.all_reduce(t, group=self.tensor)
+        return t
+
 
 def parallelize(model: OPT, groups: Groups) -> OPT:
     """This rank's tensor-parallel shard of `model`, in place: q/k/v and fc1 split by output (heads, FFN

@@ -42,10 +42,10 @@ def loop_config(cfg: TrainConfig, shards: str, folder: Path, *, export_dir: str 
                           activation_checkpointing=cfg.activation_checkpointing)
     batch_tokens = cfg.global_batch_tokens or model.batch_tokens
     global_batch = max(1, batch_tokens // seq_len)
-    per_rank = cfg.micro_batch_size * cfg.num_workers
+    per_rank = cfg.micro_batch_size * cfg.data_parallel  # the ranks of a tensor group share their batch
     if global_batch % per_rank:
         raise ValueError(f"a global batch of {global_batch} sequences ({batch_tokens} tokens / seq_len {seq_len}) does "
-                         f"not split into micro-batches of {cfg.micro_batch_size} on {cfg.num_workers} workers")
+                         f"not split into micro-batches of {cfg.micro_batch_size} on {cfg.data_parallel} data-parallel ranks")
     if index["sequences"] < global_batch:
         raise ValueError(f"{shards}: {index['sequences']} training sequences of {seq_len} tokens, fewer than one "
                          f"global batch of {global_batch}: more data, a shorter tokenize.seq_len or a smaller batch")
@@ -56,6 +56,7 @@ def loop_config(cfg: TrainConfig, shards: str, folder: Path, *, export_dir: str 
         "model": dataclasses.asdict(model), "seq_len": seq_len, "global_batch": global_batch,
         "micro_batch": cfg.micro_batch_size, "accumulation": global_batch // per_rank,
         "zero_stage": cfg.zero_stage, "precision": cfg.precision, "grad_clip": cfg.grad_clip,
+        "tensor_parallel": cfg.parallel.tensor,
         "lr": cfg.lr or model.lr, "weight_decay": cfg.weight_decay, "final_lr_ratio": cfg.final_lr_ratio,
         "warmup_steps": cfg.warmup_tokens // tokens_per_step, "total_steps": total_steps,
         "max_steps": cfg.max_steps or total_steps, "checkpoint_every": cfg.checkpoint_every,
