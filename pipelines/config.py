@@ -198,6 +198,38 @@ class TokenizerConfig:
 
 
 @dataclass
+class ParallelConfig:
+    """How the training workers split the model (train/parallel.py); data parallelism is what is left:
+    num_workers / tensor. `python -m train.plan` says which layout is fastest for a cluster."""
+
+    tensor: int = 1  # Megatron-style tensor parallelism: each layer split over this many neighbouring workers
+
+    def validate(self, key: str) -> None:
+        _at_least(self, key, 1, "tensor")
+
+    def check(self, key: str, train: "TrainConfig") -> None:
+        """What depends on the rest of the training section."""
+        from model.configs import CONFIGS
+        from train.hardware import NODES
+
+        t = self.tensor
+        if train.num_workers % t:
+            raise ConfigError(f"{key}.tensor", f"{t} does not divide num_workers={train.num_workers}")
+        model = CONFIGS.get(train.model)
+        for what in ("n_head", "ffn_dim", "vocab_size"):
+            if model is not None and getattr(model, what) % t:
+                raise ConfigError(f"{key}.tensor", f"{t} does not divide the {train.model} model's {what} "
+                                  f"({getattr(model, what)})")
+        per_node = max(node.gpus for node in NODES.values())
+        if train.gpus_per_worker and t * train.gpus_per_worker > per_node:
+            raise ConfigError(f"{key}.tensor", f"a tensor group of {t} workers x {train.gpus_per_worker:g} GPUs would "
+                              f"span nodes of {per_node} GPUs: its all-reduces, two per layer, would cross the network")
+        if t > 1 and train.zero_stage == 3:
+            raise ConfigError(f"{key}.tensor", "tensor parallelism takes ZeRO 0-2 here: the model is built whole and "
+                              "then split (train/parallel.py), which ZeRO-3's partitioned build cannot follow")
+
+
+@dataclass
 class ProxyConfig:
     """The proxy model of the screen: every proxy run trains it with these settings (only the data and seed differ)."""
 
@@ -212,13 +244,16 @@ class ProxyConfig:
     cpus_per_worker: float = 1.0
     zero_stage: int = 0
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # as train.parallel
 
     def validate(self, key: str) -> None:
         _at_least(self, key, 1, "seq_len", "global_batch_tokens", "micro_batch_size", "num_workers")
         _at_least(self, key, 0, "warmup_steps", "gpus_per_worker")
         _positive(self, key, "cpus_per_worker", "lr")
         _check_engine(self, key)
-        check_batch(key, self.model, self.global_batch_tokens, self.seq_len, self.micro_batch_size, self.num_workers)
+        self.parallel.check(f"{key}.parallel", self)
+        check_batch(key, self.model, self.global_batch_tokens, self.seq_len, self.micro_batch_size,
+                    self.num_workers // self.parallel.tensor)
 
 
 @dataclass
@@ -264,38 +299,6 @@ class TokenizeConfig:
         _at_least(self, key, 1, "seq_len")
         if not 0.0 <= self.validation_fraction < 1.0:
             raise ConfigError(f"{key}.validation_fraction", f"expected a fraction in [0, 1), got {self.validation_fraction}")
-
-
-@dataclass
-class ParallelConfig:
-    """How the training workers split the model (train/parallel.py); data parallelism is what is left:
-    num_workers / tensor. `python -m train.plan` says which layout is fastest for a cluster."""
-
-    tensor: int = 1  # Megatron-style tensor parallelism: each layer split over this many neighbouring workers
-
-    def validate(self, key: str) -> None:
-        _at_least(self, key, 1, "tensor")
-
-    def check(self, key: str, train: "TrainConfig") -> None:
-        """What depends on the rest of the training section."""
-        from model.configs import CONFIGS
-        from train.hardware import NODES
-
-        t = self.tensor
-        if train.num_workers % t:
-            raise ConfigError(f"{key}.tensor", f"{t} does not divide train.num_workers={train.num_workers}")
-        model = CONFIGS.get(train.model)
-        for what in ("n_head", "ffn_dim", "vocab_size"):
-            if model is not None and getattr(model, what) % t:
-                raise ConfigError(f"{key}.tensor", f"{t} does not divide the {train.model} model's {what} "
-                                  f"({getattr(model, what)})")
-        per_node = max(node.gpus for node in NODES.values())
-        if train.gpus_per_worker and t * train.gpus_per_worker > per_node:
-            raise ConfigError(f"{key}.tensor", f"a tensor group of {t} workers x {train.gpus_per_worker:g} GPUs would "
-                              f"span nodes of {per_node} GPUs: its all-reduces, two per layer, would cross the network")
-        if t > 1 and train.zero_stage == 3:
-            raise ConfigError(f"{key}.tensor", "tensor parallelism takes ZeRO 0-2 here: the model is built whole and "
-                              "then split (train/parallel.py), which ZeRO-3's partitioned build cannot follow")
 
 
 @dataclass
@@ -472,7 +475,7 @@ def check_batch(key: str, model: str, batch_tokens: int | None, seq_len: int, mi
     if sequences == 0 or sequences % (micro * workers):
         raise ConfigError(f"{key}.global_batch_tokens", f"{batch_tokens} tokens are {sequences} sequences of "
                           f"{seq_len_key or key + '.seq_len'}={seq_len}: not a multiple of micro_batch_size x num_workers"
-                          f"{' / parallel.tensor' if key == 'train' else ''} = {micro * workers}")
+                          f" / parallel.tensor = {micro * workers}")
 
 
 # --------------------------------------------------------------------------- loading

@@ -51,7 +51,7 @@ def proxy_train_config(cfg: ScreenConfig, seed: int) -> TrainConfig:
         global_batch_tokens=batch_tokens, lr=p.lr, warmup_tokens=p.warmup_steps * batch_tokens,
         total_tokens=cfg.steps * batch_tokens, final_lr_ratio=1.0,  # constant LR after warmup: no decay to hide spikes
         max_steps=cfg.steps, checkpoint_every=0, eval_every=0, max_failures=1, seed=seed,
-        autopilot=AutopilotConfig(enabled=False))
+        autopilot=AutopilotConfig(enabled=False), parallel=p.parallel)
 
 
 def slug(name: str) -> str:

@@ -87,12 +87,13 @@ def test_defaults_and_resolved_paths(cfg, tmp_path, monkeypatch):
     ("train: {inject: [{kind: explode, step: 3}]}\n", "train.inject[0].kind", "expected one of 'kill', 'hang'"),
     ("train: {inject: [{kind: kill, step: 3, rank: 2}]}\n", "train.inject[0].rank", "expected a rank below num_workers=2"),
     ("train: {parallel: {tensor: 0}}\n", "train.parallel.tensor", "expected a value >= 1"),
-    ("train: {num_workers: 3, parallel: {tensor: 2}}\n", "train.parallel.tensor", "2 does not divide train.num_workers=3"),
+    ("train: {num_workers: 3, parallel: {tensor: 2}}\n", "train.parallel.tensor", "2 does not divide num_workers=3"),
     ("train: {num_workers: 3, parallel: {tensor: 3}}\n", "train.parallel.tensor", "does not divide the tiny model's n_head (4)"),
     ("train: {model: 1.3b, num_workers: 16, gpus_per_worker: 1, precision: bf16, parallel: {tensor: 16}}\n", "train.parallel.tensor",
      "would span nodes of 8 GPUs"),
     ("train: {num_workers: 2, zero_stage: 3, parallel: {tensor: 2}}\n", "train.parallel.tensor", "takes ZeRO 0-2 here"),
     ("train: {parallel: {pipeline: 2}}\n", "train.parallel.pipeline", "unknown key"),
+    ("screen: {proxy: {num_workers: 2, parallel: {tensor: 3}}}\n", "screen.proxy.parallel.tensor", "3 does not divide num_workers=2"),
 ])
 def test_bad_values_name_their_key(cfg, text, key, expected):
     with pytest.raises(ConfigError) as exc:
@@ -209,3 +210,11 @@ def test_out_of_range_values(cfg, item, message):
     with pytest.raises(ConfigError) as exc:
         load_config(cfg(), [item])
     assert str(exc.value) == message
+
+
+def test_the_screens_proxies_take_the_training_layout_keys(cfg):
+    from screen.stage import proxy_train_config
+
+    config = load_config(cfg(), ["screen.proxy.num_workers=2", "screen.proxy.parallel.tensor=2"])
+    proxy = proxy_train_config(config.screen, seed=3)
+    assert proxy.parallel.tensor == 2 and proxy.data_parallel == 1 and proxy.seed == 3

@@ -136,6 +136,17 @@ def test_dims_order_ranks_pipe_data_tensor():
         ParallelDims.for_world(6, tp=4)
 
 
+def test_a_tensor_group_split_over_nodes_is_named():
+    from train.parallel import tensor_group_problem
+
+    dims = ParallelDims.for_world(16, tp=4)
+    # 8 workers per node: ranks 0-7 and 8-15, every group of 4 inside one.
+    assert all(tensor_group_problem(dims, r, r % 8, 8) is None for r in range(16))
+    # Ray put 6 workers on the first node (ranks 0-5) and 10 on the second: the group 4-7 is split.
+    assert tensor_group_problem(dims, 5, 5, 6) is not None and tensor_group_problem(dims, 6, 0, 10) is not None
+    assert "ranks 4-7" in tensor_group_problem(dims, 4, 4, 6) and tensor_group_problem(dims, 3, 3, 6) is None
+
+
 @pytest.fixture(scope="module")
 def unsplit():
     return run_ranks(1, _train, 1, False)[0]

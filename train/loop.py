@@ -34,7 +34,7 @@ from pipelines.config import AutopilotConfig
 from train import autopilot, checkpoint
 from train.collectives import all_mean, backend, barrier
 from train.hardware import peak_for
-from train.parallel import Groups, ParallelDims, full_state_dict, parallelize
+from train.parallel import Groups, ParallelDims, full_state_dict, parallelize, tensor_group_problem
 from train.loader import Loader, validation_batches
 from train.network import efa_problem
 from train.build import build
@@ -318,7 +318,11 @@ def _train(config: dict) -> None:
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     seed_everything(config["seed"])  # the same on every rank: a tensor group draws the same dropout masks
     if config["tensor_parallel"] > 1:
-        ctx.groups = Groups(ParallelDims.for_world(ctx.world, tp=config["tensor_parallel"]), ctx.rank)
+        dims = ParallelDims.for_world(ctx.world, tp=config["tensor_parallel"])
+        split = tensor_group_problem(dims, ctx.rank, train_ctx.get_local_rank(), train_ctx.get_local_world_size())
+        if split is not None:  # every layer's all-reduces would cross the network: refuse rather than crawl
+            raise RuntimeError(split)
+        ctx.groups = Groups(dims, ctx.rank)
     model_config = OPTConfig(**config["model"])
     ds_config = deepspeed_config(micro_batch=config["micro_batch"], accumulation=config["accumulation"],
                                  world_size=ctx.data_world, zero_stage=config["zero_stage"], precision=config["precision"],

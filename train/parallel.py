@@ -56,6 +56,20 @@ class ParallelDims:
         return [[self.rank_of(s, d, t) for s in range(self.pp)] for d in range(self.dp) for t in range(self.tp)]
 
 
+def tensor_group_problem(dims: ParallelDims, rank: int, local_rank: int, local_world: int) -> str | None:
+    """Why this rank's tensor group is not all on its node, or None. Ray Train numbers the workers node by
+    node (ray/train/v2/.../worker_group.py: grouped by node, each node's sorted by GPU id), so the node holds
+    world ranks [rank - local_rank, rank - local_rank + local_world), and the group, ranks [rank - t,
+    rank - t + tp), is on it when it lies within them. Ray places as many workers on a node as fit, so a
+    node left partly busy by another job can split a group."""
+    t = dims.coords(rank)[2]
+    if t <= local_rank and dims.tp - t <= local_world - local_rank:
+        return None
+    return (f"rank {rank}'s tensor group (ranks {rank - t}-{rank - t + dims.tp - 1}) spans nodes: Ray Train placed "
+            f"{local_world} workers on this node, not a multiple of train.parallel.tensor={dims.tp}; give the job whole "
+            "free nodes (num_workers x gpus_per_worker a multiple of the GPUs per node)")
+
+
 class Groups:
     """This rank's process groups (every rank creates every group, in the same order, as torch requires),
     and DeepSpeed's `mpu` interface over them."""
