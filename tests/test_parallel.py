@@ -167,12 +167,12 @@ def test_tensor_parallel_trains_as_the_unsplit_model(unsplit):
 def test_tensor_parallel_under_deepspeed_zero1_trains_as_the_unsplit_model():
     """DeepSpeed's engine with the groups as its mpu: ZeRO-1 over the data-parallel group, the gradient
     norm for clipping over the tensor group (split parameters summed, replicated ones counted once).
-    T=2 and T=2 x D=2 against one rank; no dropout, since a replica's half batch draws other masks."""
+    T=2 x D=2 against one rank (T=2 alone under DeepSpeed: tests/test_train.py's stage test); no dropout,
+    since a replica's half batch draws other masks."""
     reference, _ = run_ranks(1, _train, 1, True, 0.0)[0]
     assert reference[-1] < reference[0] - 0.5
-    for world in (2, 4):
-        split, _ = run_ranks(world, _train, 2, True, 0.0)[0]
-        assert _close(split, reference), (world, split, reference)
+    split, _ = run_ranks(4, _train, 2, True, 0.0)[0]
+    assert _close(split, reference), (split, reference)
 
 
 def test_the_vocabulary_parallel_output_gathers_the_unsplit_logits():
