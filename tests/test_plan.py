@@ -170,6 +170,14 @@ def test_opts_cluster_best_layout_against_the_configured_zero3():
     assert str(mine.layout) in line and str(best.layout) in line and "data parallel" in line
 
 
+def test_the_configured_layout_follows_train_parallel():
+    from pipelines.config import load_config
+    from train.plan import DEFAULT_CONFIG, configured_layout
+
+    config = load_config(DEFAULT_CONFIG, ["train.zero_stage=1", "train.parallel.tensor=8"])
+    assert configured_layout(config, 992) == Layout(8, 1, 124, 1, 1, "full")
+
+
 def _inputs(argv):
     from train.plan import inputs, parse_args
 

@@ -75,9 +75,10 @@ def cluster_node_type(path: Path = DEFAULT_CLUSTER) -> str | None:
 
 
 def configured_layout(config: PipelineConfig, gpus: int) -> Layout:
-    """The layout the training stage runs today: ZeRO data parallelism over every GPU."""
+    """The layout the training stage runs: train.parallel.tensor, ZeRO data parallelism over what is left."""
     t = config.train
-    return Layout(1, 1, gpus, t.zero_stage, t.micro_batch_size, "full" if t.activation_checkpointing else "none")
+    tp = t.parallel.tensor
+    return Layout(tp, 1, gpus // tp, t.zero_stage, t.micro_batch_size, "full" if t.activation_checkpointing else "none")
 
 
 def inputs(args: argparse.Namespace, config: PipelineConfig | None = None) -> tuple[Workload, Cluster, str | None, Layout | None]:
