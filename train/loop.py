@@ -499,13 +499,12 @@ def gradient_norm(model: torch.nn.Module, groups: Groups | None = None) -> float
     """The L2 norm of all gradients (what DeepSpeed's ZeRO optimizers report as the global grad norm); with
     the model split over a tensor group, the shards' squares summed over the group and the replicated
     parameters' counted once."""
-    squares = {True: [], False: []}  # split over the tensor group or not
-    for p in model.parameters():
-        if p.grad is not None:
-            squares[bool(groups and getattr(p, "tensor_model_parallel", False))].append(p.grad.detach().float().pow(2).sum())
-    if not squares[True] and not squares[False]:
+    grads = [p for p in model.parameters() if p.grad is not None]
+    if not grads:
         return 0.0
-    total = sum(squares[False]) + (groups.sum_over_tensor(sum(squares[True])) if squares[True] else 0.0)
+    split = [p.grad.detach().float().pow(2).sum() for p in grads if getattr(p, "tensor_model_parallel", False)]
+    whole = [p.grad.detach().float().pow(2).sum() for p in grads if not getattr(p, "tensor_model_parallel", False)]
+    total = sum(whole) + (groups.sum_over_tensor(sum(split)) if split else 0.0)  # split only after parallelize()
     return float(torch.as_tensor(total).sqrt())
 
 
@@ -634,7 +633,8 @@ def export(engine, model, config: dict, ctx: Context) -> None:
     """The final weights as a Hugging Face folder, with the tokenizer: one piece of the model at a time
     (embeddings, each block, the final LayerNorm) is gathered on every rank (under ZeRO-3; a block of
     175B is 3.6 GB in fp16) and written by rank 0 into safetensors files of at most 5 GB, so neither
-    a GPU nor rank 0's host ever holds the whole model."""
+    a GPU nor rank 0's host ever holds the whole model. A tensor-parallel model (ZeRO 0-2, built whole
+    in the first place) is gathered whole by rank 0's tensor group, the one replica that writes."""
     import deepspeed
 
     from corpus import tokenizer
@@ -650,7 +650,9 @@ def export(engine, model, config: dict, ctx: Context) -> None:
         else:
             log.warning("%s is missing: the model is exported without a tokenizer", tok_path)
 
-    if ctx.groups:  # the tensor group's shards gathered into the unsplit model (ZeRO 0-2: it fits in host memory)
+    if ctx.groups:
+        if ctx.data_rank != 0:  # the other replicas hold the same weights
+            return
         whole = full_state_dict(model, ctx.groups)
         if ctx.leader:
             unsplit = OPT(OPTConfig(**config["model"]))
