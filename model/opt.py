@@ -15,6 +15,7 @@ without gradient; `block_grad_norms()` gives each block's gradient norm after a 
 
 from __future__ import annotations
 
+import hashlib
 import math
 
 import torch
@@ -43,6 +44,21 @@ def init_(name: str, tensor: torch.Tensor, config: OPTConfig, generator: torch.G
             tensor.normal_(0.0, config.init_std / math.sqrt(2 * config.n_layer), generator=generator)
         else:
             tensor.normal_(0.0, config.init_std, generator=generator)
+
+
+def generator_for(seed: int, name: str) -> torch.Generator:
+    """The random stream of one parameter: a function of the run's seed and the parameter's name only, so a
+    model built piece by piece (a pipeline stage builds only its own layers) gets the same weights as one
+    built whole."""
+    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little") >> 1)
+
+
+def init_seeded(module: nn.Module, prefix: str, config: OPTConfig, seed: int) -> None:
+    """OPT's init of every parameter of `module`, which sits at `prefix` in the whole model, each from its own stream."""
+    for name, p in module.named_parameters():
+        full = f"{prefix}.{name}" if prefix else name
+        init_(full, p, config, generator=generator_for(seed, full))
 
 
 class Attention(nn.Module):
@@ -87,9 +103,13 @@ class TokenEmbedding(nn.Embedding):
 
     def output(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """(B, T, d_model) -> (B, T, vocab_size) logits, or with (B, T) targets the mean cross-entropy."""
-        logits = F.linear(x, self.weight)
-        if targets is None:
-            return logits
+        logits = self.logits(x)
+        return logits if targets is None else self.loss(logits, targets)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x, self.weight)
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         return F.cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1))
 
 
@@ -103,14 +123,19 @@ class Decoder(nn.Module):
 
 
 class OPT(nn.Module):
-    def __init__(self, config: OPTConfig):
+    def __init__(self, config: OPTConfig, seed: int | None = None):
         super().__init__()
         self.config = config
         self.decoder = Decoder(config)
         self.last_activation_norm: torch.Tensor | None = None
-        self.reset_parameters()
+        self.reset_parameters(seed)
 
-    def reset_parameters(self) -> None:
+    def reset_parameters(self, seed: int | None = None) -> None:
+        """OPT's init; with a seed, each parameter from a stream of its own (`generator_for`), else all from
+        torch's global generator in turn."""
+        if seed is not None:
+            init_seeded(self, "", self.config, seed)
+            return
         for name, p in self.named_parameters():
             init_(name, p, self.config)
 

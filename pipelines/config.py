@@ -199,23 +199,38 @@ class TokenizerConfig:
 
 @dataclass
 class ParallelConfig:
-    """How the training workers split the model (train/parallel.py); data parallelism is what is left:
-    num_workers / tensor. `python -m train.plan` says which layout is fastest for a cluster."""
+    """How the training workers split the model (train/parallel.py, train/pipeline.py); data parallelism is
+    what is left: num_workers / (tensor x pipeline). `python -m train.plan` says which layout is fastest."""
 
     tensor: int = 1  # Megatron-style tensor parallelism: each layer split over this many neighbouring workers
+    pipeline: int = 1  # pipeline stages (DeepSpeed's pipeline engine, 1F1B): the layers split into this many runs
 
     def validate(self, key: str) -> None:
-        _at_least(self, key, 1, "tensor")
+        _at_least(self, key, 1, "tensor", "pipeline")
+
+    @property
+    def model_parallel(self) -> int:
+        return self.tensor * self.pipeline
 
     def check(self, key: str, train: "TrainConfig") -> None:
         """What depends on the rest of the training section."""
         from model.configs import CONFIGS
         from train.hardware import NODES
 
-        t = self.tensor
+        t, p = self.tensor, self.pipeline
         if train.num_workers % t:
             raise ConfigError(f"{key}.tensor", f"{t} does not divide num_workers={train.num_workers}")
+        if train.num_workers % (t * p):
+            raise ConfigError(f"{key}.pipeline", f"tensor {t} x pipeline {p} does not divide num_workers={train.num_workers}")
         model = CONFIGS.get(train.model)
+        if model is not None and p > model.n_layer:
+            raise ConfigError(f"{key}.pipeline", f"{p} stages for the {train.model} model's {model.n_layer} layers: "
+                              "every stage needs at least one")
+        if p > 1 and train.zero_stage != 1:
+            raise ConfigError(f"{key}.pipeline", f"pipeline parallelism takes zero_stage 1, got {train.zero_stage}: "
+                              "DeepSpeed's pipeline engine refuses ZeRO-2 and ZeRO-3 (deepspeed/runtime/pipe/engine.py: "
+                              "\"ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism\"), and under ZeRO-0 it "
+                              "reports no gradient norm, which the autopilot watches")
         for what in ("n_head", "ffn_dim", "vocab_size"):
             if model is not None and getattr(model, what) % t:
                 raise ConfigError(f"{key}.tensor", f"{t} does not divide the {train.model} model's {what} "
@@ -253,7 +268,7 @@ class ProxyConfig:
         _check_engine(self, key)
         self.parallel.check(f"{key}.parallel", self)
         check_batch(key, self.model, self.global_batch_tokens, self.seq_len, self.micro_batch_size,
-                    self.num_workers // self.parallel.tensor)
+                    self.num_workers // self.parallel.model_parallel)
 
 
 @dataclass
@@ -377,6 +392,7 @@ class TrainConfig:
     max_steps: int | None = None  # None: total_tokens' worth of steps
     grad_clip: float = 1.0
     activation_checkpointing: bool = False
+    dropout: float | None = None  # on the residual branches; None: the model's (OPT: 0.1)
     checkpoint_every: int = 100  # steps (0: never, for throwaway runs such as the screen's proxies)
     keep_checkpoints: int = 3  # the last K ...
     keep_healthy: int = 5  # ... plus the newest H marked healthy (the autopilot's rollback targets)
@@ -402,7 +418,7 @@ class TrainConfig:
 
     @property
     def data_parallel(self) -> int:
-        return self.num_workers // self.parallel.tensor
+        return self.num_workers // self.parallel.model_parallel
 
     def validate(self, key: str) -> None:
         _at_least(self, key, 1, "num_workers", "micro_batch_size", "max_steps", "global_batch_tokens",
@@ -421,6 +437,8 @@ class TrainConfig:
             raise ConfigError(f"{key}.autopilot.scale_floor", f"expected more than {DEEPSPEED_MIN_LOSS_SCALE}, DeepSpeed's "
                               f"minimum loss scale, got {self.autopilot.scale_floor:g}: at its minimum DeepSpeed ends the "
                               "run on the next overflow, before the autopilot sees a collapse")
+        if self.dropout is not None and not 0.0 <= self.dropout < 1.0:
+            raise ConfigError(f"{key}.dropout", f"expected a probability in [0, 1), got {self.dropout}")
         if not 0.0 <= self.final_lr_ratio <= 1.0:
             raise ConfigError(f"{key}.final_lr_ratio", f"expected a fraction in [0, 1], got {self.final_lr_ratio}")
         for i, fault in enumerate(self.inject):
@@ -475,7 +493,7 @@ def check_batch(key: str, model: str, batch_tokens: int | None, seq_len: int, mi
     if sequences == 0 or sequences % (micro * workers):
         raise ConfigError(f"{key}.global_batch_tokens", f"{batch_tokens} tokens are {sequences} sequences of "
                           f"{seq_len_key or key + '.seq_len'}={seq_len}: not a multiple of micro_batch_size x num_workers"
-                          f" / parallel.tensor = {micro * workers}")
+                          f" / (parallel.tensor x parallel.pipeline) = {micro * workers}")
 
 
 # --------------------------------------------------------------------------- loading

@@ -38,8 +38,9 @@ def test_shipped_configs_load(name):
 
 def test_real_run_configs_match_opt_table_1():
     big = load_config(ROOT / "configs" / "opt-175b.yaml")
-    assert (big.train.model, big.train.zero_stage, big.train.precision, big.train.num_workers) == ("175b", 3, "fp16", 992)
-    # OPT's "2M tokens": 992 sequences of 2048 (one per GPU), the batch that splits over 992 data-parallel ranks.
+    assert (big.train.model, big.train.zero_stage, big.train.precision, big.train.num_workers) == ("175b", 1, "fp16", 992)
+    assert (big.train.parallel.tensor, big.train.parallel.pipeline, big.train.data_parallel) == (8, 4, 31)
+    # OPT's "2M tokens": 992 sequences of 2048, the batch that splits over 31 data-parallel replicas x 32 micro-batches.
     assert big.train.lr == 1.2e-4 and big.train.global_batch_tokens == 992 * 2048
     assert big.tokenize.seq_len == 2048 and big.tokenize.tokenizer.vocab_size == 50272
     assert load_config(ROOT / "configs" / "opt-1.3b.yaml").train.lr == 2.0e-4
@@ -83,7 +84,7 @@ def test_defaults_and_resolved_paths(cfg, tmp_path, monkeypatch):
     ("train: {eval_micro_batch_size: 0}\n", "train.eval_micro_batch_size", "expected a value >= 1"),
     ("train: {inject: [{kind: spike, step: 0}]}\n", "train.inject[0].step", "expected a value >= 1"),
     ("train: {global_batch_tokens: 6144, micro_batch_size: 2}\n", "train.global_batch_tokens",
-     "6144 tokens are 3 sequences of tokenize.seq_len=2048: not a multiple of micro_batch_size x num_workers / parallel.tensor = 4"),
+     "6144 tokens are 3 sequences of tokenize.seq_len=2048: not a multiple of micro_batch_size x num_workers / (parallel.tensor x parallel.pipeline) = 4"),
     ("train: {inject: [{kind: explode, step: 3}]}\n", "train.inject[0].kind", "expected one of 'kill', 'hang'"),
     ("train: {inject: [{kind: kill, step: 3, rank: 2}]}\n", "train.inject[0].rank", "expected a rank below num_workers=2"),
     ("train: {parallel: {tensor: 0}}\n", "train.parallel.tensor", "expected a value >= 1"),
@@ -92,8 +93,21 @@ def test_defaults_and_resolved_paths(cfg, tmp_path, monkeypatch):
     ("train: {model: 1.3b, num_workers: 16, gpus_per_worker: 1, precision: bf16, parallel: {tensor: 16}}\n", "train.parallel.tensor",
      "would span nodes of 8 GPUs"),
     ("train: {num_workers: 2, zero_stage: 3, parallel: {tensor: 2}}\n", "train.parallel.tensor", "takes ZeRO 0-2 here"),
-    ("train: {parallel: {pipeline: 2}}\n", "train.parallel.pipeline", "unknown key"),
+    ("train: {parallel: {pipeline: 0}}\n", "train.parallel.pipeline", "expected a value >= 1"),
+    ("train: {num_workers: 6, zero_stage: 1, parallel: {tensor: 2, pipeline: 2}}\n", "train.parallel.pipeline",
+     "tensor 2 x pipeline 2 does not divide num_workers=6"),
+    ("train: {num_workers: 4, zero_stage: 1, parallel: {pipeline: 4}}\n", "train.parallel.pipeline",
+     "4 stages for the tiny model's 2 layers: every stage needs at least one"),
+    ("train: {num_workers: 2, zero_stage: 2, parallel: {pipeline: 2}}\n", "train.parallel.pipeline",
+     "pipeline parallelism takes zero_stage 1, got 2: DeepSpeed's pipeline engine refuses ZeRO-2 and ZeRO-3"),
+    ("train: {num_workers: 2, zero_stage: 0, parallel: {pipeline: 2}}\n", "train.parallel.pipeline",
+     "under ZeRO-0 it reports no gradient norm"),
+    ("train: {num_workers: 4, zero_stage: 1, micro_batch_size: 2, global_batch_tokens: 6144, parallel: {pipeline: 2}}\n",
+     "train.global_batch_tokens", "micro_batch_size x num_workers / (parallel.tensor x parallel.pipeline) = 4"),
+    ("train: {dropout: 1.0}\n", "train.dropout", "expected a probability in [0, 1), got 1.0"),
     ("screen: {proxy: {num_workers: 2, parallel: {tensor: 3}}}\n", "screen.proxy.parallel.tensor", "3 does not divide num_workers=2"),
+    ("screen: {proxy: {num_workers: 2, parallel: {pipeline: 2}}}\n", "screen.proxy.parallel.pipeline",
+     "pipeline parallelism takes zero_stage 1, got 0"),
 ])
 def test_bad_values_name_their_key(cfg, text, key, expected):
     with pytest.raises(ConfigError) as exc:
@@ -218,3 +232,7 @@ def test_the_screens_proxies_take_the_training_layout_keys(cfg):
     config = load_config(cfg(), ["screen.proxy.num_workers=2", "screen.proxy.parallel.tensor=2"])
     proxy = proxy_train_config(config.screen, seed=3)
     assert proxy.parallel.tensor == 2 and proxy.data_parallel == 1 and proxy.seed == 3
+    config = load_config(cfg(), ["screen.proxy.num_workers=4", "screen.proxy.zero_stage=1",
+                                 "screen.proxy.parallel={tensor: 2, pipeline: 2}"])
+    proxy = proxy_train_config(config.screen, seed=3)
+    assert proxy.parallel.pipeline == 2 and proxy.data_parallel == 1

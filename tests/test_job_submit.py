@@ -1,4 +1,5 @@
-"""The cluster path: `ray job submit` of pipelines/full.py to a real two-node Ray cluster on this machine.
+"""The cluster path: `ray job submit` of pipelines/full.py to a real two-node Ray cluster on this machine,
+and of the placement probe (train/placement.py) for a tensor-parallel layout over both nodes.
 
 A head (1 CPU, resource `head_node`) and a second node (1 CPU, resource `worker_node`) started
 with `ray start`, token authentication on (a token made for the test), the dashboard bound to
@@ -181,6 +182,22 @@ sources:
         assert after["dedup"]["mlflow_run_id"] != before["dedup"]["mlflow_run_id"]
         assert after["dedup"]["counts"] == before["dedup"]["counts"]
         assert client.get_run(after["dedup"]["mlflow_run_id"]).info.status == "FINISHED"
+
+        # Where Ray Train puts a layout's workers (train/placement.py). One CPU per node: the two workers of a
+        # tensor group of 2 land on the two Ray nodes as world ranks 0 and 1, node by node; Ray Train counts
+        # local ranks per IP address, and both nodes are this machine, so they are local ranks 0 and 1 of 2,
+        # one machine's group (which it is: no network between them), and the probe finds no split.
+        placed = ray("job", "submit", "--address", f"http://127.0.0.1:{dashboard}", "--working-dir", str(ROOT), "--",
+                     "python", "-m", "train.placement", "--config", str(cfg), "--set", "train.num_workers=2",
+                     "--set", "train.cpus_per_worker=1", "--set", "train.parallel.tensor=2", timeout=600)
+        assert placed.returncode == 0, placed.stdout[-3000:] + placed.stderr[-3000:]
+        rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:8]]
+                for line in placed.stdout.splitlines() if line.startswith(("| 0 |", "| 1 |"))}
+        assert sorted(rows) == ["0", "1"], placed.stdout[-3000:]
+        assert rows["0"][0].startswith("0 (") and rows["1"][0].startswith("1 ("), rows  # two Ray nodes
+        assert rows["0"][1] == rows["1"][1]  # one machine
+        assert [rows[r][2:] for r in "01"] == [["0 of 2", "0", "0", "0"], ["1 of 2", "0", "0", "1"]], rows
+        assert "spans nodes" not in placed.stdout
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         try:

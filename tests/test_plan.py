@@ -159,23 +159,37 @@ def test_reproduces_narayanan_2021_ptdp_against_zero3():
     assert zero3_at[1536] / zero3_at[384] == pytest.approx(44 / 144, rel=0.3)
 
 
-def test_opts_cluster_best_layout_against_the_configured_zero3():
+def test_the_175b_config_runs_the_best_layout_for_its_cluster():
     plan = make_plan(*_inputs([]))  # configs/opt-175b.yaml on cluster.yaml's 124 p4de nodes
     assert plan.cluster.gpus == 992 and plan.cluster.inter_gbps == 400 and plan.node == "p4de.24xlarge"
     best, mine = plan.best, plan.configured
-    assert best.layout.tp == 8 and best.layout.pp > 1 and best.fits
+    assert (best.layout.tp, best.layout.pp, best.layout.dp, best.layout.zero) == (8, 4, 31, 1) and best.fits
+    assert mine.layout == best.layout and plan.slowdown() == 1.0
+    assert plan.zero3_alone.step_seconds > 10 * best.step_seconds  # what the config ran before: ZeRO-3 alone
+
+
+def test_why_not_the_configured_layout_names_the_term_that_costs():
+    from pipelines.config import load_config
+    from train.plan import DEFAULT_CONFIG, inputs, parse_args
+
+    zero3 = load_config(DEFAULT_CONFIG, ["train.zero_stage=3", "train.parallel={tensor: 1, pipeline: 1}",
+                                         "train.activation_checkpointing=true"])
+    plan = make_plan(*inputs(parse_args([]), zero3))
+    mine = plan.configured
     assert (mine.layout.tp, mine.layout.pp, mine.layout.zero) == (1, 1, 3) and mine.fits
     assert plan.slowdown() > 1.5
     line = why_not(plan)
-    assert str(mine.layout) in line and str(best.layout) in line and "data parallel" in line
+    assert str(mine.layout) in line and str(plan.best.layout) in line and "data parallel" in line
 
 
 def test_the_configured_layout_follows_train_parallel():
     from pipelines.config import load_config
     from train.plan import DEFAULT_CONFIG, configured_layout
 
-    config = load_config(DEFAULT_CONFIG, ["train.zero_stage=1", "train.parallel.tensor=8"])
+    config = load_config(DEFAULT_CONFIG, ["train.parallel={tensor: 8, pipeline: 1}", "train.activation_checkpointing=true"])
     assert configured_layout(config, 992) == Layout(8, 1, 124, 1, 1, "full")
+    config = load_config(DEFAULT_CONFIG, ["train.parallel={tensor: 4, pipeline: 8}"])
+    assert configured_layout(config, 992) == Layout(4, 8, 31, 1, 1, "none")
 
 
 def _inputs(argv):
@@ -198,7 +212,10 @@ def test_the_command_line(tmp_path, capsys):
     assert rows and all(r["fits"] for r in rows) and rows[0]["step_seconds"] == min(r["step_seconds"] for r in rows)
     assert main(["--png", str(tmp_path / "plan.png"), "--top", "3"]) == 0
     text = capsys.readouterr().out
-    assert "Why not the configured layout" in text and (tmp_path / "plan.png").stat().st_size > 10_000
+    assert "| 1, configured | tp=8,pp=4,dp=31" in text and "Why not the configured layout" not in text  # it is the best
+    assert (tmp_path / "plan.png").stat().st_size > 10_000
+    assert main(["--config", str(ROOT / "configs" / "opt-1.3b.yaml"), "--top", "1"]) == 0
+    assert "Why not the configured layout" not in capsys.readouterr().out  # 1.3B also runs its planner's best
     for argv, message in ((["--layout", "tp=8,pp=4,zero=1,foo=2"], "foo=2"), (["--node", "p9.huge"], "p9.huge"),
                           (["--gpus", "0"], "--gpus must be positive"), (["--layout", "tp=8,pp=4,dp=4"], "not 4")):
         assert main(argv) == 2

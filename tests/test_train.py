@@ -227,30 +227,50 @@ def test_restarts_from_the_same_checkpoint_stop_after_the_limit(tmp_path):
     assert "3 restarts in a row" in (tmp_path / "incidents.jsonl").read_text()
 
 
-def test_tensor_parallel_training_matches_one_worker_and_exports_the_unsplit_model(baseline):
-    """train.parallel.tensor=2 on 2 workers (one data-parallel rank) against 1 worker: the same global batches,
-    the same dropout masks (every rank seeds alike), so the same loss at every step, also after a worker of
-    the split run is killed and both restart from its checkpoint; the export of the split run gathers its
-    shards into a model that transformers loads with the unsplit run's logits.
+def test_split_layouts_train_as_one_worker_through_a_spike_and_a_kill_and_export_the_unsplit_model(baseline):
+    """train.parallel tensor=2 (2 workers) and tensor=2 x pipeline=2 (4 workers, one data-parallel rank, 4
+    micro-batches per step through the 1F1B schedule) against 1 worker, the same global batches and no dropout
+    (a pipeline stage would draw other masks than the whole model): the same loss at every step, through an
+    injected LR spike at step 6 that the autopilot sees at step 7, rolls back to step 4 and skips, and, under
+    tensor x pipeline, a worker killed at step 10 and resumed from step 8's checkpoint; the split runs' exports
+    gather every shard and stage into a model that transformers loads with the one-worker run's logits.
     Last in this module: it moves the train stage's current output, which the tests above read."""
     from transformers import OPTForCausalLM
 
     cfg, wd, _, _ = baseline
+    common = ["train.max_steps=12", "train.checkpoint_every=4", "train.zero_stage=1", "train.dropout=0.0",
+              "train.inject=[{kind: spike, step: 6, factor: 300}]", "train.autopilot.warmup=3",
+              "train.autopilot.window=10", "train.autopilot.grad_ratio=100", "train.autopilot.rollback_steps=0"]
+    layouts = {"one": ["train.num_workers=1"], "tensor": ["train.num_workers=2", "train.parallel.tensor=2"],
+               "tensor x pipeline": ["train.num_workers=4", "train.parallel.tensor=2", "train.parallel.pipeline=2",
+                                     "train.inject=[{kind: spike, step: 6, factor: 300}, {kind: kill, step: 10}]"]}
     curves, exports = {}, {}
-    for name, settings in (("one", ["train.num_workers=1"]), ("split", ["train.num_workers=2", "train.parallel.tensor=2", "train.inject=[{kind: kill, step: 8}]"])):
-        args = ["--config", str(cfg), "--only", "train", "--set", "train.max_steps=10", "--set", "train.checkpoint_every=5"]
-        assert main(args + [x for s in settings for x in ("--set", s)]) == 0
+    for name, settings in layouts.items():
+        args = ["--config", str(cfg), "--only", "train"]
+        assert main(args + [x for s in common + settings for x in ("--set", s)]) == 0
         train = manifest(wd, "train")
-        curves[name], exports[name] = losses(Path(train["output"]) / "metrics.jsonl"), Path(train["output"]) / "model"
-        loop = json.loads((Path(train["output"]) / "loop_config.json").read_text())
-        assert loop["tensor_parallel"] == (2 if name == "split" else 1) and loop["accumulation"] == 4
-        if name == "split":
-            incidents = [json.loads(line)["what"] for line in (Path(train["output"]) / "incidents.jsonl").read_text().splitlines()]
-            assert "injected kill on rank 1" in incidents and "resumed from step-00000005" in incidents
-    assert sorted(curves["split"]) == list(range(1, 11)) and curves["one"][10] < curves["one"][1] - 0.3
-    for step, loss in curves["one"].items():
-        assert curves["split"][step] == pytest.approx(loss, rel=1e-5), step
+        out = Path(train["output"])
+        curves[name], exports[name] = losses(out / "metrics.jsonl"), out / "model"
+        loop = json.loads((out / "loop_config.json").read_text())
+        assert loop["accumulation"] == 4 and loop["pipeline_parallel"] == (2 if name == "tensor x pipeline" else 1)
+        book = [json.loads(line) for line in (out / "logbook.jsonl").read_text().splitlines()]
+        assert [(e["step"], e["kind"], e["actions"], e["rolled_back_to"], e["skipped_batches"]) for e in book] == [
+            (7, "loss_spike", ["rollback", "skip"], 4, [4, 17])], name
+        if name == "tensor x pipeline":
+            incidents = [json.loads(line)["what"] for line in (out / "incidents.jsonl").read_text().splitlines()]
+            killed = f"injected kill on rank {loop['tensor_parallel'] * loop['pipeline_parallel'] - 1}"
+            assert killed in incidents and "resumed from step-00000008" in incidents, incidents
+    assert sorted(curves["one"]) == list(range(1, 13)) and curves["one"][12] < curves["one"][1] - 0.3
+    for name in ("tensor", "tensor x pipeline"):
+        assert sorted(curves[name]) == list(range(1, 13))
+        for step, loss in curves["one"].items():
+            assert curves[name][step] == pytest.approx(loss, rel=1e-5), (name, step)
     tokens = torch.from_numpy(TokenShards(manifest(wd, "tokenize")["output"]).rows(np.arange(4)).astype(np.int64))
     with torch.no_grad():
-        one, split = (OPTForCausalLM.from_pretrained(exports[n]).eval()(tokens).logits for n in ("one", "split"))
-    torch.testing.assert_close(split, one, rtol=1e-4, atol=1e-4)
+        logits = {n: OPTForCausalLM.from_pretrained(exports[n]).eval()(tokens).logits for n in layouts}
+    # Adam turns the layouts' other summation orders (losses within 1e-7 here) into weights about 1e-4 apart
+    # after 12 steps: measured 1.2e-3 at most on logits of magnitude up to 1.9, 1.8e-4 relative RMS. A shard or
+    # stage gathered wrong is off by the logits' own size; the exact gather is test_parallel.py's.
+    for name in ("tensor", "tensor x pipeline"):
+        diff = (logits[name] - logits["one"]).abs().max().item()
+        assert diff < 5e-3 and torch.equal(logits[name].argmax(-1), logits["one"].argmax(-1)), (name, diff)

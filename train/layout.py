@@ -164,6 +164,18 @@ def problem(layout: Layout, work: Workload, cluster: Cluster) -> str | None:
     return None
 
 
+def refused_here(layout: Layout, work: Workload) -> str | None:
+    """Why this project's training stage refuses a layout that the cost model can price (Megatron's ZeRO-0
+    pipelines, for one), or None: the rules pipelines/config.py applies to train.parallel and zero_stage."""
+    if layout.pp > 1 and layout.zero != 1:
+        return "pipeline parallelism takes ZeRO-1 here (under ZeRO-0 DeepSpeed reports no gradient norm for the autopilot)"
+    if layout.tp > 1 and layout.zero == 3:
+        return "tensor parallelism takes ZeRO 0-2 here (train/parallel.py splits a model built whole)"
+    if work.precision == "fp16" and layout.zero == 0:
+        return "fp16 takes ZeRO 1-3 here (DeepSpeed's ZeRO-0 fp16 wrapper around a torch optimizer: platform notes)"
+    return None
+
+
 @dataclass
 class Prediction:
     layout: Layout

@@ -177,12 +177,18 @@ class Loader:
 
     def __iter__(self) -> Iterator[tuple[int, np.ndarray]]:
         """(global batch index, this rank's tokens), forever (epoch after epoch)."""
+        for g in self.positions():
+            yield g, self.batch(g)
+
+    def positions(self) -> Iterator[int]:
+        """The global batch indices alone, forever, advancing the loader as `iter` does: a pipeline's middle
+        stages take no data, and follow the same batches without reading them."""
         while True:
             g = self.position
             while self.skipped(g):
                 g = next(b for a, b in self.skip_ranges if a <= g < b)
             self.position = g + 1
-            yield g, self.batch(g)
+            yield g
 
     def state_dict(self) -> dict:
         epoch, step = divmod(self.position, self.batches_per_epoch)

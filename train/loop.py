@@ -25,13 +25,14 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from pipelines.config import AutopilotConfig
-from train import autopilot, checkpoint
+from train import autopilot, checkpoint, pipeline
 from train.collectives import all_mean, backend, barrier
 from train.hardware import peak_for
 from train.parallel import Groups, ParallelDims, full_state_dict, parallelize, tensor_group_problem
@@ -53,7 +54,7 @@ class Context:
     world: int
     run_dir: Path
     device: torch.device
-    groups: Groups | None = None  # the tensor x data process groups when the model is split (train.parallel.tensor > 1)
+    groups: Groups | None = None  # the tensor x pipeline x data process groups when the model is split (train.parallel)
 
     @property
     def data_rank(self) -> int:
@@ -67,6 +68,15 @@ class Context:
     @property
     def leader(self) -> bool:
         return self.rank == 0
+
+    @property
+    def pipelined(self) -> bool:
+        return self.groups is not None and self.groups.dims.pp > 1
+
+    @property
+    def feeds_data(self) -> bool:
+        """Whether this rank's engine takes the batches: a pipeline's first stage (inputs) and last (targets)."""
+        return not self.pipelined or self.groups.stage in (0, self.groups.dims.pp - 1)
 
 
 # --------------------------------------------------------------------------- small pieces
@@ -243,14 +253,17 @@ def validation_losses(engine, shards_dir: str, sources: list[str], micro: int, e
     out = {}
     with torch.no_grad():
         for source in sources:
-            total, count = torch.zeros((), dtype=torch.float64, device=ctx.device), 0
-            for rows in validation_batches(shards_dir, source, eval_micro, rank=ctx.data_rank, world_size=ctx.data_world,
-                                           limit=max_batches * micro * ctx.data_world):
-                tokens = torch.from_numpy(rows.astype(np.int64)).to(ctx.device)
-                total += engine(tokens[:, :-1], tokens[:, 1:]).double() * len(tokens)
-                count += len(tokens)
-            if count:  # the same on every rank: each gets the same number of sequences
-                out[source] = all_mean([total / count])[0]
+            batches = [torch.from_numpy(rows.astype(np.int64)).to(ctx.device) for rows in validation_batches(
+                shards_dir, source, eval_micro, rank=ctx.data_rank, world_size=ctx.data_world,
+                limit=max_batches * micro * ctx.data_world)]
+            count = sum(len(tokens) for tokens in batches)
+            if not count:  # the same on every rank: each gets the same number of sequences
+                continue
+            if ctx.pipelined:
+                total = pipeline.validation_loss(engine, [(t[:, :-1], t[:, 1:]) for t in batches], ctx.groups)
+            else:
+                total = sum(engine(t[:, :-1], t[:, 1:]).double() * len(t) for t in batches)
+            out[source] = all_mean([total / count])[0]
     engine.train()
     return out
 
@@ -317,8 +330,9 @@ def _train(config: dict) -> None:
     if device.type == "cpu":  # DeepSpeed's shared-memory allreduce would be compiled with g++ on first use
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     seed_everything(config["seed"])  # the same on every rank: a tensor group draws the same dropout masks
-    if config["tensor_parallel"] > 1:
-        dims = ParallelDims.for_world(ctx.world, tp=config["tensor_parallel"])
+    tp, pp = config["tensor_parallel"], config["pipeline_parallel"]
+    if tp > 1 or pp > 1:
+        dims = ParallelDims.for_world(ctx.world, tp=tp, pp=pp)
         split = tensor_group_problem(dims, ctx.rank, train_ctx.get_local_rank(), train_ctx.get_local_world_size())
         if split is not None:  # every layer's all-reduces would cross the network: refuse rather than crawl
             raise RuntimeError(split)
@@ -326,12 +340,18 @@ def _train(config: dict) -> None:
     model_config = OPTConfig(**config["model"])
     ds_config = deepspeed_config(micro_batch=config["micro_batch"], accumulation=config["accumulation"],
                                  world_size=ctx.data_world, zero_stage=config["zero_stage"], precision=config["precision"],
-                                 grad_clip=config["grad_clip"])
-    model = build(model_config, ds_config, seed=config["seed"], rank=ctx.rank)
-    if ctx.groups:  # built whole from the seed (ZeRO 0-2), then this rank's shard of it kept
-        parallelize(model, ctx.groups)
-    engine, _, _, _ = deepspeed.initialize(
-        model=model, optimizer=adamw(model, config["lr"], config["weight_decay"]), config=ds_config, mpu=ctx.groups)
+                                 grad_clip=config["grad_clip"], pipeline=ctx.pipelined)
+    if ctx.pipelined:  # only this stage's layers, each drawn from its own streams (the same weights as built whole)
+        deepspeed.init_distributed(dist_backend=backend())  # PipelineModule asks DeepSpeed's comm for ranks; initialize() is later
+        model = pipeline.pipeline_module(model_config, ctx.groups, seed=config["seed"],
+                                         activation_checkpointing=model_config.activation_checkpointing)
+    else:
+        model = build(model_config, ds_config, seed=config["seed"], rank=ctx.rank)
+        if ctx.groups:  # built whole from the seed (ZeRO 0-2), then this rank's shard of it kept
+            parallelize(model, ctx.groups)
+    engine, _, _, _ = deepspeed.initialize(  # a pipeline's engine takes its module's own process grid as mpu
+        model=model, optimizer=adamw(model, config["lr"], config["weight_decay"]), config=ds_config,
+        mpu=None if ctx.pipelined else ctx.groups)
     # DeepSpeed reports the pre-clip grad norm from its ZeRO and mixed-precision optimizers only.
     own_grad_norm = config["zero_stage"] == 0 and config["precision"] == "fp32"
     grad_norm = None
@@ -370,7 +390,7 @@ def _train(config: dict) -> None:
     apply_settings(engine, schedule, pilot, config)
     loader = Loader(config["shards"], config["global_batch"], rank=ctx.data_rank, world_size=ctx.data_world, seed=config["seed"],
                     skip_ranges=pilot.skip_ranges, state=loader_state)
-    batches = iter(loader)
+    positions = loader.positions()
     detectors = autopilot.Detectors(settings)
     logbook = autopilot.Logbook(ctx.run_dir)
     clean_steps = 0  # steps since the last incident: a checkpoint is healthy after a window of them
@@ -404,29 +424,37 @@ def _train(config: dict) -> None:
     while stopped is None and step < config["max_steps"]:
         effects = faults.before_step(step + 1, config["hang_seconds"])
         t0 = time.perf_counter()
-        g, tokens = next(batches)
-        tokens = torch.from_numpy(tokens.astype(np.int64)).to(device)
+        g = next(positions)
+        micro_batches = []
+        if ctx.feeds_data:
+            tokens = torch.from_numpy(loader.batch(g).astype(np.int64)).to(device)
+            micro_batches = [(m[:, :-1], m[:, 1:]) for m in tokens.split(config["micro_batch"])]
         lr = schedule.lr(step + 1) * effects.get("lr_factor", 1.0)
         for group in engine.optimizer.param_groups:
             group["lr"] = lr
-        losses = []
+        # An injected nan or overflow poisons the step's gradients; the loss it reports is the true one.
+        poison = float("nan") if effects.get("nan") else 1e38 if effects.get("overflow") else 1.0
         skipped_before = engine.skipped_steps
-        for micro in tokens.split(config["micro_batch"]):
-            micro_loss = engine(micro[:, :-1], micro[:, 1:])
-            losses.append(micro_loss.detach())  # on the device: one reduction per step, no sync per micro-batch
-            if effects.get("nan"):
-                micro_loss = micro_loss * float("nan")
-            if effects.get("overflow"):
-                micro_loss = micro_loss * 1e38  # the gradients overflow; the loss itself was fine
-            engine.backward(micro_loss)
-            if own_grad_norm and engine.is_gradient_accumulation_boundary():
-                grad_norm = gradient_norm(model, ctx.groups)  # all-reduced by backward at the boundary, before the clip
-            engine.step()  # the optimizer steps at the last micro-batch (gradient_accumulation_steps)
+        if ctx.pipelined:  # 1F1B over the micro-batches, the optimizer step at the end; the mean loss on every stage
+            engine.module.loss_fn.gradient_factor = poison
+            losses = [engine.train_batch(iter(micro_batches))]
+            engine.module.loss_fn.gradient_factor = 1.0
+            activations = pipeline.activation_norm(engine.module, ctx.groups)
+        else:
+            losses = []
+            for inputs, targets in micro_batches:
+                micro_loss = engine(inputs, targets)
+                losses.append(micro_loss.detach())  # on the device: one reduction per step, no sync per micro-batch
+                engine.backward(pipeline.scale_gradient(micro_loss, poison))
+                if own_grad_norm and engine.is_gradient_accumulation_boundary():
+                    grad_norm = gradient_norm(model, ctx.groups)  # all-reduced by backward at the boundary, before the clip
+                engine.step()  # the optimizer steps at the last micro-batch (gradient_accumulation_steps)
+            activations = model.last_activation_norm
         step += 1
         if not own_grad_norm:
             grad_norm = engine.get_global_grad_norm()
             grad_norm = None if grad_norm is None else float(grad_norm)
-        loss, act_norm = all_mean([torch.stack(losses).mean(), model.last_activation_norm])
+        loss, act_norm = all_mean([torch.stack(losses).mean(), activations])
         seconds = time.perf_counter() - t0
         watchdog.beat(step)
         overflow = engine.skipped_steps > skipped_before
@@ -470,7 +498,7 @@ def _train(config: dict) -> None:
                 scaler.scale = meta.get("loss_scale", scaler.initial)
                 if "reset_loss_scale" in decision.actions:
                     scaler.reset()
-            batches = iter(loader)
+            positions = loader.positions()
             watchdog.beat(step)
             continue
         evaluate = config["eval_every"] and step % config["eval_every"] == 0
@@ -650,6 +678,10 @@ def export(engine, model, config: dict, ctx: Context) -> None:
         else:
             log.warning("%s is missing: the model is exported without a tokenizer", tok_path)
 
+    if ctx.pipelined:
+        pipeline.export_model(engine.module, ctx.groups, OPTConfig(**config["model"]), partial(
+            save_pretrained, out_dir=config["export_dir"], tokenizer=tok))
+        return
     if ctx.groups:
         if ctx.data_rank != 0:  # the other replicas hold the same weights
             return

@@ -58,8 +58,9 @@ INITIAL_SCALE_POWER = 16  # fp16's dynamic loss scale starts (and is reset by th
 
 
 def deepspeed_config(*, micro_batch: int, accumulation: int, world_size: int, zero_stage: int, precision: str,
-                     grad_clip: float) -> dict:
-    """DeepSpeed's JSON config for our settings. The optimizer and schedule are ours (above)."""
+                     grad_clip: float, pipeline: bool = False) -> dict:
+    """DeepSpeed's JSON config for our settings. The optimizer and schedule are ours (above); `world_size` is
+    the data-parallel size; `pipeline`: for DeepSpeed's pipeline engine."""
     config = {
         "train_micro_batch_size_per_gpu": micro_batch,
         "gradient_accumulation_steps": accumulation,
@@ -72,6 +73,11 @@ def deepspeed_config(*, micro_batch: int, accumulation: int, world_size: int, ze
     }
     if zero_stage == 3:
         config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+    if pipeline:
+        # Each tensor rank sends the whole activation to the next stage. Partitioned sends would keep the shape of
+        # the first micro-batch they saw (pipe/engine.py: pipe_partition_input_meta_cache), and gather validation's
+        # larger micro-batches wrong; the layout planner prices unpartitioned sends.
+        config["pipeline"] = {"pipe_partitioned": False, "grad_partitioned": False}
     if precision == "bf16":
         config["bf16"] = {"enabled": True}
         if zero_stage >= 1:

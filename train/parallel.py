@@ -57,11 +57,12 @@ class ParallelDims:
 
 
 def tensor_group_problem(dims: ParallelDims, rank: int, local_rank: int, local_world: int) -> str | None:
-    """Why this rank's tensor group is not all on its node, or None. Ray Train numbers the workers node by
-    node (ray/train/v2/.../worker_group.py: grouped by node, each node's sorted by GPU id), so the node holds
-    world ranks [rank - local_rank, rank - local_rank + local_world), and the group, ranks [rank - t,
-    rank - t + tp), is on it when it lies within them. Ray places as many workers on a node as fit, so a
-    node left partly busy by another job can split a group."""
+    """Why this rank's tensor group is not all on its machine, or None. Ray Train numbers the workers node by
+    node (ray/train/v2/.../worker_group.py: grouped by node, each node's sorted by GPU id) and counts local
+    ranks per node IP address, so the machine holds world ranks [rank - local_rank, rank - local_rank +
+    local_world), and the group, ranks [rank - t, rank - t + tp), is on it when it lies within them. Ray
+    places as many workers on a node as fit, so a node left partly busy by another job can split a group.
+    `python -m train.placement` shows where a layout's workers land."""
     t = dims.coords(rank)[2]
     if t <= local_rank and dims.tp - t <= local_world - local_rank:
         return None
@@ -125,27 +126,40 @@ def parallelize(model: OPT, groups: Groups) -> OPT:
     """This rank's tensor-parallel shard of `model`, in place: q/k/v and fc1 split by output (heads, FFN
     columns), out_proj and fc2 by input, the token embedding (and so the tied output layer) by vocabulary.
     LayerNorms, positions and the row-parallel biases stay whole on every rank."""
-    tp, rank, group = groups.dims.tp, groups.tensor_rank, groups.tensor
-    cfg = model.config
-    if tp == 1:
+    if groups.dims.tp == 1:
         return model
+    check_split(model.config, groups.dims.tp, model.training)
+    d = model.decoder
+    d.embed_tokens = split_embedding(d.embed_tokens, groups)
+    for block in d.layers:
+        split_block(block, groups)
+    return model
+
+
+def check_split(cfg, tp: int, training: bool) -> None:
     for what, size in (("n_head", cfg.n_head), ("ffn_dim", cfg.ffn_dim), ("vocab_size", cfg.vocab_size)):
         if size % tp:
             raise ValueError(f"tensor parallel {tp} does not divide {what} {size}")
-    if cfg.attn_dropout and model.training:
+    if cfg.attn_dropout and training:
         # Each rank holds other heads, so attention dropout would need a generator per rank (Megatron's RNG
         # tracker); OPT trains with none, and nothing else draws random numbers inside the split region.
         raise ValueError("attention dropout under tensor parallelism is not supported (OPT's is 0.0)")
-    d = model.decoder
-    d.embed_tokens = VocabParallelEmbedding(d.embed_tokens, group, rank, tp)
-    for block in d.layers:
-        attn = block.self_attn
-        for name in ("q_proj", "k_proj", "v_proj"):
-            setattr(attn, name, ColumnParallelLinear(getattr(attn, name), group, rank, tp))
-        attn.out_proj = RowParallelLinear(attn.out_proj, group, rank, tp)
-        block.fc1 = ColumnParallelLinear(block.fc1, group, rank, tp)
-        block.fc2 = RowParallelLinear(block.fc2, group, rank, tp)
-    return model
+
+
+def split_embedding(embedding: nn.Embedding, groups: Groups) -> VocabParallelEmbedding:
+    return VocabParallelEmbedding(embedding, groups.tensor, groups.tensor_rank, groups.dims.tp)
+
+
+def split_block(block: nn.Module, groups: Groups) -> nn.Module:
+    """One decoder block's tensor-parallel shard, in place."""
+    tp, rank, group = groups.dims.tp, groups.tensor_rank, groups.tensor
+    attn = block.self_attn
+    for name in ("q_proj", "k_proj", "v_proj"):
+        setattr(attn, name, ColumnParallelLinear(getattr(attn, name), group, rank, tp))
+    attn.out_proj = RowParallelLinear(attn.out_proj, group, rank, tp)
+    block.fc1 = ColumnParallelLinear(block.fc1, group, rank, tp)
+    block.fc2 = RowParallelLinear(block.fc2, group, rank, tp)
+    return block
 
 
 def full_state_dict(model: nn.Module, groups: Groups) -> dict[str, torch.Tensor]:

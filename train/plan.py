@@ -27,7 +27,7 @@ import yaml
 from model.configs import get, param_count
 from pipelines.config import ConfigError, PipelineConfig, load_config
 from train.hardware import GPUS, NODES
-from train.layout import RECOMPUTE, Cluster, Layout, LayoutError, Prediction, Workload, parse_layout, predict, problem
+from train.layout import RECOMPUTE, Cluster, Layout, LayoutError, Prediction, Workload, parse_layout, predict, problem, refused_here
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = ROOT / "configs" / "opt-175b.yaml"
@@ -75,10 +75,10 @@ def cluster_node_type(path: Path = DEFAULT_CLUSTER) -> str | None:
 
 
 def configured_layout(config: PipelineConfig, gpus: int) -> Layout:
-    """The layout the training stage runs: train.parallel.tensor, ZeRO data parallelism over what is left."""
+    """The layout the training stage runs: train.parallel's tensor x pipeline, ZeRO data parallelism over what is left."""
     t = config.train
-    tp = t.parallel.tensor
-    return Layout(tp, 1, gpus // tp, t.zero_stage, t.micro_batch_size, "full" if t.activation_checkpointing else "none")
+    tp, pp = t.parallel.tensor, t.parallel.pipeline
+    return Layout(tp, pp, gpus // (tp * pp), t.zero_stage, t.micro_batch_size, "full" if t.activation_checkpointing else "none")
 
 
 def inputs(args: argparse.Namespace, config: PipelineConfig | None = None) -> tuple[Workload, Cluster, str | None, Layout | None]:
@@ -121,7 +121,7 @@ def inputs(args: argparse.Namespace, config: PipelineConfig | None = None) -> tu
 
 def layouts(work: Workload, cluster: Cluster) -> Iterator[Layout]:
     """Every layout that can run: tp within a node, pp over the layers, dp what is left, each ZeRO stage,
-    micro batch and recompute policy the engines allow."""
+    micro batch and recompute policy the engines allow and the training stage takes (layout.refused_here)."""
     for tp in TENSOR:
         if cluster.gpus % tp:
             continue
@@ -133,7 +133,7 @@ def layouts(work: Workload, cluster: Cluster) -> Iterator[Layout]:
                 for mb in MICRO_BATCHES:
                     for recompute in RECOMPUTE:
                         layout = Layout(tp, pp, dp, zero, mb, recompute)
-                        if problem(layout, work, cluster) is None:
+                        if problem(layout, work, cluster) is None and refused_here(layout, work) is None:
                             yield layout
 
 

@@ -39,10 +39,11 @@ def loop_config(cfg: TrainConfig, shards: str, folder: Path, *, export_dir: str 
     seq_len = index["seq_len"]
     model = get(cfg.model)
     model = model.replace(vocab_size=index["vocab_size"], max_seq_len=max(seq_len, model.max_seq_len),
-                          activation_checkpointing=cfg.activation_checkpointing)
+                          activation_checkpointing=cfg.activation_checkpointing,
+                          dropout=model.dropout if cfg.dropout is None else cfg.dropout)
     batch_tokens = cfg.global_batch_tokens or model.batch_tokens
     global_batch = max(1, batch_tokens // seq_len)
-    per_rank = cfg.micro_batch_size * cfg.data_parallel  # the ranks of a tensor group share their batch
+    per_rank = cfg.micro_batch_size * cfg.data_parallel  # the ranks of a tensor group and of a pipeline share their batch
     if global_batch % per_rank:
         raise ValueError(f"a global batch of {global_batch} sequences ({batch_tokens} tokens / seq_len {seq_len}) does "
                          f"not split into micro-batches of {cfg.micro_batch_size} on {cfg.data_parallel} data-parallel ranks")
@@ -56,7 +57,7 @@ def loop_config(cfg: TrainConfig, shards: str, folder: Path, *, export_dir: str 
         "model": dataclasses.asdict(model), "seq_len": seq_len, "global_batch": global_batch,
         "micro_batch": cfg.micro_batch_size, "accumulation": global_batch // per_rank,
         "zero_stage": cfg.zero_stage, "precision": cfg.precision, "grad_clip": cfg.grad_clip,
-        "tensor_parallel": cfg.parallel.tensor,
+        "tensor_parallel": cfg.parallel.tensor, "pipeline_parallel": cfg.parallel.pipeline,
         "lr": cfg.lr or model.lr, "weight_decay": cfg.weight_decay, "final_lr_ratio": cfg.final_lr_ratio,
         "warmup_steps": cfg.warmup_tokens // tokens_per_step, "total_steps": total_steps,
         "max_steps": cfg.max_steps or total_steps, "checkpoint_every": cfg.checkpoint_every,
@@ -70,9 +71,9 @@ def loop_config(cfg: TrainConfig, shards: str, folder: Path, *, export_dir: str 
     }
 
 
-def fit(cfg: TrainConfig, config: dict, folder: Path, loop=None) -> None:
+def fit(cfg: TrainConfig, config: dict, folder: Path, loop=None):
     """One Ray Train job: `loop(config)` (train_loop by default) on cfg.num_workers workers, restarted up to
-    max_failures times (-1: always); Ray Train's own records go to `folder`/ray."""
+    max_failures times (-1: always); Ray Train's own records go to `folder`/ray. Returns Ray Train's Result."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -88,7 +89,7 @@ def fit(cfg: TrainConfig, config: dict, folder: Path, loop=None) -> None:
                                      resources_per_worker=resources),
         run_config=RunConfig(name="ray", storage_path=str(folder), failure_config=FailureConfig(max_failures=cfg.max_failures)),
     )
-    trainer.fit()
+    return trainer.fit()
 
 
 def run(ctx: StageContext) -> StageResult:

@@ -112,13 +112,20 @@ class VocabParallelEmbedding(nn.Module):
     def output(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
         """The tied output layer (model/opt.py's TokenEmbedding.output): with targets the mean cross-entropy
         from this rank's logits; without, the whole (B, T, vocab) logits, gathered (for evaluation and tests)."""
-        logits = F.linear(copy_to(x, self.group), self.weight)  # (B, T, V/T)
+        logits = self.logits(x)
         if targets is not None:
-            return vocab_parallel_cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1),
-                                                self.start, self.group)
+            return self.loss(logits, targets)
         shards = [torch.empty_like(logits) for _ in range(self.size)]
         dist.all_gather(shards, logits.contiguous(), group=self.group)
         return torch.cat(shards, dim=-1)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, d) replicated -> (B, T, V/T) this rank's rows
+        return F.linear(copy_to(x, self.group), self.weight)
+
+    def loss(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """The mean cross-entropy over the group from each rank's (B, T, V/T) logits."""
+        return vocab_parallel_cross_entropy(logits.reshape(-1, logits.size(-1)).float(), targets.reshape(-1),
+                                            self.start, self.group)
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):

@@ -1,0 +1,262 @@
+"""Pipeline parallelism: an OPT as DeepSpeed's PipelineModule, each stage building only its own layers.
+
+The layers, in order (a stage holds a contiguous run of them; the blocks are balanced over the stages):
+
+    Embedding        ids (B, T) -> token embeddings (B, T, d)      tied, first stage
+    Positions        + the learned positions
+    PipeBlock x n    (B, T, d) -> (B, T, d)
+    FinalNorm        pre-LN models only
+    Embedding.head   -> logits (B, T, V/T) of this rank's vocabulary rows   tied, last stage
+    loss             the (vocabulary-parallel) cross-entropy, on the last stage
+
+Every parameter is drawn from its own stream under its name in the whole model
+(model.opt.generator_for), so whatever the layout the weights are those of `OPT(config, seed)`,
+and no process builds more than its stage's layers, one at a time, each whole and then split over
+the tensor group (a block of 175B is 7 GB of fp32 on the host while it is split).
+
+The token embedding is tied to the output layer: the first and the last stage each hold a copy;
+DeepSpeed broadcasts the first's at start, sums the two gradients every step
+(PipelineModule.allreduce_tied_weight_gradients) and counts the copy once in the gradient norm
+(`ds_pipe_replicated`). DeepSpeed's pipeline engine takes ZeRO 0-1 only (pipe/engine.py:
+"ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism").
+"""
+
+from __future__ import annotations
+
+import contextlib
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from model.configs import OPTConfig
+from model.opt import OPT, POSITION_OFFSET, Block, TokenEmbedding, init_seeded
+from train.parallel import Groups, check_split, split_block, split_embedding
+
+
+class Embedding(nn.Module):
+    """The token embedding (vocabulary-split under tensor parallelism): forward on the first stage, `head`
+    (the tied output layer) on the last, which also measures the final activations for the autopilot."""
+
+    def __init__(self, config: OPTConfig, seed: int, groups: Groups):
+        super().__init__()
+        tokens = TokenEmbedding(config.vocab_size, config.d_model)
+        init_seeded(tokens, "decoder.embed_tokens", config, seed)
+        self.tokens = split_embedding(tokens, groups) if groups.dims.tp > 1 else tokens
+        self.last_activation_norm: torch.Tensor | None = None
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, d)
+        return self.tokens(ids)
+
+    def opt_name(self, name: str) -> str:
+        return "decoder.embed_tokens." + name.removeprefix("tokens.")
+
+
+def head(embedding: Embedding, x: torch.Tensor) -> torch.Tensor:  # (B, T, d) -> (B, T, V / T)
+    with torch.no_grad():  # what OPT.hidden leaves in last_activation_norm
+        embedding.last_activation_norm = x.detach().float().norm(dim=-1).mean()
+    return embedding.tokens.logits(x)
+
+
+class Positions(nn.Module):
+    def __init__(self, config: OPTConfig, seed: int):
+        super().__init__()
+        self.max_seq_len = config.max_seq_len
+        self.embed_positions = nn.Embedding(config.max_seq_len + POSITION_OFFSET, config.d_model)
+        init_seeded(self, "decoder", config, seed)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # (B, T, d) -> same, + positions
+        T = x.size(1)
+        if T > self.max_seq_len:
+            raise ValueError(f"sequence of {T} tokens, the model takes at most {self.max_seq_len}")
+        return x + self.embed_positions(torch.arange(T, device=x.device) + POSITION_OFFSET)
+
+    def opt_name(self, name: str) -> str:
+        return "decoder." + name
+
+
+class PipeBlock(Block):
+    """Decoder block `index`, built whole from its own streams, then this rank's tensor-parallel shard of it."""
+
+    def __init__(self, config: OPTConfig, index: int, seed: int, groups: Groups):
+        super().__init__(config)
+        self.index = index
+        init_seeded(self, f"decoder.layers.{index}", config, seed)
+        if groups.dims.tp > 1:
+            split_block(self, groups)
+
+    def opt_name(self, name: str) -> str:
+        return f"decoder.layers.{self.index}.{name}"
+
+
+class FinalNorm(nn.LayerNorm):
+    def __init__(self, config: OPTConfig, seed: int):
+        super().__init__(config.d_model, eps=config.layer_norm_eps)
+        init_seeded(self, "decoder.final_layer_norm", config, seed)
+
+    def opt_name(self, name: str) -> str:
+        return "decoder.final_layer_norm." + name
+
+
+class _ScaleGradient(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+def scale_gradient(loss: torch.Tensor, factor: float) -> torch.Tensor:
+    """The same loss, its gradient times `factor`: how the loop's injected faults poison a step's gradients
+    (nan, or an fp16 overflow) while the loss it reports stays the true one."""
+    return loss if factor == 1.0 else _ScaleGradient.apply(loss, factor)
+
+
+class Loss:
+    """The last stage's loss function: the mean cross-entropy of the tied output layer's logits."""
+
+    def __init__(self, embedding: Embedding | None):
+        self.embedding = embedding  # None on the other stages, which never call it
+        self.gradient_factor = 1.0
+
+    def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        return scale_gradient(self.embedding.tokens.loss(logits, targets), self.gradient_factor)
+
+
+def problem(config: OPTConfig, pp: int) -> str | None:
+    if pp > config.n_layer:
+        return f"{pp} pipeline stages for {config.n_layer} layers: every stage needs at least one"
+    return None
+
+
+def pipeline_module(config: OPTConfig, groups: Groups, *, seed: int, activation_checkpointing: bool):
+    """This rank's stage of the model, as a DeepSpeed PipelineModule over `groups`' layout."""
+    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    dims = groups.dims
+    why = problem(config, dims.pp)
+    if why:
+        raise ValueError(why)
+    if dims.tp > 1:
+        check_split(config, dims.tp, training=True)
+    tied = partial(TiedLayerSpec, "embed", Embedding, config, seed, groups, tied_weight_attr="tokens.weight")
+    layers = [tied(), LayerSpec(Positions, config, seed),
+              *(LayerSpec(PipeBlock, config, i, seed, groups) for i in range(config.n_layer))]
+    if config.pre_ln:
+        layers.append(LayerSpec(FinalNorm, config, seed))
+    layers.append(tied(forward_fn=head))
+    module = PipelineModule(
+        layers, topology=PipeModelDataParallelTopology(num_pp=dims.pp, num_mp=dims.tp, num_dp=dims.dp),
+        partition_method="type:PipeBlock",  # the blocks balanced; the embeddings with the first, the head with the last
+        activation_checkpoint_interval=1 if activation_checkpointing else 0,  # each block recomputed in backward
+        activation_checkpoint_func=partial(checkpoint, use_reentrant=False), checkpointable_layers=["PipeBlock"],
+        dynamic_shape=True)  # validation's micro-batches are larger than training's, and its last one smaller
+    last = groups.stage == dims.pp - 1
+    module.loss_fn = Loss(module.tied_modules["embed"] if last else None)
+    return module
+
+
+def local_layers(module) -> list[nn.Module]:
+    """This stage's layers that hold parameters, in order (the tied embedding once, though used twice)."""
+    out = [module.tied_modules["embed"]] if "embed" in module.tied_modules else []
+    return out + [f for f in module.forward_funcs if isinstance(f, nn.Module) and f not in out]
+
+
+def activation_norm(module, groups: Groups) -> torch.Tensor:
+    """The last stage's final-activation norm (of the step's last micro-batch), on every stage."""
+    embed = module.tied_modules["embed"] if "embed" in module.tied_modules else None
+    norm = embed.last_activation_norm if embed is not None and groups.stage == groups.dims.pp - 1 else None
+    device = next(module.parameters()).device
+    out = torch.zeros((), dtype=torch.float32, device=device) if norm is None else norm.detach().float().clone()
+    dist.all_reduce(out, group=groups.pipeline)  # zero from every stage but the last
+    return out
+
+
+def validation_loss(engine, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], groups: Groups) -> torch.Tensor:
+    """The sum of the sequences' losses over `micro_batches` (the same number on every rank of the pipeline),
+    on every stage: each micro-batch's mean loss from the last stage, weighted by its size."""
+    losses = engine.eval_batch(iter(micro_batches), compute_loss=True, reduce_output=None, bcast_loss=False,
+                               num_micro_batches=len(micro_batches))
+    device = next(engine.module.parameters()).device
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    if groups.stage == groups.dims.pp - 1:
+        for loss, (x, _) in zip(losses, micro_batches, strict=True):
+            total += loss.double() * len(x)
+    dist.all_reduce(total, group=groups.pipeline)
+    return total
+
+
+def export_model(module, groups: Groups, config: OPTConfig, save) -> None:
+    """The whole model, one piece at a time, into `save(model, gather=, write=)` (model.hf.save_pretrained's
+    arguments) on global rank 0: rank 0 holds a skeleton OPT on the meta device, and for each piece the stage
+    that owns it (its first data-parallel replica) gathers it over its tensor group and sends it to rank 0.
+    No rank holds more than one piece of the model beyond its own stage. Every rank of the first data-parallel
+    replica calls this; the others return at once."""
+    if groups.data_rank != 0:
+        return
+    with torch.device("meta"):
+        skeleton = OPT(config)
+    shapes = {n: p.shape for n, p in skeleton.named_parameters()}
+    for part in skeleton.modules():  # empty host tensors: a meta parameter cannot take real data
+        for key, p in part._parameters.items():
+            if p is not None:
+                part._parameters[key] = nn.Parameter(torch.empty(0), requires_grad=False)
+    mine = {}  # OPT name -> this rank's parameter
+    for layer in local_layers(module):
+        for name, p in layer.named_parameters():
+            mine[layer.opt_name(name)] = p
+    names = {id(p): n for n, p in skeleton.named_parameters()}
+    owners = _owners(mine, groups)
+    device, dtype = next(module.parameters()).device, next(module.parameters()).dtype
+    leader = groups.rank == 0
+
+    @contextlib.contextmanager
+    def gather(part):
+        params = list(part.parameters())
+        for p in params:
+            name = names[id(p)]
+            owner = owners[name]
+            full = None
+            if groups.stage == owner:
+                full = _unsplit(mine[name], groups)
+            if leader:
+                if owner != 0:
+                    full = torch.empty(shapes[name], dtype=dtype, device=device)
+                    dist.recv(full, src=groups.dims.rank_of(owner, 0, 0))
+                p.data = full
+            elif full is not None and groups.tensor_rank == 0:
+                dist.send(full.contiguous(), dst=0)
+        try:
+            yield
+        finally:
+            for p in params:
+                p.data = torch.empty(0)
+
+    save(skeleton, gather=gather, write=leader)
+
+
+def _owners(mine: dict, groups: Groups) -> dict[str, int]:
+    """The stage that holds each parameter (the first one, for the tied embedding), known on every rank."""
+    held = [None] * groups.dims.pp
+    dist.all_gather_object(held, sorted(mine), group=groups.pipeline)
+    owners: dict[str, int] = {}
+    for stage, names in enumerate(held):
+        for name in names:
+            owners.setdefault(name, stage)
+    return owners
+
+
+def _unsplit(p: torch.Tensor, groups: Groups) -> torch.Tensor:
+    t = p.detach()
+    if getattr(p, "tensor_model_parallel", False) and groups.dims.tp > 1:
+        shards = [torch.empty_like(t) for _ in range(groups.dims.tp)]
+        dist.all_gather(shards, t.contiguous(), group=groups.tensor)
+        t = torch.cat(shards, dim=p.partition_dim)
+    return t
