@@ -187,9 +187,10 @@ sources:
         # tensor group of 2 land on the two Ray nodes as world ranks 0 and 1, node by node; Ray Train counts
         # local ranks per IP address, and both nodes are this machine, so they are local ranks 0 and 1 of 2,
         # one machine's group (which it is: no network between them), and the probe finds no split.
-        placed = ray("job", "submit", "--address", f"http://127.0.0.1:{dashboard}", "--working-dir", str(ROOT), "--",
-                     "python", "-m", "train.placement", "--config", str(cfg), "--set", "train.num_workers=2",
-                     "--set", "train.cpus_per_worker=1", "--set", "train.parallel.tensor=2", timeout=600)
+        placed = subprocess.run([sys.executable, "-m", "train.placement", "--config", str(cfg), "--set",
+                                 "train.num_workers=2", "--set", "train.cpus_per_worker=1", "--set", "train.parallel.tensor=2"],
+                                cwd=ROOT, env={**env, "RAY_ADDRESS": f"127.0.0.1:{gcs}"}, capture_output=True, text=True,
+                                timeout=600)  # a driver on the cluster, as `ray job submit` would start
         assert placed.returncode == 0, placed.stdout[-3000:] + placed.stderr[-3000:]
         rows = {line.split("|")[1].strip(): [c.strip() for c in line.split("|")[2:8]]
                 for line in placed.stdout.splitlines() if line.startswith(("| 0 |", "| 1 |"))}

@@ -1,5 +1,6 @@
-"""Tensor parallelism (train/parallel.py, train/tensor_parallel.py) on CPU with gloo: real process groups
-of 2 and 4 ranks, each a process; the split model trains step for step as the unsplit one."""
+"""Tensor and pipeline parallelism (train/parallel.py, train/tensor_parallel.py, train/pipeline.py) on CPU with
+gloo: real process groups of 2 and 4 ranks, each a process; the split model trains step for step as the
+unsplit one."""
 
 from __future__ import annotations
 
@@ -75,46 +76,30 @@ def _batches(cfg, dp_rank: int, dp: int):
         yield step
 
 
-def _train(rank, world, tp, with_deepspeed, dropout=0.1):
-    """Losses per step (the mean over the data-parallel group) and the final full weights on rank 0."""
+def _train(rank, world, tp):
+    """Plain AdamW, dropout on: losses per step (the mean over the data-parallel group) and the final full
+    weights on rank 0."""
     import torch.distributed as dist
 
     from model.opt import OPT
     from train.parallel import Groups, full_state_dict, parallelize
 
     torch.manual_seed(0)
-    cfg = get("tiny").replace(dropout=dropout)
+    cfg = get("tiny").replace(dropout=0.1)
     model = OPT(cfg)  # the whole model from the seed, then split: the same weights in every layout
     groups = Groups(ParallelDims.for_world(world, tp=tp), rank)
     parallelize(model, groups)
-    if with_deepspeed:
-        import deepspeed
-
-        deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-        deepspeed.init_distributed(dist_backend="gloo")
-        config = {"train_micro_batch_size_per_gpu": 4 // groups.dims.dp, "gradient_accumulation_steps": MICRO,
-                  "zero_optimization": {"stage": 1}, "steps_per_print": 1 << 30,
-                  "gradient_clipping": 0.1}  # below every step's norm: clipping sees the whole model's norm
-        engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=3e-3),
-                                          config=config, mpu=groups)
-    else:
-        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     losses = []
     for step, micro_batches in enumerate(_batches(cfg, groups.data_rank, groups.dims.dp)):
         total = 0.0
         for i, (x, y) in enumerate(micro_batches):
             torch.manual_seed(1000 * step + i)  # the same dropout masks in every layout
-            if with_deepspeed:
-                loss = engine(x, y)
-                engine.backward(loss)  # divides by the accumulation steps itself
-                engine.step()
-            else:
-                loss = model(x, y)
-                (loss / MICRO).backward()
+            loss = model(x, y)
+            (loss / MICRO).backward()
             total += loss.item() / MICRO
-        if not with_deepspeed:
-            optimizer.step()
-            optimizer.zero_grad()
+        optimizer.step()
+        optimizer.zero_grad()
         mean = torch.tensor([total])
         dist.all_reduce(mean, group=groups.data)
         losses.append(mean.item() / groups.dims.dp)
@@ -149,7 +134,7 @@ def test_a_tensor_group_split_over_nodes_is_named():
 
 @pytest.fixture(scope="module")
 def unsplit():
-    return run_ranks(1, _train, 1, False)[0]
+    return run_ranks(1, _train, 1)[0]
 
 
 def test_tensor_parallel_trains_as_the_unsplit_model(unsplit):
@@ -157,22 +142,11 @@ def test_tensor_parallel_trains_as_the_unsplit_model(unsplit):
     micro-batches accumulated, dropout on (the same masks on both ranks: the same seed)."""
     losses, weights = unsplit
     assert len(losses) == STEPS and losses[-1] < losses[0] - 0.5
-    split_losses, split_weights = run_ranks(2, _train, 2, False)[0]
+    split_losses, split_weights = run_ranks(2, _train, 2)[0]
     assert _close(split_losses, losses), (split_losses, losses)
     assert split_weights.keys() == weights.keys()
     for name, w in weights.items():
         torch.testing.assert_close(torch.from_numpy(split_weights[name]), torch.from_numpy(w), rtol=1e-4, atol=1e-5, msg=name)
-
-
-def test_tensor_parallel_under_deepspeed_zero1_trains_as_the_unsplit_model():
-    """DeepSpeed's engine with the groups as its mpu: ZeRO-1 over the data-parallel group, the gradient
-    norm for clipping over the tensor group (split parameters summed, replicated ones counted once).
-    T=2 x D=2 against one rank (T=2 alone under DeepSpeed: tests/test_train.py's stage test); no dropout,
-    since a replica's half batch draws other masks."""
-    reference, _ = run_ranks(1, _train, 1, True, 0.0)[0]
-    assert reference[-1] < reference[0] - 0.5
-    split, _ = run_ranks(4, _train, 2, True, 0.0)[0]
-    assert _close(split, reference), (split, reference)
 
 
 def test_the_vocabulary_parallel_output_gathers_the_unsplit_logits():
@@ -196,18 +170,18 @@ def _logits(rank, world):
 
 def _deepspeed_run(rank, world, tp, pp, export_to=None):
     """Losses and gradient norms per step under DeepSpeed ZeRO-1 (clipping at 0.1, below every step's norm), no
-    dropout: the whole model on one rank (tp = pp = 1) or this rank's stage of it through the pipeline engine
-    (1F1B, `train_batch`), each parameter drawn from its own stream of seed 0 either way. `export_to`: the
-    stages' initial weights exported there first (train/pipeline.py's export, gathered on rank 0)."""
+    dropout: the whole model (split over the tensor group when tp > 1), or with pp > 1 this rank's stage of it
+    through the pipeline engine (1F1B, `train_batch`), each parameter drawn from its own stream of seed 0 either
+    way. `export_to`: the stages' initial weights exported there first (gathered on rank 0)."""
+    from functools import partial
+
     import deepspeed
     import torch.distributed as dist
 
-    from model.opt import OPT
-    from functools import partial
-
     from model.hf import save_pretrained
+    from model.opt import OPT
     from train.optim import deepspeed_config
-    from train.parallel import Groups
+    from train.parallel import Groups, parallelize
     from train.pipeline import export_model, local_layers, pipeline_module
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
@@ -222,21 +196,23 @@ def _deepspeed_run(rank, world, tp, pp, export_to=None):
         assert held == ({"Embedding", "Positions", "PipeBlock"} if groups.stage == 0 else {"Embedding", "PipeBlock", "FinalNorm"})
         if export_to:
             export_model(model, groups, cfg, partial(save_pretrained, out_dir=export_to))
-    else:
-        model = OPT(cfg, seed=0)
+    else:  # built whole, then split over the tensor group (the groups as DeepSpeed's mpu)
+        model = parallelize(OPT(cfg, seed=0), groups)
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=3e-3),
                                       config=config, mpu=None if pp > 1 else groups)
     losses, norms = [], []
     for micro_batches in _batches(cfg, groups.data_rank, groups.dims.dp):
         if pp > 1:
-            loss = engine.train_batch(iter(micro_batches)).item()
+            loss = engine.train_batch(iter(micro_batches)).item()  # the mean over the replicas, on every stage
         else:
-            loss = 0.0
+            total = torch.zeros(())
             for x, y in micro_batches:
                 micro_loss = engine(x, y)
                 engine.backward(micro_loss)
                 engine.step()
-                loss += micro_loss.item() / MICRO
+                total += micro_loss.detach() / MICRO
+            dist.all_reduce(total, group=groups.data)
+            loss = total.item() / groups.dims.dp
         losses.append(loss)
         norms.append(float(engine.get_global_grad_norm()))
     return losses, norms
@@ -247,23 +223,25 @@ def whole_under_deepspeed():
     return run_ranks(1, _deepspeed_run, 1, 1)[0]
 
 
-@pytest.mark.parametrize("tp, pp", [(1, 2), (2, 2)])
-def test_pipeline_parallel_trains_as_the_whole_model(whole_under_deepspeed, tp, pp, tmp_path):
-    """P=2 on 2 ranks and T=2 x P=2 on 4: the loss and the gradient norm (the tied embedding's two copies
-    counted once, every tensor shard once) at every step equal the whole model's on one rank, 2 micro-batches
-    accumulated per step, activation checkpointing on in the pipeline. The losses agree to 2e-7; the norms,
-    sums of squares over other splits of the same gradients, to 4e-5 by step 8 (1e-4 asserted). Each stage
-    builds only its own layers, and their export, gathered piece by piece on rank 0, is exactly the whole
-    model built from the same seed."""
+@pytest.mark.parametrize("world, tp, pp", [(4, 2, 1), (2, 1, 2), (4, 2, 2)])
+def test_split_models_under_deepspeed_train_as_the_whole_model(whole_under_deepspeed, world, tp, pp, tmp_path):
+    """DeepSpeed ZeRO-1, clipping active: T=2 x D=2 (the groups as DeepSpeed's mpu), P=2, and T=2 x P=2
+    through the pipeline engine (1F1B, activation checkpointing on) give the whole model's loss and gradient
+    norm (every tensor shard and the tied embedding's two copies counted once) at every step, 2 micro-batches
+    accumulated per step. The losses agree to 2e-7; the norms, sums of squares over other splits of the same
+    gradients, to 4e-5 by step 8 (1e-4 asserted). Each pipeline stage builds only its own layers, and their
+    export, gathered piece by piece on rank 0, is exactly the whole model built from the same seed."""
     from model.hf import from_pretrained
     from model.opt import OPT
 
     losses, norms = whole_under_deepspeed
     assert losses[-1] < losses[0] - 0.5
-    results = run_ranks(tp * pp, _deepspeed_run, tp, pp, str(tmp_path / "initial"))
+    results = run_ranks(world, _deepspeed_run, tp, pp, str(tmp_path / "initial") if pp > 1 else None)
     for split_losses, split_norms in results:  # every rank reports the same step losses
         assert _close(split_losses, losses), (split_losses, losses)
         assert _close(split_norms, norms, rel=1e-4), (split_norms, norms)
+    if pp == 1:
+        return
     exported = from_pretrained(tmp_path / "initial").state_dict()
     whole = OPT(get("tiny").replace(dropout=0.0), seed=0).state_dict()
     assert exported.keys() == whole.keys()

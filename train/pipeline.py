@@ -207,7 +207,7 @@ def export_model(module, groups: Groups, config: OPTConfig, save) -> None:
     for part in skeleton.modules():  # empty host tensors: a meta parameter cannot take real data
         for key, p in part._parameters.items():
             if p is not None:
-                part._parameters[key] = nn.Parameter(torch.empty(0), requires_grad=False)
+                part._parameters[key] = nn.Parameter(torch.empty(0, device="cpu"), requires_grad=False)
     mine = {}  # OPT name -> this rank's parameter
     for layer in local_layers(module):
         for name, p in layer.named_parameters():
@@ -237,7 +237,7 @@ def export_model(module, groups: Groups, config: OPTConfig, save) -> None:
             yield
         finally:
             for p in params:
-                p.data = torch.empty(0)
+                p.data = torch.empty(0, device="cpu")
 
     save(skeleton, gather=gather, write=leader)
 
