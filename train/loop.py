@@ -58,7 +58,7 @@ class Context:
 
     @property
     def data_rank(self) -> int:
-        """Which share of each batch this rank trains on: the ranks of a tensor group share theirs."""
+        """Which share of each batch this rank trains on: the ranks of a tensor group and of a pipeline share theirs."""
         return self.groups.data_rank if self.groups else self.rank
 
     @property

@@ -164,12 +164,15 @@ def split_block(block: nn.Module, groups: Groups) -> nn.Module:
 
 def full_state_dict(model: nn.Module, groups: Groups) -> dict[str, torch.Tensor]:
     """The unsplit model's state dict (the names of model/opt.py), gathered over the tensor group on every rank."""
-    out = {}
-    for name, p in model.named_parameters():
-        t = p.detach()
-        if getattr(p, "tensor_model_parallel", False) and groups.dims.tp > 1:
-            shards = [torch.empty_like(t) for _ in range(groups.dims.tp)]
-            dist.all_gather(shards, t.contiguous(), group=groups.tensor)
-            t = torch.cat(shards, dim=p.partition_dim)
-        out[name] = t.clone()
-    return out
+    return {name: unsplit(p, groups).clone() for name, p in model.named_parameters()}
+
+
+def unsplit(p: torch.Tensor, groups: Groups) -> torch.Tensor:
+    """A parameter whole: its shards gathered over the tensor group when it is split (a collective there),
+    else itself, detached."""
+    t = p.detach()
+    if getattr(p, "tensor_model_parallel", False) and groups.dims.tp > 1:
+        shards = [torch.empty_like(t) for _ in range(groups.dims.tp)]
+        dist.all_gather(shards, t.contiguous(), group=groups.tensor)
+        t = torch.cat(shards, dim=p.partition_dim)
+    return t

@@ -34,7 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 from model.configs import OPTConfig
 from model.opt import OPT, POSITION_OFFSET, Block, TokenEmbedding, init_seeded
-from train.parallel import Groups, check_split, split_block, split_embedding
+from train.parallel import Groups, check_split, split_block, split_embedding, unsplit
 
 
 class Embedding(nn.Module):
@@ -129,21 +129,14 @@ class Loss:
         return scale_gradient(self.embedding.tokens.loss(logits, targets), self.gradient_factor)
 
 
-def problem(config: OPTConfig, pp: int) -> str | None:
-    if pp > config.n_layer:
-        return f"{pp} pipeline stages for {config.n_layer} layers: every stage needs at least one"
-    return None
-
-
 def pipeline_module(config: OPTConfig, groups: Groups, *, seed: int, activation_checkpointing: bool):
     """This rank's stage of the model, as a DeepSpeed PipelineModule over `groups`' layout."""
     from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
     dims = groups.dims
-    why = problem(config, dims.pp)
-    if why:
-        raise ValueError(why)
+    if dims.pp > config.n_layer:
+        raise ValueError(f"{dims.pp} pipeline stages for {config.n_layer} layers: every stage needs at least one")
     if dims.tp > 1:
         check_split(config, dims.tp, training=True)
     tied = partial(TiedLayerSpec, "embed", Embedding, config, seed, groups, tied_weight_attr="tokens.weight")
@@ -195,8 +188,9 @@ def validation_loss(engine, micro_batches: list[tuple[torch.Tensor, torch.Tensor
 
 def export_model(module, groups: Groups, config: OPTConfig, save) -> None:
     """The whole model, one piece at a time, into `save(model, gather=, write=)` (model.hf.save_pretrained's
-    arguments) on global rank 0: rank 0 holds a skeleton OPT on the meta device, and for each piece the stage
-    that owns it (its first data-parallel replica) gathers it over its tensor group and sends it to rank 0.
+    arguments) on global rank 0: rank 0 holds a skeleton OPT (built on the meta device, its parameters empty
+    host tensors), and for each piece the stage that owns it (its first data-parallel replica) gathers it over
+    its tensor group and sends it to rank 0.
     No rank holds more than one piece of the model beyond its own stage. Every rank of the first data-parallel
     replica calls this; the others return at once."""
     if groups.data_rank != 0:
@@ -225,7 +219,7 @@ def export_model(module, groups: Groups, config: OPTConfig, save) -> None:
             owner = owners[name]
             full = None
             if groups.stage == owner:
-                full = _unsplit(mine[name], groups)
+                full = unsplit(mine[name], groups)
             if leader:
                 if owner != 0:
                     full = torch.empty(shapes[name], dtype=dtype, device=device)
@@ -251,12 +245,3 @@ def _owners(mine: dict, groups: Groups) -> dict[str, int]:
         for name in names:
             owners.setdefault(name, stage)
     return owners
-
-
-def _unsplit(p: torch.Tensor, groups: Groups) -> torch.Tensor:
-    t = p.detach()
-    if getattr(p, "tensor_model_parallel", False) and groups.dims.tp > 1:
-        shards = [torch.empty_like(t) for _ in range(groups.dims.tp)]
-        dist.all_gather(shards, t.contiguous(), group=groups.tensor)
-        t = torch.cat(shards, dim=p.partition_dim)
-    return t
