@@ -456,6 +456,7 @@ class PipelineConfig:
     sources: list[SourceConfig]
     workdir: str = "work"
     sample_corpus: str | None = None  # when set and missing: generate the sample corpus here
+    sample_spiky_subset: str | None = None  # the generated sample's Pile subset planted spiky, for the screen to find
     ray: RayConfig = field(default_factory=RayConfig)
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
     ingest: IngestConfig = field(default_factory=IngestConfig)
@@ -473,6 +474,9 @@ class PipelineConfig:
                 raise ConfigError(f"sources[{i}].name", f"duplicate source name {n!r}")
         if not self.sources:
             raise ConfigError("sources", "expected at least one source")
+        if self.sample_spiky_subset is not None and self.sample_spiky_subset not in OPT_PILE_SUBSETS:
+            raise ConfigError("sample_spiky_subset", f"expected one of OPT's Pile subsets (the ones the screen screens): "
+                              f"{', '.join(OPT_PILE_SUBSETS)}; got {self.sample_spiky_subset!r}")
         for i, source in enumerate(self.screen.sources or []):
             if source not in names:
                 raise ConfigError(f"screen.sources[{i}]", f"expected the name of a source ({', '.join(names)}), got {source!r}")

@@ -66,8 +66,10 @@ def main(argv: list[str] | None = None, stages: tuple[Stage, ...] = STAGES) -> i
         if config.sample_corpus and not os.path.isdir(config.sample_corpus):
             from corpus.sample import write_sample
 
-            print(f"generating the sample corpus in {config.sample_corpus}")
-            write_sample(config.sample_corpus)
+            spiky = config.sample_spiky_subset
+            print(f"generating the sample corpus in {config.sample_corpus}"
+                  + (f" ({spiky} planted spiky, for the screen to find)" if spiky else ""))
+            write_sample(config.sample_corpus, spiky_subset=spiky)
         check_inputs_exist(config)
         return run(config, args, only, list(stages), ablation)
     except (ConfigError, UsageError) as exc:

@@ -4,11 +4,14 @@ pipeline starts it, and one run of the whole pipeline on the sample corpus that 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
@@ -76,26 +79,18 @@ def _no_outside_tracking_server(monkeypatch):
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
 
 
-SAMPLE_SOURCES = """
-sources:
-  - {{name: pile,       format: pile,      paths: ["{s}/pile/*.jsonl.zst"]}}
-  - {{name: reddit,     format: pushshift, paths: ["{s}/reddit/RC_*.zst", "{s}/reddit/RS_*.zst"]}}
-  - {{name: bookcorpus, format: text,      paths: ["{s}/bookcorpus/*.txt"]}}
-  - {{name: stories,    format: text,      paths: ["{s}/stories/*.txt"]}}
-  - {{name: ccnews,     format: jsonl,     paths: ["{s}/ccnews/*.jsonl"], text_field: text, id_field: id}}
-normalize: {{min_chars: 20}}
-screen: {{sources: [pile], steps: 60, seeds: 2, margin: 15.0, concurrent_runs: 2, runs_per_job: 9,
-          proxy: {{model: tiny, seq_len: 64, global_batch_tokens: 2048, micro_batch_size: 32, lr: 1.0e-3, warmup_steps: 10,
-                  num_workers: 1, cpus_per_worker: 1, zero_stage: 0}},
-          tokenizer: {{kind: train, vocab_size: 4096}}}}
-tokenize: {{seq_len: 64, validation_fraction: 0.05, tokenizer: {{kind: train, vocab_size: 1024}}}}
-train: {{model: tiny, num_workers: 2, cpus_per_worker: 0.5, zero_stage: 2, precision: fp32, micro_batch_size: 4,
-         global_batch_tokens: 1024, lr: 3.0e-3, warmup_tokens: 5120, total_tokens: 100000, max_steps: 30,
-         checkpoint_every: 10, eval_every: 10, eval_batches: 2}}
+# The tests' own tokenize and train (smaller than local.yaml's: 30 steps of 16 sequences of 64 tokens), written
+# after local.yaml's corpus stages and screen to make sample.yaml (sample_run).
+SAMPLE_TOKENIZE_TRAIN = """
+tokenize: {seq_len: 64, validation_fraction: 0.05, tokenizer: {kind: train, vocab_size: 1024}}
+train: {model: tiny, num_workers: 2, cpus_per_worker: 0.5, zero_stage: 2, precision: fp32, micro_batch_size: 4,
+        global_batch_tokens: 1024, lr: 3.0e-3, warmup_tokens: 5120, total_tokens: 100000, max_steps: 30,
+        checkpoint_every: 10, eval_every: 10, eval_batches: 2}
 """
 
 
-SPIKY = "HackerNews"  # the subset sample_run plants spiky
+SPIKY = "HackerNews"  # the subset the default sample plants spiky (configs/local.yaml)
+STAGES = ("ingest", "normalize", "dedup", "screen", "tokenize", "train")
 
 
 def manifest(workdir: Path, stage: str) -> dict:
@@ -110,15 +105,48 @@ def stage_folder(workdir: Path, stage: str) -> Path:
     return Path(manifest(workdir, stage)["output"]).parent
 
 
+@dataclass
+class DefaultRun:
+    where: Path  # the fresh directory it ran in
+    first: subprocess.CompletedProcess
+    second: subprocess.CompletedProcess  # the same command again: every stage a cache hit
+    manifests: dict[str, dict]  # each stage's manifest right after the first run
+    summary: str  # work/stages.md right after the second run
+
+
 @pytest.fixture(scope="session")
-def sample_run(tmp_path_factory, ray_session):
-    """(sample folder, what the sample planted, workdir) after `full.py` over the sample corpus, whose
-    HackerNews subset is planted spiky (the screen drops it; the config is configs/local.yaml's screen)."""
-    from corpus.sample import write_sample
+def default_run(tmp_path_factory) -> DefaultRun:
+    """The README's first command, `python pipelines/full.py` with no arguments, run from a fresh directory,
+    then again. sample_run adds its own runs to the same workdir, so what the tests of this run read of the
+    workdir's current state is read here, right after it."""
+    where = tmp_path_factory.mktemp("fresh")
+    cmd = [sys.executable, str(ROOT / "pipelines" / "full.py")]
+    first = subprocess.run(cmd, cwd=where, capture_output=True, text=True, timeout=900)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    manifests = {s: manifest(where / "work", s) for s in STAGES}
+    second = subprocess.run(cmd, cwd=where, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stderr[-3000:]
+    return DefaultRun(where, first, second, manifests, (where / "work" / "stages.md").read_text())
+
+
+@pytest.fixture(scope="session")
+def sample_run(default_run, ray_session):
+    """(sample folder, what the sample planted, workdir): the README command's run (its sample has HackerNews
+    planted spiky, which the screen drops), then `full.py --config sample.yaml` in the same workdir: local.yaml's
+    corpus stages and screen, whose outputs are the README run's (cache hits), and the tests' smaller tokenize
+    and train (SAMPLE_TOKENIZE_TRAIN). The screen, the costliest stage, runs once for both."""
     from pipelines.full import main
 
-    root = tmp_path_factory.mktemp("corpus")
-    planted = write_sample(root / "sample", spiky_subset=SPIKY)
-    cfg = write_config(root, f"workdir: {root}/work\n" + SAMPLE_SOURCES.format(s=root / "sample"), name="sample")
+    where = default_run.where
+    local = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())
+    for source in local["sources"]:
+        source["paths"] = [str(where / p) for p in source["paths"]]
+    corpus = {k: local[k] for k in ("sources", "normalize", "dedup", "screen")}
+    cfg = write_config(where, yaml.safe_dump({"workdir": str(where / "work"), **corpus}) + SAMPLE_TOKENIZE_TRAIN,
+                       name="sample")
     assert main(["--config", str(cfg)]) == 0
-    return root / "sample", planted, root / "work"
+    work = where / "work"
+    rerun = [s for s in STAGES[:4] if manifest(work, s)["fingerprint"] != default_run.manifests[s]["fingerprint"]]
+    assert not rerun, f"sample.yaml's corpus stages and screen should be the README run's, but these ran again: {rerun}"
+    sample = where / "data" / "sample"
+    return sample, json.loads((sample / "PLANTED.json").read_text()), work

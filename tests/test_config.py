@@ -76,6 +76,8 @@ def test_defaults_and_resolved_paths(cfg, tmp_path, monkeypatch):
     ("tokenize: {tokenizer: {train_bytes: 0}}\n", "tokenize.tokenizer.train_bytes", "expected a value >= 1"),
     ("tokenize: {validation_fraction: 1}\n", "tokenize.validation_fraction", "expected a fraction in [0, 1)"),
     ("colour: blue\n", "colour", "unknown key"),
+    ("sample_spiky_subset: Enron Emails\n", "sample_spiky_subset", "expected one of OPT's Pile subsets (the ones the "
+     "screen screens): Pile-CC, "),
     ("train: {model: 7b}\n", "train.model", "expected one of tiny, 125m"),
     ("train: {precision: fp16}\n", "train.precision", "fp16 needs GPUs"),
     ("train: {collective_timeout_seconds: 600}\n", "train.collective_timeout_seconds",

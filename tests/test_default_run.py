@@ -1,21 +1,16 @@
 """The README's first command, `python pipelines/full.py` with no arguments, run once from a fresh
-directory (and once more for the cache): what it builds, what its console shows a person, and
-what it leaves in MLflow. The tests share that one run; the last one makes a stage fail there."""
+directory (and once more for the cache; conftest's default_run): what it builds, what its console
+shows a person, and what it leaves in MLflow. The last test makes a stage fail there."""
 
 from __future__ import annotations
 
 import json
 import re
-import subprocess
-import sys
 from pathlib import Path
 
-import pytest
 from mlflow import MlflowClient
 
-from conftest import ROOT, manifest
-
-STAGES = ("ingest", "normalize", "dedup", "screen", "tokenize", "train")
+from conftest import SPIKY, STAGES
 
 # What must not reach the terminal when nothing failed: error-level lines (Python's, and Ray's C++
 # "[date time E pid tid]" lines), and Ray's internals that a newcomer reads as failures or noise.
@@ -28,47 +23,37 @@ def noise(text: str) -> list[str]:
     return [line for line in text.splitlines() if any(re.search(p, line) for p in NOISE)]
 
 
-@pytest.fixture(scope="module")
-def default_run(tmp_path_factory):
-    """(directory, first run, second run): the command with no arguments, twice, in a fresh directory."""
-    where = tmp_path_factory.mktemp("fresh")
-    cmd = [sys.executable, str(ROOT / "pipelines" / "full.py")]
-    first = subprocess.run(cmd, cwd=where, capture_output=True, text=True, timeout=900)
-    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    second = subprocess.run(cmd, cwd=where, capture_output=True, text=True, timeout=600)
-    assert second.returncode == 0, second.stderr[-3000:]
-    return where, first, second
-
-
 def test_the_default_command_generates_the_sample_and_reruns_from_cache(default_run):
-    where, first, second = default_run
-    assert f"generating the sample corpus in {where}/data/sample" in first.stdout
+    where, first, second, made = default_run.where, default_run.first, default_run.second, default_run.manifests
+    assert f"generating the sample corpus in {where}/data/sample ({SPIKY} planted spiky, for the screen to find)" in first.stdout
     assert "mlflow ui --backend-store-uri sqlite:///" in first.stdout
-    assert (where / "data" / "sample" / "PLANTED.json").is_file() and (where / "work" / "mlflow.db").is_file()
+    planted = json.loads((where / "data" / "sample" / "PLANTED.json").read_text())
+    assert planted["spiky"]["subset"] == SPIKY and (where / "work" / "mlflow.db").is_file()
+    assert made["screen"]["dropped_subsets"] == [SPIKY]  # and only it: every stage has something to catch
     assert "generating" not in second.stdout and "running" not in second.stdout
     assert all(f"[{s}] cache hit" in second.stdout for s in STAGES), second.stdout
-    assert (Path(manifest(where / "work", "train")["output"]) / "model" / "config.json").is_file()
+    assert (Path(made["train"]["output"]) / "model" / "config.json").is_file()
 
 
 def test_the_console_has_a_line_per_stage_and_the_problems_but_none_of_rays_output(default_run):
-    where, first, second = default_run
+    first, second, made = default_run.first, default_run.second, default_run.manifests
     for run in (first, second):
         assert noise(run.stdout + run.stderr) == []
     for stage in STAGES:  # one line when it starts, one when it ends with its rows and time
         assert re.search(rf"^\[{stage}\] running \(", first.stdout, re.M), stage
         assert re.search(rf"^\[{stage}\] done in [\d.]+s: rows_in=\d+ rows_out=\d+", first.stdout, re.M), stage
-    rejected = manifest(where / "work", "ingest")["counts"]["rejected"]
+    rejected = made["ingest"]["counts"]["rejected"]
     assert rejected > 0  # the sample plants malformed lines, a non-UTF-8 file and a truncated .zst
     assert f"[ingest] {rejected} input records rejected as unreadable" in first.stderr
     # Ray's own output went to the stage logs instead (its start-up lines, Ray Data's execution plans).
-    logs = {s: (Path(manifest(where / "work", s)["output"]).parent / "stage.log").read_text() for s in STAGES}
+    logs = {s: (Path(made[s]["output"]).parent / "stage.log").read_text() for s in STAGES}
     assert "Started a local Ray instance" in logs["ingest"] and "Execution plan of Dataset" in logs["dedup"]
-    run_dir = Path(manifest(where / "work", "train")["run_dir"])
+    run_dir = Path(made["train"]["run_dir"])
     assert re.search(r"step 300/300 loss", (run_dir / "train.log").read_text())  # rank 0's log, in the run folder
 
 
 def test_mlflow_opens_on_training_runs_and_the_parent_run_has_the_summary(default_run, tmp_path):
-    where, first, _ = default_run
+    where, first, made = default_run.where, default_run.first, default_run.manifests
     client = MlflowClient(f"sqlite:///{where}/work/mlflow.db")
     experiment = client.get_experiment_by_name("local")
     assert experiment.tags["mlflow.experimentKind"] == "custom_model_development"
@@ -76,7 +61,7 @@ def test_mlflow_opens_on_training_runs_and_the_parent_run_has_the_summary(defaul
     assert {a.path for a in client.list_artifacts(parent_id)} >= {"stages.md", "funnel.png"}
     table = Path(client.download_artifacts(parent_id, "stages.md", str(tmp_path))).read_text()
     for stage in STAGES:
-        counts = manifest(where / "work", stage)["counts"]
+        counts = made[stage]["counts"]
         row = next(line for line in table.splitlines() if line.startswith(f"| {stage} |"))
         assert f"| ran | {counts['rows_in']:,} | {counts['rows_out']:,} |" in row, row
     assert "rejected 15" in next(line for line in table.splitlines() if line.startswith("| ingest |"))
@@ -87,15 +72,14 @@ def test_mlflow_opens_on_training_runs_and_the_parent_run_has_the_summary(defaul
     assert f"http://127.0.0.1:5000/#/experiments/{experiment.experiment_id}?workflowType=machine_learning" in first.stdout
     png = Path(client.download_artifacts(parent_id, "funnel.png", str(tmp_path))).read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
-    latest = (where / "work" / "stages.md").read_text()  # the latest run's summary, beside the stages: the cached rerun
-    assert all(f"| {stage} | cached | " in latest for stage in STAGES)
+    assert all(f"| {stage} | cached | " in default_run.summary for stage in STAGES)  # the rerun's, beside the stages
 
 
 def test_a_failing_stage_still_prints_its_error_and_where_its_log_is(default_run, ray_session, capsys, monkeypatch):
     """In this process (on the session's Ray), in the same directory: a stage that fails says so, with its log."""
     from pipelines.full import main
 
-    where, _, _ = default_run
+    where = default_run.where
     monkeypatch.chdir(where)
     capsys.readouterr()
     assert main(["--only", "train", "--set", "train.global_batch_tokens=4096000"]) == 1

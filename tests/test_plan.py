@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from conftest import ROOT, SAMPLE_SOURCES, write_config
+from conftest import ROOT, write_config
 from model.configs import OPTConfig, block_params, flops_per_token, get, param_count
 from train import layout as L
 from train.hardware import GPUS
@@ -231,8 +231,8 @@ def test_the_pipeline_refuses_a_layout_that_does_not_fit_and_warns_about_a_slow_
     folder, _ = sample
     gpu_train = ("train: {model: 175b, num_workers: 992, gpus_per_worker: 1, precision: fp16, zero_stage: %d, "
                  "micro_batch_size: 1, global_batch_tokens: 2031616, activation_checkpointing: true}\n")
-    text = f"workdir: {tmp_path}/work\n" + SAMPLE_SOURCES.format(s=folder).split("train:")[0]
-    text = text.replace("tokenize: {seq_len: 64", "tokenize: {seq_len: 2048")
+    text = (f"workdir: {tmp_path}/work\nsources: [{{name: pile, format: pile, paths: ['{folder}/pile/*.jsonl.zst']}}]\n"
+            "tokenize: {seq_len: 2048}\n")
     too_big = write_config(tmp_path, text + gpu_train % 1, name="zero1")  # 175B's fp16 weights whole on every GPU
     assert full(["--config", str(too_big)]) == 2
     err = capsys.readouterr().err

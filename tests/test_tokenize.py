@@ -128,9 +128,9 @@ def test_shards_are_fixed_size_rows_the_loader_maps(tokenized):
 
 def run_stage(sample_run, tmp_path, **changes) -> tuple[Path, dict]:
     """The tokenize stage alone, into tmp_path, on the sample's screened documents, with config changes."""
-    sample, _, wd = sample_run
+    _, _, wd = sample_run
     tmp_path.mkdir(parents=True)
-    config = load_config(sample.parent / "sample.yaml")
+    config = load_config(wd.parent / "sample.yaml")
     for key, value in changes.items():
         setattr(config.tokenize, key, value)
     ctx = StageContext("tokenize", config, config.tokenize, {"screen": manifest(wd, "screen")}, tmp_path,
