@@ -130,3 +130,114 @@ def test_rerun_with_one_cpu_and_the_hash_shuffle_keeps_the_same_documents(corpus
     assert "AllToAllOperator[Sort]" in first_log and "HashShuffle" not in first_log
     assert "HashShuffleMap(keys=('part',), partitions=1)" in again_log and "[Sort]" not in again_log
     assert "ReadParquet" in first_log and "ReadFilesParquetV2" not in first_log + again_log
+
+
+def test_components_on_ray_data_are_the_one_task_components(ray_session):
+    """Large-star/small-star rounds on Ray Data against min-label propagation in one task: a long chain
+    in shuffled key order (the most rounds), stars, a clique and random sparse edges, on int64 keys."""
+    import numpy as np
+    import pyarrow as pa
+    import ray.data
+
+    from dedup.stage import components_in_one_task, components_on_ray
+    from pipelines.config import RayConfig
+
+    rng = np.random.default_rng(0)
+    names = rng.choice(1 << 40, size=3000, replace=False).astype(np.int64)  # keys as part << 32 | row, scattered
+    edges = [(names[i], names[i + 1]) for i in range(400)]  # a chain of 401 documents in random key order
+    edges += [(names[500], names[i]) for i in range(501, 560)]  # a star
+    edges += [(names[i], names[j]) for i in range(600, 620) for j in range(i + 1, 620)]  # a clique
+    edges += [tuple(names[rng.choice(np.arange(700, 3000), 2, replace=False)]) for _ in range(1500)]  # random sparse
+    a, b = np.array([e[0] for e in edges]), np.array([e[1] for e in edges])
+    u, v = np.maximum(a, b), np.minimum(a, b)
+    expected = components_in_one_task(u, v)
+    ds = ray.data.from_arrow(pa.table({"u": u, "v": v}))
+    labels, rounds = components_on_ray(ds, u.nbytes * 2, RayConfig(), partitions=3)
+    assert labels == expected
+    assert len(set(expected.values())) > 100 and expected[int(names[400])] == int(names[:401].min())
+    assert 3 <= rounds <= 20
+
+
+@pytest.fixture(scope="module")
+def crowded(tmp_path_factory):
+    """A corpus with a cluster of 120 exact copies over two sources, a hot bucket (60 one-word edits of one
+    text: a band bucket over SMALL_BUCKET), chains, and unrelated documents; with the brute-force truth."""
+    import numpy as np
+
+    from dedup.minhash import MinHasher, jaccard_of_sets
+
+    root = tmp_path_factory.mktemp("crowded")
+    rng = random.Random(7)
+    base = [long_doc(100 + i, words=400) for i in range(8)]
+    docs = {"news": {}, "web": {}}
+    for i in range(120):  # exact copies; the kept one is news's smallest id
+        docs["news" if i % 3 == 0 else "web"][f"copy-{rng.randrange(10**6):06d}-{i}"] = base[0]
+    for i in range(60):  # one word each: all within 0.95 of base[1] and of each other
+        docs["web" if i % 2 else "news"][f"hot-{i:03d}"] = edit(base[1], [rng.randrange(400)], 1000 + i)
+    chain = [base[2]]
+    for k in range(5):  # one word a link: each within the threshold of the next (~0.975), the ends not (~0.88)
+        chain.append(edit(chain[-1], [50 + 60 * k], 2000 + k))
+    for k, text in enumerate(chain):
+        docs["web" if k % 2 else "news"][f"chain-{k}"] = text
+    for i in range(3, 8):
+        docs["web"][f"alone-{i}"] = base[i]
+    for name, texts in docs.items():
+        (root / f"{name}.jsonl").write_text("".join(json.dumps({"id": k, "text": v}) + "\n" for k, v in texts.items()))
+    cfg = write_config(root, f"""
+workdir: {root}/work
+sources:
+  - {{name: news, format: jsonl, id_field: id, paths: ["{root}/news.jsonl"]}}
+  - {{name: web,  format: jsonl, id_field: id, paths: ["{root}/web.jsonl"]}}
+""")
+    # The truth: components of every pair at or above 0.95 (brute force), each kept at its (source, id) minimum.
+    flat = [(i, s, t) for s, texts in docs.items() for i, t in texts.items()]
+    sets = MinHasher().shingle_sets([t for _, _, t in flat])
+    parent = list(range(len(flat)))
+
+    def find(x):
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    for x in range(len(flat)):
+        for y in range(x + 1, len(flat)):
+            if jaccard_of_sets(sets[x], sets[y]) >= 0.95:
+                parent[find(x)] = find(y)
+    order = {"news": 0, "web": 1}
+    groups: dict = {}
+    for x in range(len(flat)):
+        groups.setdefault(find(x), []).append(x)
+    truth = {}
+    for members in groups.values():
+        keep = min(members, key=lambda x: (order[flat[x][1]], flat[x][0]))
+        truth.update({flat[x][0]: flat[keep][0] for x in members if x != keep})
+    assert len(truth) == 119 + 59 + 5 and np.mean([len(s) for s in sets]) > 350
+    return root, cfg, truth
+
+
+def test_exact_copies_a_hot_bucket_and_chains_merge_as_brute_force_does_with_either_components_path(crowded, ray_session,
+                                                                                                    monkeypatch):
+    """The kept documents and `duplicates/` of the one-task components and of the Ray Data rounds are the same,
+    and both are the brute-force truth; the exact copies never reach MinHash."""
+    import dedup.stage
+
+    root, cfg, truth = crowded
+    results = []
+    for one_task_edges in (dedup.stage.SMALL_GRAPH_EDGES, 0):
+        monkeypatch.setattr(dedup.stage, "SMALL_GRAPH_EDGES", one_task_edges)
+        assert main(["--config", str(cfg), "--only", "ingest,normalize,dedup", "--force"]) == 0
+        manifest = json.loads((root / "work" / "dedup" / "manifest.json").read_text())
+        folder = Path(manifest["output"]).parent
+        dups = sorted(tuple(sorted(r.items())) for r in rows(folder / "duplicates"))
+        results.append((manifest["metrics"], dups, sorted(r["id"] for r in rows(folder / "output"))))
+    (one, dups_one, kept_one), (rounds, dups_ray, kept_ray) = results
+    assert dups_one == dups_ray and kept_one == kept_ray
+    assert {dict(r)["id"]: dict(r)["kept_id"] for r in dups_one} == truth
+    exact = [dict(r) for r in dups_one if dict(r)["id"].startswith("copy-")]
+    kept_copy = truth[exact[0]["id"]]
+    assert len(exact) == 119 and all(r["jaccard"] == 1.0 and r["via"] == kept_copy for r in exact)
+    assert one["exact_duplicates"] == 119 and one["rounds"] == 0 and rounds["rounds"] >= 1
+    assert one["lsh_threshold"] == pytest.approx((1 - 0.5 ** (1 / 10)) ** (1 / 12), abs=1e-4)
+    assert 0 < one["candidate_documents_fraction"] < 0.5  # the copies are not candidates: one text, one document
+    assert one["verified_pairs"] >= 119 + 59 + 5 and one["shuffled_bytes.exact"] > 0
