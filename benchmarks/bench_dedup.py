@@ -1,7 +1,8 @@
-"""Dedup quality against brute force and datasketch's LSH, and the stage's time and memory at scale.
+"""Dedup quality against brute force, datasketch's LSH and datatrove, and the stage's time, memory and
+shuffled bytes at scale against an earlier commit.
 
     python benchmarks/bench_dedup.py quality [--docs 20000]
-    python benchmarks/bench_dedup.py scale [--docs 100000 400000]
+    python benchmarks/bench_dedup.py scale [--docs 100000 400000] [--baseline 57f9f91]
 
 quality: a generated corpus with duplicates planted at known Jaccard (exact copies, whitespace
 variants, one-word edits, chains a~b~c with a and c below the threshold, variants just above
@@ -11,15 +12,21 @@ normalized documents that share at least one shingle (all other pairs have J = 0
 inverted index. Reported: recall on pairs >= 0.95 (both ends in one cluster), documents removed
 without any partner >= 0.95 (wrong merges), and, on the same signatures' input,
 datasketch MinHashLSH(threshold=0.95, num_perm=128)'s candidate recall and its candidates below
-the threshold (it has no verification step).
+the threshold (it has no verification step); and datatrove's MinHash pipeline (signatures,
+buckets, cluster, filter; the same 10 bands x 12 rows and 5-grams, 2 workers) on the same
+normalized documents: its wall time against the stage's, its recall and its merges below 0.95.
 
-scale: the same generator at 100k and 400k documents: the dedup stage's seconds (manifest),
-the driver's peak RSS, and the peak memory of the whole machine while the stage runs.
+scale: the same generator at each size, through `--only ingest,normalize,dedup` with the checked-out
+code and with `--baseline`'s (its tree `git archive`d, one after the other on the same corpus): the
+dedup stage's seconds (manifest), the driver's peak RSS, the machine's peak memory while the
+pipeline runs, and the bytes each phase's groupbys took in (Ray Data's block sizes, measured
+the same way on both sides: the baseline's `grouped` is patched to record them).
 """
 
 from __future__ import annotations
 
 import argparse
+import gzip
 import json
 import platform
 import random
@@ -83,12 +90,13 @@ def generate(path: Path, docs: int, seed: int = 5) -> dict:
     return kinds
 
 
-def run_pipeline(root: Path, data: Path) -> tuple[dict, float, float]:
-    """The pipeline up to dedup; returns (dedup manifest, driver peak RSS MB, machine peak used MB)."""
+def run_pipeline(root: Path, data: Path, tree: Path = ROOT) -> tuple[dict, float, float]:
+    """The pipeline up to dedup, with the code in `tree`; returns (dedup manifest, driver peak RSS MB,
+    machine peak used MB)."""
     config = root / "bench.yaml"
     config.write_text(f"workdir: {root}/work\n"
                       f"sources: [{{name: gen, format: jsonl, id_field: id, paths: ['{data}']}}]\n")
-    cmd = [sys.executable, str(ROOT / "pipelines" / "full.py"), "--config", str(config), "--only", "ingest,normalize,dedup", "--force"]
+    cmd = [sys.executable, str(tree / "pipelines" / "full.py"), "--config", str(config), "--only", "ingest,normalize,dedup", "--force"]
     base = psutil.virtual_memory().used
     peak = [0]
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
@@ -146,6 +154,57 @@ def datasketch_candidates(ids: list[str], texts: list[str]) -> set:
     return out
 
 
+def datatrove_dedup(ids: list[str], texts: list[str], root: Path) -> tuple[float, dict[str, int], set[str]]:
+    """datatrove's MinHash pipeline on these documents (as jsonl, read by its own reader), our banding and
+    5-grams, 2 workers: (seconds from its signatures to its filtered output, {id: its cluster} for the
+    documents in a cluster, the removed ids)."""
+    from datatrove.executor import LocalPipelineExecutor
+    from datatrove.pipeline.dedup.minhash import (MinhashConfig, MinhashDedupBuckets, MinhashDedupCluster,
+                                                  MinhashDedupFilter, MinhashDedupSignature)
+    from datatrove.pipeline.readers import JsonlReader
+    from datatrove.pipeline.writers import JsonlWriter
+    from datatrove.utils.hashing import HashConfig
+
+    data = root / "datatrove-in"
+    data.mkdir(parents=True, exist_ok=True)
+    shards = 4
+    for k in range(shards):
+        with (data / f"{k}.jsonl").open("w") as fh:
+            for i in range(k, len(ids), shards):
+                fh.write(json.dumps({"id": ids[i], "text": texts[i]}) + "\n")
+    out = root / "datatrove"
+    config = MinhashConfig(n_grams=5, num_buckets=10, hashes_per_bucket=12, hash_config=HashConfig(precision=64))
+    logs = str(out / "logs")
+    read = lambda: JsonlReader(str(data), text_key="text", id_key="id")  # noqa: E731
+    steps = [
+        LocalPipelineExecutor([read(), MinhashDedupSignature(str(out / "sigs"), config=config)], tasks=shards, workers=2,
+                              logging_dir=f"{logs}/1"),
+        LocalPipelineExecutor([MinhashDedupBuckets(str(out / "sigs"), str(out / "buckets"), config=config)],
+                              tasks=config.num_buckets, workers=2, logging_dir=f"{logs}/2"),
+        LocalPipelineExecutor([MinhashDedupCluster(str(out / "buckets"), str(out / "remove"), config=config,
+                                                   save_cluster_id=True)], tasks=1, logging_dir=f"{logs}/3"),
+        LocalPipelineExecutor([read(), MinhashDedupFilter(str(out / "remove"), load_cluster_ids=True,
+                                                          exclusion_writer=JsonlWriter(str(out / "removed"))),
+                               JsonlWriter(str(out / "kept"))], tasks=shards, workers=2, logging_dir=f"{logs}/4"),
+    ]
+    start = time.perf_counter()
+    for step in steps:
+        step.run()
+    seconds = time.perf_counter() - start
+    cluster: dict[str, int] = {}
+    removed: set[str] = set()
+    for kind in ("removed", "kept"):
+        for path in (out / kind).glob("*.jsonl.gz"):
+            with gzip.open(path, "rt") as fh:
+                for line in fh:
+                    row = json.loads(line)
+                    if kind == "removed":
+                        removed.add(row["id"])
+                    if "minhash_cluster_id" in row.get("metadata", {}):
+                        cluster[row["id"]] = row["metadata"]["minhash_cluster_id"]
+    return seconds, cluster, removed
+
+
 def quality(docs: int, root: Path) -> None:
     root.mkdir(parents=True, exist_ok=True)
     kinds = generate(root / "gen.jsonl", docs)
@@ -162,6 +221,11 @@ def quality(docs: int, root: Path) -> None:
     verified = {(r["a"], r["b"]) for r in pq.read_table(folder / "candidates").to_pylist() if r["jaccard"] >= 0.95}
     false_merges = len({tuple(sorted(p)) for p in verified} - above)
     ds = datasketch_candidates(ids, texts)
+    dt_seconds, dt_cluster, dt_removed = datatrove_dedup(ids, texts, root)
+    dt_of = lambda i: dt_cluster.get(i, i)  # noqa: E731
+    dt_found = sum(dt_of(a) == dt_of(b) for a, b in above)
+    dt_below = sum(dt_of(a) == dt_of(b) for a, b in below)
+    dt_wrong = [i for i in dt_removed if i not in partners]
     commit = provenance.commit()
     print(f"{len(ids)} normalized documents, planted {kinds}; commit {commit}; {platform.machine()}, 2 cores")
     print(f"ground truth: {len(above)} pairs >= 0.95, {len(below)} pairs in (0, 0.95) sharing a shingle")
@@ -173,25 +237,67 @@ def quality(docs: int, root: Path) -> None:
           f"| {len(wrong)} |")
     print(f"| datasketch MinHashLSH(threshold=0.95) candidates | {len(ds & above) / max(len(above), 1):.4f} "
           f"({len(ds & above)}/{len(above)}) | {len(ds & below)} proposed (no verification) | - |")
+    print(f"| datatrove 0.10 MinHash (10 x 12, no verification) | {dt_found / max(len(above), 1):.4f} "
+          f"({dt_found}/{len(above)}) | {dt_below} merged | {len(dt_wrong)} |")
+    print(f"\nwall time on the same {len(ids):,} normalized documents, 2 cores: dedup stage "
+          f"{manifest['metrics']['seconds']:.1f} s; datatrove (signatures, buckets, cluster, filter) {dt_seconds:.1f} s, "
+          f"{len(dt_removed)} removed")
     print(f"\nstage: {manifest['metrics']['candidate_pairs']:.0f} candidate pairs checked, "
           f"{manifest['metrics']['verified_pairs']:.0f} verified, {manifest['counts']['duplicate']} removed, "
           f"{manifest['metrics']['seconds']:.1f} s")
 
 
-def scale(sizes: list[int], root: Path) -> None:
-    commit = provenance.commit()
-    print(f"commit {commit}; {platform.machine()}, 2 cores, {psutil.virtual_memory().total / 2**30:.0f} GiB")
+BASELINE_GROUPED = """    def grouped(ds):  # by `part`, which takes `partitions` values; sized by the documents, which the joins carry
+        return groupby(ds, "part", nbytes, ctx.config.ray, num_partitions=partitions)
+"""
+MEASURED_GROUPED = """    def grouped(ds):  # (bench_dedup.py: each groupby's input measured, as the current stage measures its own)
+        ds = ds.materialize()
+        with open(ctx.folder / "shuffled.txt", "a") as fh:
+            fh.write(f"{ds.size_bytes()}\\n")
+        return groupby(ds, "part", nbytes, ctx.config.ray, num_partitions=partitions)
+"""
+
+
+def baseline_tree(commit: str, out: Path) -> Path:
+    """The baseline's tree, its dedup stage patched to write each groupby's input bytes beside its output."""
+    tree = out / f"tree-{commit}"
+    if not tree.is_dir():
+        tree.mkdir(parents=True)
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", commit], capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+        stage = tree / "dedup" / "stage.py"
+        text = stage.read_text()
+        if BASELINE_GROUPED not in text:
+            raise SystemExit(f"{commit}'s dedup/stage.py has no grouped() to measure")
+        stage.write_text(text.replace(BASELINE_GROUPED, MEASURED_GROUPED))
+    return tree
+
+
+def scale(sizes: list[int], root: Path, baseline: str) -> None:
+    tree = baseline_tree(baseline, root)
+    print(f"commit {provenance.commit()} against {baseline}; {platform.machine()}, 2 cores, "
+          f"{psutil.virtual_memory().total / 2**30:.0f} GiB")
     print()
-    print("| documents | MB of text | dedup stage seconds | docs/s | driver peak RSS (whole run) | machine peak used (whole run) |")
-    print("|---|---|---|---|---|---|")
+    print("| documents | MB of text | code | dedup seconds | driver peak RSS | machine peak used | MB shuffled (by phase) |")
+    print("|---|---|---|---|---|---|---|")
     for n in sizes:
         folder = root / f"scale-{n}"
         folder.mkdir(parents=True, exist_ok=True)
-        generate(folder / "gen.jsonl", n)
+        if not (folder / "gen.jsonl").is_file():
+            generate(folder / "gen.jsonl", n)
         mb = (folder / "gen.jsonl").stat().st_size / 1e6
-        manifest, driver, machine = run_pipeline(folder, folder / "gen.jsonl")
-        s = manifest["metrics"]["seconds"]
-        print(f"| {n:,} | {mb:.0f} | {s:.1f} | {n / s:,.0f} | {driver:,.0f} MB | {machine:,.0f} MB |")
+        for name, code in ((baseline, tree), ("now", ROOT)):
+            manifest, driver, machine = run_pipeline(folder / name, folder / "gen.jsonl", code)
+            m = manifest["metrics"]
+            if name == baseline:
+                sizes_in = [int(x) for x in (Path(manifest["output"]).parent / "shuffled.txt").read_text().split()]
+                phases = {"candidates": sizes_in[0], "verification": sum(sizes_in[1:])}  # its three groupbys
+            else:
+                phases = {k.split(".", 1)[1]: v for k, v in m.items() if k.startswith("shuffled_bytes.")}
+            total = sum(phases.values())
+            detail = ", ".join(f"{k} {v / 1e6:,.1f}" for k, v in phases.items())
+            print(f"| {n:,} | {mb:.0f} | {name} | {m['seconds']:.1f} | {driver:,.0f} MB | {machine:,.0f} MB "
+                  f"| {total / 1e6:,.1f} ({detail}) |", flush=True)
 
 
 def main() -> None:
@@ -199,11 +305,12 @@ def main() -> None:
     parser.add_argument("what", choices=["quality", "scale"])
     parser.add_argument("--docs", type=int, nargs="+")
     parser.add_argument("--out", default="/tmp/bench_dedup")
+    parser.add_argument("--baseline", default="57f9f91", help="scale: the commit to compare with (default: before issue 19)")
     args = parser.parse_args()
     if args.what == "quality":
         quality((args.docs or [20000])[0], Path(args.out) / "quality")
     else:
-        scale(args.docs or [100000, 400000], Path(args.out))
+        scale(args.docs or [100000, 400000], Path(args.out), args.baseline)
 
 
 if __name__ == "__main__":
