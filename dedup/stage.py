@@ -16,9 +16,10 @@ its own part, not a join) and what removal matches on.
    of each neighbour in id order, O(k) instead of O(k^2). Pairs carry keys and ids only.
 4. Verification: the candidate documents are found per part (a semi-join by key: a groupby of
    keys on their part), and one task per part reads only those documents' text from its own part
-   and writes their shingle sets; the pairs then meet their two documents' shingle sets (two
-   groupbys of candidate documents only) and get their exact Jaccard. A pair below the threshold
-   is never merged. Every checked pair is kept in `candidates/` with its Jaccard.
+   and sends their shingle sets to the verification partitions of their pairs (a pair's is its
+   first document's); one groupby then brings each partition its pairs and those shingle sets,
+   and every pair gets its exact Jaccard. A pair below the threshold is never merged. Every checked
+   pair is kept in `candidates/` with its Jaccard.
 5. Components of the verified pairs: distributed rounds of large-star and small-star (Kiveris et
    al. 2014), each a groupby over the edges, until a round changes nothing; up to
    `SMALL_GRAPH_EDGES` edges in one task instead (the same labels: tests/test_dedup.py). Each
@@ -61,8 +62,7 @@ CANDIDATE_SCHEMA = pa.schema([("a", pa.string()), ("b", pa.string()), ("a_source
                               ("b_source", pa.string()), ("jaccard", pa.float64()), ("a_key", pa.int64()),
                               ("b_key", pa.int64())])
 PAIR_SCHEMA = CANDIDATE_SCHEMA.remove(4)
-# Rows of a verification join: a candidate document's shingle set (kind "doc"), or a pair waiting for
-# the shingle set of its document `key` (kind "pair"; `shingles`: its first document's, once attached).
+# Rows of the verification groupby: a candidate document's shingle set (kind "doc"), or a pair (kind "pair").
 JOIN_SCHEMA = pa.schema([("part", pa.int64()), ("kind", pa.string()), ("key", pa.int64()), *PAIR_SCHEMA,
                          ("shingles", pa.binary())])
 EDGE_SCHEMA = pa.schema([("part", pa.int64()), ("u", pa.int64()), ("v", pa.int64())])
@@ -179,56 +179,47 @@ def candidate_pairs(group: pa.Table) -> pa.Table:
 # --------------------------------------------------------------------------- 4: verification
 
 
-def candidate_keys(batch: pa.Table) -> pa.Table:
-    """Pairs -> the keys of both their documents, each with its part (the semi-join's side)."""
-    keys = np.concatenate([batch["a_key"].to_numpy(), batch["b_key"].to_numpy()])
-    return pa.table({"part": pa.array(keys >> ROW_BITS), "key": pa.array(keys)})
+def candidate_keys(batch: pa.Table, partitions: int) -> pa.Table:
+    """Pairs -> both their documents' keys, each with the part that holds it (the semi-join's side) and
+    the verification partition its pair goes to (its first document's)."""
+    a, b = batch["a_key"].to_numpy(), batch["b_key"].to_numpy()
+    keys, dest = np.concatenate([a, b]), np.tile(part_of(a, partitions), 2)
+    return pa.table({"part": pa.array(keys >> ROW_BITS), "key": pa.array(keys), "dest": pa.array(dest)})
 
 
-def shingle_rows(group: pa.Table, paths: list[str], config: dict, partitions: int) -> pa.Table:
-    """The candidate documents of one part -> their shingle sets, read from that part alone."""
-    keys = np.unique(group["key"].to_numpy())
-    part = int(keys[0] >> ROW_BITS)
-    texts = pq.read_table(paths[part], columns=["text"])["text"].take(pa.array(keys & ((1 << ROW_BITS) - 1)))
+def shingle_rows(group: pa.Table, paths: list[str], config: dict) -> pa.Table:
+    """The candidate documents of one part -> their shingle sets, read from that part alone, one row for
+    each verification partition that needs the document."""
+    keys, dest = group["key"].to_numpy(), group["dest"].to_numpy()
+    unique, index = np.unique(keys, return_inverse=True)
+    part = int(unique[0] >> ROW_BITS)
+    texts = pq.read_table(paths[part], columns=["text"])["text"].take(pa.array(unique & ((1 << ROW_BITS) - 1)))
     sets = hasher(DedupConfig(**config)).shingle_sets(texts.to_pylist())
-    n = len(keys)
-    nulls = {f.name: pa.nulls(n, f.type) for f in PAIR_SCHEMA}
-    return pa.table({"part": pa.array(part_of(keys, partitions)), "kind": pa.array(["doc"] * n), "key": pa.array(keys),
-                     **nulls, "shingles": pa.array([s.tobytes() for s in sets], pa.binary())}, schema=JOIN_SCHEMA)
+    routes = np.unique(np.stack([index, dest], axis=1), axis=0)  # (document, partition), each once
+    n = len(routes)
+    return pa.table({"part": pa.array(routes[:, 1]), "kind": pa.array(["doc"] * n), "key": pa.array(unique[routes[:, 0]]),
+                     **{f.name: pa.nulls(n, f.type) for f in PAIR_SCHEMA},
+                     "shingles": pa.array([sets[i].tobytes() for i in routes[:, 0]], pa.binary())}, schema=JOIN_SCHEMA)
 
 
-def pairs_keyed(batch: pa.Table, partitions: int, by: str) -> pa.Table:
-    """Pairs keyed by their `by` side ("a": first, "b": second document)."""
+def pairs_keyed(batch: pa.Table, partitions: int) -> pa.Table:
+    """Pairs keyed by their first document's verification partition."""
     n = batch.num_rows
-    keys = batch[f"{by}_key"].to_numpy()
-    shingles = batch["shingles"] if "shingles" in batch.column_names else pa.nulls(n, pa.binary())
+    keys = batch["a_key"].to_numpy()
     return pa.table({"part": pa.array(part_of(keys, partitions)), "kind": pa.array(["pair"] * n), "key": pa.array(keys),
-                     **{f.name: batch[f.name] for f in PAIR_SCHEMA}, "shingles": shingles}, schema=JOIN_SCHEMA)
+                     **{f.name: batch[f.name] for f in PAIR_SCHEMA}, "shingles": pa.nulls(n, pa.binary())}, schema=JOIN_SCHEMA)
 
 
-def _sets_and_pairs(group: pa.Table) -> tuple[dict[int, np.ndarray], pa.Table]:
+def verify(group: pa.Table) -> pa.Table:
+    """One verification partition: its pairs (each once, though several bands may have proposed it) and the
+    shingle sets of their documents -> each pair's exact Jaccard."""
     docs = group.filter(pc.equal(group["kind"], "doc"))
     sets = {k: np.frombuffer(s, dtype=np.uint64) for k, s in zip(docs["key"].to_pylist(), docs["shingles"].to_pylist())}
-    return sets, group.filter(pc.equal(group["kind"], "pair"))
-
-
-def attach_first(group: pa.Table) -> pa.Table:
-    """Pairs meet their first document: each distinct pair leaves with that document's shingle set."""
-    sets, pairs = _sets_and_pairs(group)
-    pairs = pairs.drop_columns(["part", "kind", "key", "shingles"])
-    if pairs.num_rows:  # the same pair from several bands: once
-        pairs = pairs.group_by([f.name for f in PAIR_SCHEMA], use_threads=False).aggregate([])
-    first = [sets[k].tobytes() for k in pairs["a_key"].to_pylist()]
-    return pairs.select([f.name for f in PAIR_SCHEMA]).append_column("shingles", pa.array(first, pa.binary()))
-
-
-def verify_second(group: pa.Table) -> pa.Table:
-    """Pairs (with their first document's shingles) meet their second document: exact Jaccard."""
-    sets, pairs = _sets_and_pairs(group)
-    jaccard = [jaccard_of_sets(np.frombuffer(s, dtype=np.uint64), sets[k])
-               for s, k in zip(pairs["shingles"].to_pylist(), pairs["b_key"].to_pylist())]
-    return pa.table({**{f.name: pairs[f.name] for f in PAIR_SCHEMA}, "jaccard": pa.array(jaccard, pa.float64())},
-                    schema=CANDIDATE_SCHEMA.remove(4).append(pa.field("jaccard", pa.float64()))).select(CANDIDATE_SCHEMA.names)
+    pairs = group.filter(pc.equal(group["kind"], "pair")).select([f.name for f in PAIR_SCHEMA])
+    if pairs.num_rows:
+        pairs = pairs.group_by(pairs.column_names, use_threads=False).aggregate([]).select(pairs.column_names)
+    jaccard = [jaccard_of_sets(sets[a], sets[b]) for a, b in zip(pairs["a_key"].to_pylist(), pairs["b_key"].to_pylist())]
+    return pairs.add_column(4, "jaccard", pa.array(jaccard, pa.float64())).cast(CANDIDATE_SCHEMA)
 
 
 # --------------------------------------------------------------------------- 5: components
@@ -433,7 +424,7 @@ def run(ctx: StageContext) -> StageResult:
     def tasks(out: str, **extra) -> list[dict]:
         return [{"path": p, "part": i, "out": str(work / out), "partitions": partitions, **extra} for i, p in enumerate(parts)]
 
-    with Bar("dedup", "phases", 6) as bar:  # exact; bands and candidates; which documents; two joins; components; output
+    with Bar("dedup", "phases", 6) as bar:  # exact; bands and candidates; candidate documents; verification; components; output
         run_tasks(index_task, tasks("index", priority=priority))
         exact = work / "exact"
         grouped(ray.data.read_parquet(str(work / "index")), "exact").map_groups(exact_groups, batch_format="pyarrow") \
@@ -454,19 +445,14 @@ def run(ctx: StageContext) -> StageResult:
         candidates = ctx.aside("candidates")
         if parquet_files(work / "pairs"):  # no shared band key anywhere: nothing to verify
             pairs = ray.data.read_parquet(str(work / "pairs"))
-            grouped(pairs.map_batches(candidate_keys, batch_format="pyarrow"), "candidate documents") \
-                .map_groups(shingle_rows, batch_format="pyarrow",
-                            fn_kwargs={"paths": parts, "config": config, "partitions": partitions}) \
+            which = pairs.map_batches(candidate_keys, batch_format="pyarrow", fn_kwargs={"partitions": partitions})
+            grouped(which, "candidate documents").map_groups(shingle_rows, batch_format="pyarrow",
+                                                             fn_kwargs={"paths": parts, "config": config}) \
                 .write_parquet(str(work / "shingles"))
             bar.update()
-            docs = ray.data.read_parquet(str(work / "shingles"))
-            keyed = pairs.map_batches(pairs_keyed, batch_format="pyarrow", fn_kwargs={"partitions": partitions, "by": "a"})
-            grouped(keyed.union(docs), "verification").map_groups(attach_first, batch_format="pyarrow") \
-                .write_parquet(str(work / "first"))
-            first = ray.data.read_parquet(str(work / "first"))
-            keyed = first.map_batches(pairs_keyed, batch_format="pyarrow", fn_kwargs={"partitions": partitions, "by": "b"})
-            grouped(keyed.union(docs), "verification").map_groups(verify_second, batch_format="pyarrow") \
-                .write_parquet(str(candidates))
+            keyed = pairs.map_batches(pairs_keyed, batch_format="pyarrow", fn_kwargs={"partitions": partitions})
+            grouped(keyed.union(ray.data.read_parquet(str(work / "shingles"))), "verification") \
+                .map_groups(verify, batch_format="pyarrow").write_parquet(str(candidates))
         bar.update_to(4)
 
         labels, rounds = None, 0
