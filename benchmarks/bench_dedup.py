@@ -2,7 +2,7 @@
 shuffled bytes at scale against an earlier commit.
 
     python benchmarks/bench_dedup.py quality [--docs 20000]
-    python benchmarks/bench_dedup.py scale [--docs 100000 400000] [--baseline 57f9f91]
+    python benchmarks/bench_dedup.py scale [--docs 100000 400000] [--baseline 57f9f91] [--planted 0.2]
 
 quality: a generated corpus with duplicates planted at known Jaccard (exact copies, whitespace
 variants, one-word edits, chains a~b~c with a and c below the threshold, variants just above
@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import os
 import platform
 import random
 import subprocess
@@ -56,10 +57,10 @@ def edit(rng: random.Random, text: str, changes: int) -> str:
     return " ".join(words)
 
 
-def generate(path: Path, docs: int, seed: int = 5) -> dict:
-    """`docs` documents as jsonl; a fifth of them planted variants of the others."""
+def generate(path: Path, docs: int, seed: int = 5, planted: float = 0.2) -> dict:
+    """`docs` documents as jsonl; a fraction `planted` of them variants of the others."""
     rng = random.Random(seed)
-    base_count = docs * 4 // 5
+    base_count = round(docs * (1 - planted))
     texts = [prose(_rng(seed, i), (2, 4)) for i in range(base_count)]
     kinds: dict[str, int] = {}
     while len(texts) < docs:
@@ -90,35 +91,45 @@ def generate(path: Path, docs: int, seed: int = 5) -> dict:
     return kinds
 
 
-def run_pipeline(root: Path, data: Path, tree: Path = ROOT) -> tuple[dict, float, float]:
-    """The pipeline up to dedup, with the code in `tree`; returns (dedup manifest, driver peak RSS MB,
-    machine peak used MB)."""
+def run_pipeline(root: Path, data: Path, tree: Path = ROOT) -> tuple[dict, dict]:
+    """The pipeline up to dedup, with the code in `tree`; returns (dedup manifest, peak MB of memory:
+    the driver's RSS, the largest Ray worker's RSS, all workers' RSS together, the object store (/dev/shm)
+    and the machine's used memory, each above what it was before the run)."""
+    root.mkdir(parents=True, exist_ok=True)
     config = root / "bench.yaml"
     config.write_text(f"workdir: {root}/work\n"
                       f"sources: [{{name: gen, format: jsonl, id_field: id, paths: ['{data}']}}]\n")
     cmd = [sys.executable, str(tree / "pipelines" / "full.py"), "--config", str(config), "--only", "ingest,normalize,dedup", "--force"]
-    base = psutil.virtual_memory().used
-    peak = [0]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    base, shm_base = psutil.virtual_memory().used, psutil.disk_usage("/dev/shm").used
+    peak = dict.fromkeys(["driver", "worker", "workers", "object store", "machine"], 0)
+    # Ray's workers must import the tree's code (they put the driver's directory first on sys.path)
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    log = root / "pipeline.log"
+    with log.open("w") as out:
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tree)
     driver = psutil.Process(proc.pid)
-    driver_peak = [0]
 
     def watch() -> None:
         while proc.poll() is None:
             try:
-                peak[0] = max(peak[0], psutil.virtual_memory().used - base)
-                driver_peak[0] = max(driver_peak[0], driver.memory_info().rss)
+                workers = [p.info["memory_info"].rss for p in psutil.process_iter(["name", "memory_info"])
+                           if (p.info["name"] or "").startswith("ray::") and p.info["memory_info"]]
+                now = {"driver": driver.memory_info().rss, "worker": max(workers, default=0), "workers": sum(workers),
+                       "object store": psutil.disk_usage("/dev/shm").used - shm_base,
+                       "machine": psutil.virtual_memory().used - base}
+                for k, v in now.items():
+                    peak[k] = max(peak[k], v)
             except psutil.Error:
                 pass
-            time.sleep(0.2)
+            time.sleep(0.5)
 
     watcher = threading.Thread(target=watch)
     watcher.start()
     if proc.wait() != 0:
-        raise SystemExit(f"pipeline failed: {' '.join(cmd)}")
+        raise SystemExit(f"pipeline failed: {' '.join(cmd)} (log: {log})")
     watcher.join()
     manifest = json.loads((root / "work" / "dedup" / "manifest.json").read_text())
-    return manifest, driver_peak[0] / 2**20, peak[0] / 2**20
+    return manifest, {k: v / 2**20 for k, v in peak.items()}
 
 
 def ground_truth(ids: list[str], texts: list[str], threshold: float) -> tuple[set, set]:
@@ -208,7 +219,7 @@ def datatrove_dedup(ids: list[str], texts: list[str], root: Path) -> tuple[float
 def quality(docs: int, root: Path) -> None:
     root.mkdir(parents=True, exist_ok=True)
     kinds = generate(root / "gen.jsonl", docs)
-    manifest, _, _ = run_pipeline(root, root / "gen.jsonl")
+    manifest, _ = run_pipeline(root, root / "gen.jsonl")
     normalized = pq.read_table(json.loads((root / "work" / "normalize" / "manifest.json").read_text())["output"]).to_pylist()
     ids, texts = [r["id"] for r in normalized], [r["text"] for r in normalized]
     above, below = ground_truth(ids, texts, 0.95)
@@ -273,21 +284,22 @@ def baseline_tree(commit: str, out: Path) -> Path:
     return tree
 
 
-def scale(sizes: list[int], root: Path, baseline: str) -> None:
+def scale(sizes: list[int], root: Path, baseline: str, planted: float) -> None:
     tree = baseline_tree(baseline, root)
     print(f"commit {provenance.commit()} against {baseline}; {platform.machine()}, 2 cores, "
-          f"{psutil.virtual_memory().total / 2**30:.0f} GiB")
+          f"{psutil.virtual_memory().total / 2**30:.0f} GiB; {planted:.0%} of the documents planted duplicates")
     print()
-    print("| documents | MB of text | code | dedup seconds | driver peak RSS | machine peak used | MB shuffled (by phase) |")
-    print("|---|---|---|---|---|---|---|")
+    print("| documents | MB of text | code | dedup seconds | peak MB: driver / largest worker / all workers / object store / machine "
+          "| MB shuffled (by phase) |")
+    print("|---|---|---|---|---|---|")
     for n in sizes:
-        folder = root / f"scale-{n}"
+        folder = root / f"scale-{n}-{planted}"
         folder.mkdir(parents=True, exist_ok=True)
         if not (folder / "gen.jsonl").is_file():
-            generate(folder / "gen.jsonl", n)
+            generate(folder / "gen.jsonl", n, planted=planted)
         mb = (folder / "gen.jsonl").stat().st_size / 1e6
         for name, code in ((baseline, tree), ("now", ROOT)):
-            manifest, driver, machine = run_pipeline(folder / name, folder / "gen.jsonl", code)
+            manifest, peak = run_pipeline(folder / name, folder / "gen.jsonl", code)
             m = manifest["metrics"]
             if name == baseline:
                 sizes_in = [int(x) for x in (Path(manifest["output"]).parent / "shuffled.txt").read_text().split()]
@@ -296,7 +308,8 @@ def scale(sizes: list[int], root: Path, baseline: str) -> None:
                 phases = {k.split(".", 1)[1]: v for k, v in m.items() if k.startswith("shuffled_bytes.")}
             total = sum(phases.values())
             detail = ", ".join(f"{k} {v / 1e6:,.1f}" for k, v in phases.items())
-            print(f"| {n:,} | {mb:.0f} | {name} | {m['seconds']:.1f} | {driver:,.0f} MB | {machine:,.0f} MB "
+            memory = " / ".join(f"{v:,.0f}" for v in peak.values())
+            print(f"| {n:,} | {mb:.0f} | {name} | {m['seconds']:.1f} | {memory} "
                   f"| {total / 1e6:,.1f} ({detail}) |", flush=True)
 
 
@@ -306,11 +319,12 @@ def main() -> None:
     parser.add_argument("--docs", type=int, nargs="+")
     parser.add_argument("--out", default="/tmp/bench_dedup")
     parser.add_argument("--baseline", default="57f9f91", help="scale: the commit to compare with (default: before issue 19)")
+    parser.add_argument("--planted", type=float, default=0.2, help="scale: the fraction of documents that are planted duplicates")
     args = parser.parse_args()
     if args.what == "quality":
         quality((args.docs or [20000])[0], Path(args.out) / "quality")
     else:
-        scale(args.docs or [100000, 400000], Path(args.out), args.baseline)
+        scale(args.docs or [100000, 400000], Path(args.out), args.baseline, args.planted)
 
 
 if __name__ == "__main__":

@@ -20,13 +20,15 @@ its own part, not a join) and what removal matches on.
    first document's); one groupby then brings each partition its pairs and those shingle sets,
    and every pair gets its exact Jaccard. A pair below the threshold is never merged. Every checked
    pair is kept in `candidates/` with its Jaccard.
-5. Components of the verified pairs: distributed rounds of large-star and small-star (Kiveris et
-   al. 2014), each a groupby over the edges, until a round changes nothing; up to
-   `SMALL_GRAPH_EDGES` edges in one task instead (the same labels: tests/test_dedup.py). Each
-   component keeps its smallest (source order, id) document; the others go to `duplicates/` with
-   `via` their verified neighbour of highest Jaccard (ties: the preferred one), the evidence.
-   Chains a~b~c are one component. The exact copies of a document another one replaces go with
-   it to that document.
+5. Components of the graph of verified pairs and exact copies (each copy linked to its text's kept
+   copy): distributed rounds of large-star and small-star (Kiveris et al. 2014), each a groupby over
+   the edges, until a round changes nothing. A groupby then joins every edge with its first
+   document's label (node -> its component's smallest node) and another brings each component's
+   edges together, so that a task holds whole components, never all of them. Each component keeps
+   its smallest (source order, id) document; an exact copy goes to `duplicates/` with Jaccard 1.0
+   and `via` its text's kept copy, any other removed document with `via` its verified neighbour of
+   highest Jaccard (ties: the preferred one), the evidence. Chains a~b~c are one component. Up to
+   `SMALL_GRAPH_EDGES` edges, all this in one task instead (the same rows: tests/test_dedup.py).
 6. Output: one task per part drops its removed rows by key against a sorted array.
 """
 
@@ -62,10 +64,18 @@ CANDIDATE_SCHEMA = pa.schema([("a", pa.string()), ("b", pa.string()), ("a_source
                               ("b_source", pa.string()), ("jaccard", pa.float64()), ("a_key", pa.int64()),
                               ("b_key", pa.int64())])
 PAIR_SCHEMA = CANDIDATE_SCHEMA.remove(4)
-# Rows of the verification groupby: a candidate document's shingle set (kind "doc"), or a pair (kind "pair").
+# Rows of the verification groupby: a candidate document's shingle set (kind "doc"; `first` is 1 on one
+# row of each document, so they can be counted), or a pair (kind "pair").
 JOIN_SCHEMA = pa.schema([("part", pa.int64()), ("kind", pa.string()), ("key", pa.int64()), *PAIR_SCHEMA,
-                         ("shingles", pa.binary())])
+                         ("shingles", pa.binary()), ("first", pa.int64())])
 EDGE_SCHEMA = pa.schema([("part", pa.int64()), ("u", pa.int64()), ("v", pa.int64())])
+# The components' graph: a verified pair (a, b), or an exact copy b of its text's kept copy a (`copy`).
+GRAPH_SCHEMA = pa.schema([("a_key", pa.int64()), ("b_key", pa.int64()), ("a", pa.string()), ("b", pa.string()),
+                          ("a_source", pa.string()), ("b_source", pa.string()), ("jaccard", pa.float64()), ("copy", pa.bool_())])
+# Rows of the join of edges with their first document's label: an edge (kind "edge") or a label (kind "label").
+LABEL_JOIN_SCHEMA = pa.schema([("part", pa.int64()), ("kind", pa.string()), ("root", pa.int64()), *GRAPH_SCHEMA])
+ASSEMBLED_SCHEMA = pa.schema([*DUPLICATE_SCHEMA, ("key", pa.int64()), ("cluster_size", pa.int64())])
+TALLY_SCHEMA = pa.schema([("source", pa.string()), ("kept_source", pa.string()), ("size", pa.int64()), ("n", pa.int64())])
 
 
 def part_of(values: np.ndarray, partitions: int) -> np.ndarray:
@@ -195,11 +205,13 @@ def shingle_rows(group: pa.Table, paths: list[str], config: dict) -> pa.Table:
     part = int(unique[0] >> ROW_BITS)
     texts = pq.read_table(paths[part], columns=["text"])["text"].take(pa.array(unique & ((1 << ROW_BITS) - 1)))
     sets = hasher(DedupConfig(**config)).shingle_sets(texts.to_pylist())
-    routes = np.unique(np.stack([index, dest], axis=1), axis=0)  # (document, partition), each once
+    routes = np.unique(np.stack([index, dest], axis=1), axis=0)  # (document, partition), each once, by document
     n = len(routes)
+    first = np.concatenate([[True], routes[1:, 0] != routes[:-1, 0]]) if n else np.zeros(0, bool)
     return pa.table({"part": pa.array(routes[:, 1]), "kind": pa.array(["doc"] * n), "key": pa.array(unique[routes[:, 0]]),
                      **{f.name: pa.nulls(n, f.type) for f in PAIR_SCHEMA},
-                     "shingles": pa.array([sets[i].tobytes() for i in routes[:, 0]], pa.binary())}, schema=JOIN_SCHEMA)
+                     "shingles": pa.array([sets[i].tobytes() for i in routes[:, 0]], pa.binary()),
+                     "first": pa.array(first.astype(np.int64))}, schema=JOIN_SCHEMA)
 
 
 def pairs_keyed(batch: pa.Table, partitions: int) -> pa.Table:
@@ -207,7 +219,8 @@ def pairs_keyed(batch: pa.Table, partitions: int) -> pa.Table:
     n = batch.num_rows
     keys = batch["a_key"].to_numpy()
     return pa.table({"part": pa.array(part_of(keys, partitions)), "kind": pa.array(["pair"] * n), "key": pa.array(keys),
-                     **{f.name: batch[f.name] for f in PAIR_SCHEMA}, "shingles": pa.nulls(n, pa.binary())}, schema=JOIN_SCHEMA)
+                     **{f.name: batch[f.name] for f in PAIR_SCHEMA}, "shingles": pa.nulls(n, pa.binary()),
+                     "first": pa.array(np.zeros(n, np.int64))}, schema=JOIN_SCHEMA)
 
 
 def verify(group: pa.Table) -> pa.Table:
@@ -290,10 +303,11 @@ def _directed(batch: pa.Table, partitions: int, both: bool) -> pa.Table:
     return pa.table({"part": pa.array(part_of(u, partitions)), "u": pa.array(u), "v": pa.array(v)}, schema=EDGE_SCHEMA)
 
 
-def components_on_ray(edges, nbytes: int, ray_config, partitions: int) -> tuple[dict[int, int], int]:
+def components_on_ray(edges, nbytes: int, ray_config, partitions: int):
     """Large-star and small-star rounds over a Ray Data dataset of edges (u > v) until a round moves no
-    edge: then every component is a star around its smallest node. Returns ({node: that node}, rounds).
-    The rounds hold no more than a partition of edges per task; the labels come back to the caller."""
+    edge: then every component is a star around its smallest node. Returns (a dataset of (node, root):
+    every node with its component's smallest node, roots included, some rows more than once; rounds).
+    No task holds more than a partition of edges, and nothing comes back to the caller but counts."""
     rounds = 0
     while True:
         rounds += 1
@@ -306,78 +320,150 @@ def components_on_ray(edges, nbytes: int, ray_config, partitions: int) -> tuple[
         edges = small.select_columns(["u", "v"])
         if not moved:
             break
-    star = pa.concat_tables(list(edges.iter_batches(batch_format="pyarrow"))) if edges.count() else None
-    labels = {}
-    if star is not None:
-        for u, v in zip(star["u"].to_pylist(), star["v"].to_pylist()):
-            labels[u] = v
-            labels[v] = v
-    return labels, rounds
+    return edges.map_batches(_star_labels, batch_format="pyarrow"), rounds
 
 
-def assemble(candidates: str, exact: str, duplicates: str, removed: str, threshold: float, priority: dict[str, int],
-             labels: dict[int, int] | None) -> dict:
-    """Verified pairs and exact copies -> the removed documents, written to `duplicates` (rows) and to
-    `removed` (each part's sorted rows). `labels`: the components (node -> its smallest node) from
-    `components_on_ray`; None computes them here. Runs as a Ray task whose memory follows the number of
-    duplicate documents, not the corpus."""
-    files = parquet_files(candidates)
-    table = pa.concat_tables([pq.read_table(p) for p in files]) if files else CANDIDATE_SCHEMA.empty_table()
-    edges = table.filter(pc.greater_equal(table["jaccard"], threshold))
-    u, v = edges["a_key"].to_numpy(), edges["b_key"].to_numpy()
-    if labels is None:
-        labels = components_in_one_task(u, v) if len(u) else {}
-    name = dict(zip(np.concatenate([u, v]).tolist(), zip(edges["a"].to_pylist() + edges["b"].to_pylist(),
-                                                          edges["a_source"].to_pylist() + edges["b_source"].to_pylist())))
+def _star_labels(batch: pa.Table) -> pa.Table:
+    """Star edges (leaf u, root v) -> (node, root) rows: each leaf, and each root (once per batch)."""
+    u, v = batch["u"].to_numpy(), batch["v"].to_numpy()
+    roots = np.unique(v)
+    return pa.table({"node": pa.array(np.concatenate([u, roots])), "root": pa.array(np.concatenate([v, roots]))})
 
-    def rank(k: int) -> tuple[int, str]:  # smaller = preferred: source order, then id
-        return priority.get(name[k][1], len(priority)), name[k][0]
 
-    kept: dict[int, int] = {}  # component (its smallest key) -> its kept document
-    for node, root in labels.items():
-        if root not in kept or rank(node) < rank(kept[root]):
-            kept[root] = node
-    best: dict[int, tuple[float, int]] = {}  # each node's strongest verified edge (ties: the preferred neighbour)
-    for a, b, j in zip(u.tolist(), v.tolist(), edges["jaccard"].to_pylist()):
-        for x, y in ((a, b), (b, a)):
+# --------------------------------------------------------------------------- 5b: the kept document of each component
+
+
+def near_edges(batch: pa.Table, threshold: float) -> pa.Table:
+    """Checked candidate pairs -> the verified ones (Jaccard >= threshold), as graph edges."""
+    batch = batch.filter(pc.greater_equal(batch["jaccard"], threshold))
+    return pa.table({**{f.name: batch[f.name] for f in GRAPH_SCHEMA if f.name != "copy"},
+                     "copy": pa.array(np.zeros(batch.num_rows, bool))}, schema=GRAPH_SCHEMA)
+
+
+def copy_edges(batch: pa.Table) -> pa.Table:
+    """Exact copies -> graph edges from each text's kept copy (a) to the copy (b), Jaccard 1.0."""
+    n = batch.num_rows
+    return pa.table({"a_key": batch["kept_key"], "b_key": batch["key"], "a": batch["kept_id"], "b": batch["id"],
+                     "a_source": batch["kept_source"], "b_source": batch["source"],
+                     "jaccard": pa.array(np.ones(n)), "copy": pa.array(np.ones(n, bool))}, schema=GRAPH_SCHEMA)
+
+
+def _undirected(batch: pa.Table) -> pa.Table:
+    return pa.table({"u": pc.max_element_wise(batch["a_key"], batch["b_key"]),
+                     "v": pc.min_element_wise(batch["a_key"], batch["b_key"])})
+
+
+def edges_keyed(batch: pa.Table, partitions: int) -> pa.Table:
+    """Graph edges keyed by their first document, for the join with its label."""
+    n = batch.num_rows
+    return pa.table({"part": pa.array(part_of(batch["a_key"].to_numpy(), partitions)), "kind": pa.array(["edge"] * n),
+                     "root": pa.nulls(n, pa.int64()), **{f.name: batch[f.name] for f in GRAPH_SCHEMA}}, schema=LABEL_JOIN_SCHEMA)
+
+
+def labels_keyed(batch: pa.Table, partitions: int) -> pa.Table:
+    """(node, root) rows keyed by the node, for the join with the edges that start at it."""
+    n = batch.num_rows
+    return pa.table({"part": pa.array(part_of(batch["node"].to_numpy(), partitions)), "kind": pa.array(["label"] * n),
+                     "root": batch["root"], "a_key": batch["node"],
+                     **{f.name: pa.nulls(n, f.type) for f in GRAPH_SCHEMA if f.name != "a_key"}}, schema=LABEL_JOIN_SCHEMA)
+
+
+def with_roots(group: pa.Table, partitions: int) -> pa.Table:
+    """One partition of edges and of the labels of their first documents -> the edges with their
+    component's root, keyed by that root (so that each component meets in one partition)."""
+    labels = group.filter(pc.equal(group["kind"], "label"))
+    edges = group.filter(pc.equal(group["kind"], "edge"))
+    nodes, first = np.unique(labels["a_key"].to_numpy(), return_index=True)
+    roots = labels["root"].to_numpy()[first]
+    root = roots[np.searchsorted(nodes, edges["a_key"].to_numpy())]
+    return rooted(edges.select(GRAPH_SCHEMA.names), root, partitions)
+
+
+def rooted(edges: pa.Table, root: np.ndarray, partitions: int) -> pa.Table:
+    return edges.append_column("root", pa.array(root, pa.int64())) \
+        .append_column("part", pa.array(part_of(root, partitions)))
+
+
+def assemble_components(group: pa.Table, priority: dict[str, int]) -> pa.Table:
+    """The edges of whole components (each with its component's root) -> a `duplicates/` row for every
+    document but each component's kept one, with the document's key, and the component's size on the
+    first row of each component (0 on the others).
+
+    The kept document is the component's smallest (source order, id); an exact copy goes `via` its
+    text's kept copy with Jaccard 1.0, any other document via its verified neighbour of highest
+    Jaccard (ties: the preferred neighbour)."""
+    name: dict[int, tuple[str, str]] = {}
+    root_of: dict[int, int] = {}
+    copy_of: dict[int, int] = {}
+    best: dict[int, tuple[float, int]] = {}
+
+    def rank(k: int) -> tuple[int, str, int]:  # smaller = preferred: source order, then id (then key, for ties)
+        return priority.get(name[k][1], len(priority)), name[k][0], k
+
+    columns = [group[c].to_pylist() for c in ("a_key", "b_key", "a", "b", "a_source", "b_source", "jaccard", "copy", "root")]
+    for a_key, b_key, a, b, a_source, b_source, _, _, root in zip(*columns):
+        name[a_key], name[b_key] = (a, a_source), (b, b_source)
+        root_of[a_key] = root_of[b_key] = root
+    for a_key, b_key, _, _, _, _, j, copy, _ in zip(*columns):
+        if copy:
+            copy_of[b_key] = a_key
+            continue
+        for x, y in ((a_key, b_key), (b_key, a_key)):
             if x not in best or j > best[x][0] or (j == best[x][0] and rank(y) < rank(best[x][1])):
                 best[x] = (j, y)
-    exact_rows = [r for p in parquet_files(exact) for r in pq.read_table(p).to_pylist()]
-    copies = collections.Counter(r["kept_key"] for r in exact_rows)
-    parts = Parts(duplicates, "duplicates", DUPLICATE_SCHEMA)
-    gone: list[int] = []
-    members: collections.Counter = collections.Counter()  # kept document -> its cluster's size, copies included
-    removed_by: collections.Counter = collections.Counter()  # (source, kept source) -> documents removed
-    for node, root in labels.items():
+    kept: dict[int, int] = {}
+    size: collections.Counter = collections.Counter()
+    for node, root in root_of.items():
+        size[root] += 1
+        if root not in kept or rank(node) < rank(kept[root]):
+            kept[root] = node
+    out, first = [], set()
+    for node in sorted(root_of, key=lambda k: (root_of[k], k)):
+        root = root_of[node]
         keep = kept[root]
-        members[keep] += 1 + copies[node]
-        if keep != node:
-            j, via = best[node]
-            parts.add({"id": name[node][0], "source": name[node][1], "kept_id": name[keep][0], "kept_source": name[keep][1],
-                       "jaccard": j, "via": name[via][0]})
-            gone.append(node)
-            removed_by[(name[node][1], name[keep][1])] += 1
-    for rep in copies:
-        if rep not in labels:  # a text near no other: a cluster of its copies alone
-            members[rep] += 1 + copies[rep]
-    for r in exact_rows:
-        keep = kept[labels[r["kept_key"]]] if r["kept_key"] in labels else None
-        kept_id, kept_source = name[keep] if keep is not None else (r["kept_id"], r["kept_source"])
-        parts.add({"id": r["id"], "source": r["source"], "kept_id": kept_id, "kept_source": kept_source, "jaccard": 1.0,
-                   "via": r["kept_id"]})
-        gone.append(r["key"])
-        removed_by[(r["source"], kept_source)] += 1
+        if node == keep:
+            continue
+        j, via = (1.0, copy_of[node]) if node in copy_of else best[node]
+        out.append({"id": name[node][0], "source": name[node][1], "kept_id": name[keep][0], "kept_source": name[keep][1],
+                    "jaccard": j, "via": name[via][0], "key": node, "cluster_size": 0 if root in first else size[root]})
+        first.add(root)
+    return pa.Table.from_pylist(out, schema=ASSEMBLED_SCHEMA)
+
+
+def tally(batch: pa.Table) -> pa.Table:
+    """Assembled rows -> counts: documents removed per (source, kept source), clusters per size."""
+    removed = collections.Counter(zip(batch["source"].to_pylist(), batch["kept_source"].to_pylist()))
+    sizes = collections.Counter(s for s in batch["cluster_size"].to_pylist() if s)
+    rows = [{"source": s, "kept_source": k, "size": 0, "n": n} for (s, k), n in removed.items()]
+    rows += [{"source": None, "kept_source": None, "size": s, "n": n} for s, n in sizes.items()]
+    return pa.Table.from_pylist(rows, schema=TALLY_SCHEMA)
+
+
+def keys_by_part(batch: pa.Table) -> pa.Table:
+    keys = batch["key"].to_numpy()
+    return pa.table({"part": pa.array(keys >> ROW_BITS), "key": pa.array(keys)})
+
+
+def assemble_in_one_task(candidates: str, exact: str, threshold: float, priority: dict[str, int], duplicates: str,
+                         removed: str) -> tuple[list[dict], int]:
+    """The small graph's path: components, kept documents, `duplicates/` and each part's removed rows, in
+    one Ray task (memory ~ the duplicate documents). Returns (tally rows, edges)."""
+    near = [near_edges(pq.read_table(p), threshold) for p in parquet_files(candidates)]
+    copies = [copy_edges(pq.read_table(p)) for p in parquet_files(exact)]
+    graph = pa.concat_tables([GRAPH_SCHEMA.empty_table(), *near, *copies])
+    undirected = _undirected(graph)
+    labels = components_in_one_task(undirected["u"].to_numpy(), undirected["v"].to_numpy()) if graph.num_rows else {}
+    root = np.array([labels[k] for k in graph["a_key"].to_pylist()], dtype=np.int64)
+    assembled = assemble_components(rooted(graph, root, 1), priority)
+    parts = Parts(duplicates, "duplicates", DUPLICATE_SCHEMA)
+    for row in assembled.select(DUPLICATE_SCHEMA.names).to_pylist():
+        parts.add(row)
     parts.close()
-    keys = np.asarray(gone, dtype=np.int64)
     Path(removed).mkdir(parents=True, exist_ok=True)
+    keys = assembled["key"].to_numpy()
     for part in np.unique(keys >> ROW_BITS).tolist():
-        mine = keys[(keys >> ROW_BITS) == part]
-        np.save(Path(removed) / f"part-{part:05d}.npy", np.unique(mine & ((1 << ROW_BITS) - 1)))
-    in_pairs = np.unique(np.concatenate([table["a_key"].to_numpy(), table["b_key"].to_numpy()]))
-    return {"verified_pairs": edges.num_rows + len(exact_rows), "candidate_pairs": table.num_rows,
-            "candidate_documents": len(in_pairs),
-            "exact_duplicates": len(exact_rows), "duplicates": len(gone), "clusters": len(members),
-            "cluster_sizes": dict(collections.Counter(members.values())), "removed": removed_by}
+        write_by_part(pa.table({"key": keys[(keys >> ROW_BITS) == part]}), removed)
+    return tally(assembled).to_pylist(), graph.num_rows
 
 
 # --------------------------------------------------------------------------- 6: output
@@ -442,31 +528,55 @@ def run(ctx: StageContext) -> StageResult:
             .write_parquet(str(work / "pairs"))
         bar.update()
 
-        candidates = ctx.aside("candidates")
+        candidates, candidate_documents = ctx.aside("candidates"), 0
         if parquet_files(work / "pairs"):  # no shared band key anywhere: nothing to verify
             pairs = ray.data.read_parquet(str(work / "pairs"))
             which = pairs.map_batches(candidate_keys, batch_format="pyarrow", fn_kwargs={"partitions": partitions})
             grouped(which, "candidate documents").map_groups(shingle_rows, batch_format="pyarrow",
                                                              fn_kwargs={"paths": parts, "config": config}) \
                 .write_parquet(str(work / "shingles"))
+            candidate_documents = ray.data.read_parquet(str(work / "shingles"), columns=["first"]).sum("first") or 0
             bar.update()
             keyed = pairs.map_batches(pairs_keyed, batch_format="pyarrow", fn_kwargs={"partitions": partitions})
             grouped(keyed.union(ray.data.read_parquet(str(work / "shingles"))), "verification") \
                 .map_groups(verify, batch_format="pyarrow").write_parquet(str(candidates))
         bar.update_to(4)
 
-        labels, rounds = None, 0
-        edges = ray.data.read_parquet(str(candidates)).filter(expr=f"jaccard >= {cfg.threshold}") \
+        duplicates, removed, rounds = ctx.aside("duplicates"), work / "removed", 0
+        near = ray.data.read_parquet(str(candidates)).map_batches(near_edges, batch_format="pyarrow",
+                                                                   fn_kwargs={"threshold": cfg.threshold}) \
             if parquet_files(candidates) else None
-        if edges is not None and edges.count() > SMALL_GRAPH_EDGES:
-            undirected = edges.map_batches(lambda b: pa.table({"u": pc.max_element_wise(b["a_key"], b["b_key"]),
-                                                               "v": pc.min_element_wise(b["a_key"], b["b_key"])}),
-                                           batch_format="pyarrow").materialize()
+        copies = ray.data.read_parquet(str(exact)).map_batches(copy_edges, batch_format="pyarrow") \
+            if parquet_files(exact) else None
+        edges = sum(ds.count() for ds in (near, copies) if ds is not None)
+        if edges <= SMALL_GRAPH_EDGES:
+            tallies, _ = ray.get(ray.remote(assemble_in_one_task).remote(
+                str(candidates), str(exact), cfg.threshold, priority, str(duplicates), str(removed)))
+        else:
+            graph = near.union(copies) if near is not None and copies is not None else near or copies
+            graph = graph.materialize()
+            undirected = graph.map_batches(_undirected, batch_format="pyarrow").materialize()
             shuffled["components"] = undirected.size_bytes()
             labels, rounds = components_on_ray(undirected, undirected.size_bytes(), ctx.config.ray, partitions)
-        duplicates, removed = ctx.aside("duplicates"), work / "removed"
-        found = ray.get(ray.remote(assemble).remote(str(candidates), str(exact), str(duplicates), str(removed),
-                                                   cfg.threshold, priority, labels))
+            kw = {"partitions": partitions}
+            joined = graph.map_batches(edges_keyed, batch_format="pyarrow", fn_kwargs=kw) \
+                .union(labels.map_batches(labels_keyed, batch_format="pyarrow", fn_kwargs=kw))
+            by_root = grouped(joined, "components").map_groups(with_roots, batch_format="pyarrow", fn_kwargs=kw)
+            assembled = grouped(by_root, "components").map_groups(
+                assemble_components, batch_format="pyarrow", fn_kwargs={"priority": priority}).materialize()
+            assembled.select_columns(DUPLICATE_SCHEMA.names).write_parquet(str(duplicates))
+            Path(removed).mkdir(parents=True)
+            grouped(assembled.map_batches(keys_by_part, batch_format="pyarrow"), "components").map_groups(
+                write_by_part, batch_format="pyarrow", fn_kwargs={"folder": str(removed)}).materialize()
+            tallies = assembled.map_batches(tally, batch_format="pyarrow").take_all()
+        found = {"verified_pairs": edges, "rounds": rounds, "removed": collections.Counter(), "cluster_sizes": collections.Counter(),
+                 "candidate_pairs": ray.data.read_parquet(str(candidates)).count() if parquet_files(candidates) else 0,
+                 "exact_duplicates": copies.count() if copies is not None else 0}
+        for t in tallies:
+            if t["size"]:
+                found["cluster_sizes"][t["size"]] += t["n"]
+            else:
+                found["removed"][(t["source"], t["kept_source"])] += t["n"]
         bar.update()
 
         counts: collections.Counter = collections.Counter()
@@ -478,7 +588,8 @@ def run(ctx: StageContext) -> StageResult:
     check_written(ctx.output, counts["rows_out"], "documents kept")
     check_read(counts["rows_in"], ctx.inputs, "normalize")
     shutil.rmtree(work, ignore_errors=True)
-    found.update(rounds=rounds, shuffled=shuffled, candidate_fraction=found["candidate_documents"] / counts["rows_in"])
+    found.update(shuffled=shuffled, candidate_fraction=candidate_documents / counts["rows_in"],
+                 clusters=sum(found["cluster_sizes"].values()))
     return StageResult(counts["rows_in"], counts["rows_out"], {"duplicate": counts["duplicate"]},
                        _metrics(found, bands, rows, ctx))
 
