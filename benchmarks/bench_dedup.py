@@ -3,6 +3,7 @@ shuffled bytes at scale against an earlier commit.
 
     python benchmarks/bench_dedup.py quality [--docs 20000]
     python benchmarks/bench_dedup.py scale [--docs 100000 400000] [--baseline 57f9f91] [--planted 0.2]
+    python benchmarks/bench_dedup.py components [--edges 1000000 4000000]
 
 quality: a generated corpus with duplicates planted at known Jaccard (exact copies, whitespace
 variants, one-word edits, chains a~b~c with a and c below the threshold, variants just above
@@ -20,12 +21,22 @@ scale: the same generator at each size, through `--only ingest,normalize,dedup` 
 code and with `--baseline`'s (its tree `git archive`d, one after the other on the same corpus): the
 dedup stage's seconds (manifest), the driver's peak RSS, the machine's peak memory while the
 pipeline runs, and the bytes each phase's groupbys took in (Ray Data's block sizes, measured
-the same way on both sides: the baseline's `grouped` is patched to record them).
+the same way on both sides: the baseline's `grouped` is patched to record them). Ingest and
+normalize run once per size; each side then runs its dedup stage alone on their output, so the
+peaks (driver, largest Ray worker, all workers, the object store in /dev/shm, the machine) are
+dedup's own.
+
+components: the stage's two components paths on a generated graph shaped like dedup's (clusters
+of Zipf-distributed size, half of them stars as exact copies make, half chains, the worst case
+for rounds, on keys in random order): the one-task min-label propagation (its time and its peak
+traced allocation) against the large-star/small-star rounds on Ray Data (time, rounds, peak
+worker RSS), and that both give the same labels.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import gzip
 import json
 import os
@@ -91,15 +102,17 @@ def generate(path: Path, docs: int, seed: int = 5, planted: float = 0.2) -> dict
     return kinds
 
 
-def run_pipeline(root: Path, data: Path, tree: Path = ROOT) -> tuple[dict, dict]:
-    """The pipeline up to dedup, with the code in `tree`; returns (dedup manifest, peak MB of memory:
+def run_pipeline(root: Path, data: Path, tree: Path = ROOT, stages: str = "ingest,normalize,dedup",
+                 workdir: Path | None = None) -> tuple[dict, dict]:
+    """`stages` of the pipeline, with the code in `tree`; returns (dedup manifest, peak MB of memory:
     the driver's RSS, the largest Ray worker's RSS, all workers' RSS together, the object store (/dev/shm)
     and the machine's used memory, each above what it was before the run)."""
     root.mkdir(parents=True, exist_ok=True)
+    workdir = workdir or root / "work"
     config = root / "bench.yaml"
-    config.write_text(f"workdir: {root}/work\n"
+    config.write_text(f"workdir: {workdir}\n"
                       f"sources: [{{name: gen, format: jsonl, id_field: id, paths: ['{data}']}}]\n")
-    cmd = [sys.executable, str(tree / "pipelines" / "full.py"), "--config", str(config), "--only", "ingest,normalize,dedup", "--force"]
+    cmd = [sys.executable, str(tree / "pipelines" / "full.py"), "--config", str(config), "--only", stages, "--force"]
     base, shm_base = psutil.virtual_memory().used, psutil.disk_usage("/dev/shm").used
     peak = dict.fromkeys(["driver", "worker", "workers", "object store", "machine"], 0)
     # Ray's workers must import the tree's code (they put the driver's directory first on sys.path)
@@ -128,7 +141,7 @@ def run_pipeline(root: Path, data: Path, tree: Path = ROOT) -> tuple[dict, dict]
     if proc.wait() != 0:
         raise SystemExit(f"pipeline failed: {' '.join(cmd)} (log: {log})")
     watcher.join()
-    manifest = json.loads((root / "work" / "dedup" / "manifest.json").read_text())
+    manifest = json.loads((workdir / "dedup" / "manifest.json").read_text()) if "dedup" in stages else {}
     return manifest, {k: v / 2**20 for k, v in peak.items()}
 
 
@@ -298,8 +311,11 @@ def scale(sizes: list[int], root: Path, baseline: str, planted: float) -> None:
         if not (folder / "gen.jsonl").is_file():
             generate(folder / "gen.jsonl", n, planted=planted)
         mb = (folder / "gen.jsonl").stat().st_size / 1e6
+        # Ingest and normalize once (their code is the same on both sides), then each side's dedup alone
+        # on that output: --force reruns only the selected stage, so the memory peaks are dedup's own.
+        run_pipeline(folder, folder / "gen.jsonl", ROOT, "ingest,normalize", folder / "work")
         for name, code in ((baseline, tree), ("now", ROOT)):
-            manifest, peak = run_pipeline(folder / name, folder / "gen.jsonl", code)
+            manifest, peak = run_pipeline(folder / name, folder / "gen.jsonl", code, "dedup", folder / "work")
             m = manifest["metrics"]
             if name == baseline:
                 sizes_in = [int(x) for x in (Path(manifest["output"]).parent / "shuffled.txt").read_text().split()]
@@ -313,9 +329,78 @@ def scale(sizes: list[int], root: Path, baseline: str, planted: float) -> None:
                   f"| {total / 1e6:,.1f} ({detail}) |", flush=True)
 
 
+def dedup_like_graph(edges: int, seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """About `edges` undirected edges (u > v) over int64 keys: clusters of Zipf(2) size up to 100k,
+    each a star (exact copies of one text) or a chain (near-duplicates one edit apart)."""
+    rng = np.random.default_rng(seed)
+    sizes = np.minimum(rng.zipf(2.0, size=edges), 100_000)
+    sizes = sizes[np.cumsum(sizes) <= edges]  # a cluster of s + 1 documents has s edges
+    first = np.concatenate([[0], np.cumsum(sizes + 1)[:-1]])  # each cluster's first node
+    cluster = np.repeat(np.arange(len(sizes)), sizes)
+    k = np.arange(len(cluster)) - np.repeat(np.cumsum(sizes) - sizes, sizes) + 1  # 1..s within a cluster
+    star = rng.random(len(sizes)) < 0.5
+    a = first[cluster] + k
+    b = np.where(star[cluster], first[cluster], a - 1)
+    nodes = int((sizes + 1).sum())
+    keys = np.unique(rng.integers(0, 1 << 62, size=int(nodes * 1.01) + 16))[:nodes]
+    keys = rng.permutation(keys)  # random key order: chains are then the most rounds
+    u, v = keys[a], keys[b]
+    return np.maximum(u, v), np.minimum(u, v)
+
+
+def components(sizes: list[int]) -> None:
+    import tracemalloc
+
+    import pyarrow as pa
+    import ray
+    import ray.data
+
+    from dedup.stage import PARTITION_BYTES, components_in_one_task, components_on_ray
+    from pipelines.config import RayConfig
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    print(f"commit {provenance.commit()}; {platform.machine()}, 2 cores, {psutil.virtual_memory().total / 2**30:.0f} GiB\n")
+    print("| edges | documents | components | largest | one task: s | one task: peak MB | Ray Data: s | rounds "
+          "| Ray Data: peak worker MB | same labels |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for n in sizes:
+        u, v = dedup_like_graph(n)
+        tracemalloc.start()
+        t = time.perf_counter()
+        expected = components_in_one_task(u, v)
+        one_s, one_peak = time.perf_counter() - t, tracemalloc.get_traced_memory()[1] / 2**20
+        tracemalloc.stop()
+        nbytes = u.nbytes * 2
+        ds = ray.data.from_arrow(pa.table({"u": u, "v": v})).repartition(max(2, nbytes // (16 << 20))).materialize()
+        peak, done = [0], threading.Event()
+
+        def watch() -> None:
+            while not done.is_set():
+                rss = [p.info["memory_info"].rss for p in psutil.process_iter(["name", "memory_info"])
+                       if (p.info["name"] or "").startswith("ray::") and p.info["memory_info"]]
+                peak[0] = max(peak[0], max(rss, default=0))
+                time.sleep(0.5)
+
+        watcher = threading.Thread(target=watch)
+        watcher.start()
+        t = time.perf_counter()
+        labels, rounds = components_on_ray(ds, nbytes, RayConfig(), partitions=max(1, -(-nbytes // PARTITION_BYTES)))
+        got = pa.concat_tables(labels.iter_batches(batch_format="pyarrow"))
+        ray_s = time.perf_counter() - t
+        done.set()
+        watcher.join()
+        same = dict(zip(got["node"].to_numpy().tolist(), got["root"].to_numpy().tolist())) == expected
+        roots = collections.Counter(expected.values())
+        print(f"| {len(u):,} | {len(expected):,} | {len(roots):,} | {max(roots.values()):,} | {one_s:.1f} | {one_peak:,.0f} "
+              f"| {ray_s:.1f} | {rounds} | {peak[0] / 2**20:,.0f} | {same} |", flush=True)
+    ray.shutdown()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("what", choices=["quality", "scale"])
+    parser.add_argument("what", choices=["quality", "scale", "components"])
+    parser.add_argument("--edges", type=int, nargs="+", default=[1_000_000, 4_000_000], help="components: graph sizes")
     parser.add_argument("--docs", type=int, nargs="+")
     parser.add_argument("--out", default="/tmp/bench_dedup")
     parser.add_argument("--baseline", default="57f9f91", help="scale: the commit to compare with (default: before issue 19)")
@@ -323,6 +408,8 @@ def main() -> None:
     args = parser.parse_args()
     if args.what == "quality":
         quality((args.docs or [20000])[0], Path(args.out) / "quality")
+    elif args.what == "components":
+        components(args.edges)
     else:
         scale(args.docs or [100000, 400000], Path(args.out), args.baseline, args.planted)
 

@@ -10,16 +10,17 @@ its own part, not a join) and what removal matches on.
    (source order in the config, then the smallest id). Copies go to `duplicates/` with Jaccard
    1.0 and `via` that kept copy. Everything below sees one document per text.
 2. Band keys: one task per part computes the MinHash band keys (dedup/minhash.py, dedup/lsh.py)
-   of the documents left after step 1: rows (band key, key, id, source).
+   of the documents left after step 1: rows (band key, partition, key), 20 bytes each.
 3. Candidates: the band rows grouped by a coarse partition of the band key; a bucket of k <= 32
-   documents gives all its pairs, a bigger one the pairs of its smallest id with every other and
-   of each neighbour in id order, O(k) instead of O(k^2). Pairs carry keys and ids only.
-4. Verification: the candidate documents are found per part (a semi-join by key: a groupby of
-   keys on their part), and one task per part reads only those documents' text from its own part
-   and sends their shingle sets to the verification partitions of their pairs (a pair's is its
-   first document's); one groupby then brings each partition its pairs and those shingle sets,
-   and every pair gets its exact Jaccard. A pair below the threshold is never merged. Every checked
-   pair is kept in `candidates/` with its Jaccard.
+   documents gives all its pairs, a bigger one the pairs of its smallest key with every other and
+   of each neighbour in key order, O(k) instead of O(k^2). Pairs are two keys.
+4. Verification, in the part of each pair's first document: a groupby of the pairs' keys on their
+   own part (the semi-join) lets one task per part read only its candidate documents whose pairs
+   are verified in another part, and send their ids, sources and shingle sets there, once per
+   part that needs them. One groupby then brings each part its pairs and those documents; the
+   task reads its own documents from its part, and every pair gets its exact Jaccard. A pair
+   below the threshold is never merged. Every checked pair is kept in `candidates/`, (a, b) in
+   (id, source) order, with its Jaccard.
 5. Components of the graph of verified pairs and exact copies (each copy linked to its text's kept
    copy): distributed rounds of large-star and small-star (Kiveris et al. 2014), each a groupby over
    the edges, until a round changes nothing. A groupby then joins every edge with its first
@@ -63,11 +64,12 @@ DUPLICATE_SCHEMA = pa.schema([("id", pa.string()), ("source", pa.string()), ("ke
 CANDIDATE_SCHEMA = pa.schema([("a", pa.string()), ("b", pa.string()), ("a_source", pa.string()),
                               ("b_source", pa.string()), ("jaccard", pa.float64()), ("a_key", pa.int64()),
                               ("b_key", pa.int64())])
-PAIR_SCHEMA = CANDIDATE_SCHEMA.remove(4)
-# Rows of the verification groupby: a candidate document's shingle set (kind "doc"; `first` is 1 on one
-# row of each document, so they can be counted), or a pair (kind "pair").
-JOIN_SCHEMA = pa.schema([("part", pa.int64()), ("kind", pa.string()), ("key", pa.int64()), *PAIR_SCHEMA,
-                         ("shingles", pa.binary()), ("first", pa.int64())])
+PAIR_SCHEMA = pa.schema([("a_key", pa.int64()), ("b_key", pa.int64())])
+# Rows of the verification groupby, keyed by part: a pair of that part's (kind "pair": a_key, b_key), or a
+# document of another part that one of its pairs needs (kind "doc": a_key, id, source, shingles).
+# `first` is 1 on one row of each candidate document (so they can be counted).
+JOIN_SCHEMA = pa.schema([("part", pa.int64()), ("kind", pa.string()), *PAIR_SCHEMA, ("id", pa.string()),
+                         ("source", pa.string()), ("shingles", pa.binary()), ("first", pa.int64())])
 EDGE_SCHEMA = pa.schema([("part", pa.int64()), ("u", pa.int64()), ("v", pa.int64())])
 # The components' graph: a verified pair (a, b), or an exact copy b of its text's kept copy a (`copy`).
 GRAPH_SCHEMA = pa.schema([("a_key", pa.int64()), ("b_key", pa.int64()), ("a", pa.string()), ("b", pa.string()),
@@ -102,9 +104,9 @@ def index_task(task: dict) -> dict:
     digest = b"".join(hashlib.blake2b(t.encode(), digest_size=16).digest() for t in table["text"].to_pylist())
     h = np.frombuffer(digest, dtype=np.uint64).reshape(n, 2) if n else np.zeros((0, 2), dtype=np.uint64)
     priority = task["priority"]
-    out = pa.table({"part": pa.array((h[:, 0] % np.uint64(task["partitions"])).astype(np.int64)),
+    out = pa.table({"part": pa.array((h[:, 0] % np.uint64(task["partitions"])).astype(np.int32)),
                     "key": pa.array(keys_of(task["part"], n)), "h1": pa.array(h[:, 0]), "h2": pa.array(h[:, 1]),
-                    "prio": pa.array([priority.get(s, len(priority)) for s in table["source"].to_pylist()], pa.int64()),
+                    "prio": pa.array([priority.get(s, len(priority)) for s in table["source"].to_pylist()], pa.int32()),
                     "id": table["id"], "source": table["source"]})
     Path(task["out"]).mkdir(parents=True, exist_ok=True)
     pq.write_table(out, Path(task["out"]) / f"index-{task['part']:05d}.parquet")
@@ -142,97 +144,128 @@ def write_by_part(group: pa.Table, folder: str) -> pa.Table:
 
 
 def band_task(task: dict) -> dict:
-    """One part -> band rows of its documents that are not exact copies: (band, part, key, id, source)."""
+    """One part -> band rows of its documents that are not exact copies: (band, part, key), 20 bytes."""
     cfg = DedupConfig(**task["config"])
-    table = pq.read_table(task["path"], columns=["id", "source", "text"])
+    table = pq.read_table(task["path"], columns=["text"])
     keep = np.setdiff1d(np.arange(table.num_rows), removed_rows(Path(task["exact"]), task["part"]), assume_unique=True)
-    table = table.take(keep)
     bands = task["bands"]
-    keys = band_keys(hasher(cfg).signatures(table["text"].to_pylist()), bands, task["rows"], seed=cfg.seed)
+    keys = band_keys(hasher(cfg).signatures(table["text"].take(keep).to_pylist()), bands, task["rows"], seed=cfg.seed)
     flat = keys.ravel()  # document-major: doc 0's bands, doc 1's, ...
     out = pa.table({"band": pa.array(flat, pa.uint64()),
-                    "part": pa.array((flat % np.uint64(task["partitions"])).astype(np.int64)),
-                    "key": pa.array(np.repeat((np.int64(task["part"]) << np.int64(ROW_BITS)) + keep.astype(np.int64), bands)),
-                    "id": pa.array(np.repeat(table["id"].to_numpy(zero_copy_only=False), bands)),
-                    "source": pa.array(np.repeat(table["source"].to_numpy(zero_copy_only=False), bands))})
+                    "part": pa.array((flat % np.uint64(task["partitions"])).astype(np.int32)),
+                    "key": pa.array(np.repeat((np.int64(task["part"]) << np.int64(ROW_BITS)) + keep.astype(np.int64), bands))})
     Path(task["out"]).mkdir(parents=True, exist_ok=True)
     pq.write_table(out, Path(task["out"]) / f"bands-{task['part']:05d}.parquet")
-    return {"documents": table.num_rows, "bytes": out.nbytes}
+    return {"documents": len(keep), "bytes": out.nbytes}
 
 
-def bucket_pairs(members: list[tuple[str, str, int]]) -> list[tuple[str, str, str, str, int, int]]:
-    """Candidate pairs (a < b) of one bucket of (id, source, key)."""
-    members = sorted(set(members))
-    if len(members) <= SMALL_BUCKET:
-        idx = [(i, j) for i in range(len(members)) for j in range(i + 1, len(members))]
-    else:
-        idx = sorted({(0, j) for j in range(1, len(members))} | {(j, j + 1) for j in range(len(members) - 1)})
-    return [(members[i][0], members[j][0], members[i][1], members[j][1], members[i][2], members[j][2]) for i, j in idx]
+def bucket_pairs(members: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Candidate pairs (a < b) of one bucket of distinct sorted keys."""
+    k = len(members)
+    if k <= SMALL_BUCKET:
+        i, j = np.triu_indices(k, 1)
+    else:  # the smallest with every other, and each with the next: a spanning set of 2k - 3 pairs
+        i = np.concatenate([np.zeros(k - 1, np.int64), np.arange(1, k - 1)])
+        j = np.concatenate([np.arange(1, k), np.arange(2, k)])
+    return members[i], members[j]
 
 
 def candidate_pairs(group: pa.Table) -> pa.Table:
-    """One partition of band rows -> the candidate pairs of every bucket in it (a bucket = a band key)."""
-    order = np.argsort(group["band"].to_numpy(), kind="stable")
-    band = group["band"].to_numpy()[order]
-    ids = np.asarray(group["id"].to_pylist(), dtype=object)[order]
-    sources = np.asarray(group["source"].to_pylist(), dtype=object)[order]
-    keys = group["key"].to_numpy()[order]
+    """One partition of band rows -> the candidate pairs (a_key < b_key) of every bucket in it (a bucket =
+    a band key), each pair once per partition."""
+    band, key = group["band"].to_numpy(), group["key"].to_numpy()
+    order = np.lexsort((key, band))
+    band, key = band[order], key[order]
+    fresh = np.concatenate([[True], (band[1:] != band[:-1]) | (key[1:] != key[:-1])]) if len(band) else np.zeros(0, bool)
+    band, key = band[fresh], key[fresh]  # a document twice in one bucket (two bands alike): once
     starts = np.flatnonzero(np.concatenate([[True], band[1:] != band[:-1]])) if len(band) else np.zeros(0, np.int64)
     ends = np.append(starts[1:], len(band))
-    out = []
+    a, b = [np.zeros(0, np.int64)], [np.zeros(0, np.int64)]
     for s, e in zip(starts[ends - starts > 1], ends[ends - starts > 1]):  # buckets of 2+ only
-        out.extend(bucket_pairs(list(zip(ids[s:e], sources[s:e], keys[s:e].tolist()))))
-    columns = list(zip(*out)) if out else [[] for _ in PAIR_SCHEMA]
-    return pa.table([pa.array(c, f.type) for c, f in zip(columns, PAIR_SCHEMA)], schema=PAIR_SCHEMA)
+        x, y = bucket_pairs(key[s:e])
+        a.append(x)
+        b.append(y)
+    pairs = np.unique(np.stack([np.concatenate(a), np.concatenate(b)], axis=1), axis=0)
+    return pa.table({"a_key": pa.array(pairs[:, 0]), "b_key": pa.array(pairs[:, 1])}, schema=PAIR_SCHEMA)
 
 
 # --------------------------------------------------------------------------- 4: verification
 
 
-def candidate_keys(batch: pa.Table, partitions: int) -> pa.Table:
-    """Pairs -> both their documents' keys, each with the part that holds it (the semi-join's side) and
-    the verification partition its pair goes to (its first document's)."""
+def candidate_keys(batch: pa.Table) -> pa.Table:
+    """Pairs -> both their documents' keys, each with the part that holds it (the semi-join's side) and the
+    part that verifies its pair (its first document's), or -1 where that is its own part (nothing to send:
+    that part reads it), each once per batch."""
     a, b = batch["a_key"].to_numpy(), batch["b_key"].to_numpy()
-    keys, dest = np.concatenate([a, b]), np.tile(part_of(a, partitions), 2)
-    return pa.table({"part": pa.array(keys >> ROW_BITS), "key": pa.array(keys), "dest": pa.array(dest)})
+    keys = np.concatenate([a, b])
+    dest = np.tile(a >> ROW_BITS, 2)
+    dest[(keys >> ROW_BITS) == dest] = -1
+    routes = np.unique(np.stack([keys, dest], axis=1), axis=0)
+    return pa.table({"part": pa.array(routes[:, 0] >> ROW_BITS), "key": pa.array(routes[:, 0]), "dest": pa.array(routes[:, 1])})
+
+
+def read_documents(path: str, keys: np.ndarray, config: dict) -> tuple[pa.Table, list[np.ndarray]]:
+    """Some documents of one part, by key (sorted, unique): their ids and sources, and their shingle sets."""
+    table = pq.read_table(path, columns=["id", "source", "text"]).take(pa.array(keys & ((1 << ROW_BITS) - 1)))
+    return table.select(["id", "source"]), hasher(DedupConfig(**config)).shingle_sets(table["text"].to_pylist())
 
 
 def shingle_rows(group: pa.Table, paths: list[str], config: dict) -> pa.Table:
-    """The candidate documents of one part -> their shingle sets, read from that part alone, one row for
-    each verification partition that needs the document."""
+    """The candidate documents of one part -> for each part that verifies one of their pairs elsewhere, their
+    id, source and shingle set, read from this part alone. A document verified only here gets one row
+    (part -1, nothing in it) so that `first` counts every candidate document once."""
     keys, dest = group["key"].to_numpy(), group["dest"].to_numpy()
     unique, index = np.unique(keys, return_inverse=True)
-    part = int(unique[0] >> ROW_BITS)
-    texts = pq.read_table(paths[part], columns=["text"])["text"].take(pa.array(unique & ((1 << ROW_BITS) - 1)))
-    sets = hasher(DedupConfig(**config)).shingle_sets(texts.to_pylist())
-    routes = np.unique(np.stack([index, dest], axis=1), axis=0)  # (document, partition), each once, by document
+    routes = np.unique(np.stack([index, dest], axis=1), axis=0)  # (document, part), each once, by document
+    first = np.concatenate([[True], routes[1:, 0] != routes[:-1, 0]])
+    routes = routes[first | (routes[:, 1] >= 0)]  # a document's -1 route only where it has no other
+    first = np.concatenate([[True], routes[1:, 0] != routes[:-1, 0]])
+    away = routes[:, 1] >= 0
+    sent = np.unique(routes[away, 0])
+    names, sets = read_documents(paths[int(unique[0] >> ROW_BITS)], unique[sent], config)
+    at = np.searchsorted(sent, routes[:, 0])  # where sent, the document's place in names and sets
     n = len(routes)
-    first = np.concatenate([[True], routes[1:, 0] != routes[:-1, 0]]) if n else np.zeros(0, bool)
-    return pa.table({"part": pa.array(routes[:, 1]), "kind": pa.array(["doc"] * n), "key": pa.array(unique[routes[:, 0]]),
-                     **{f.name: pa.nulls(n, f.type) for f in PAIR_SCHEMA},
-                     "shingles": pa.array([sets[i].tobytes() for i in routes[:, 0]], pa.binary()),
+    return pa.table({"part": pa.array(routes[:, 1]), "kind": pa.array(["doc"] * n), "a_key": pa.array(unique[routes[:, 0]]),
+                     "b_key": pa.nulls(n, pa.int64()),
+                     "id": pa.array([names["id"][int(i)].as_py() if w else None for i, w in zip(at, away)], pa.string()),
+                     "source": pa.array([names["source"][int(i)].as_py() if w else None for i, w in zip(at, away)], pa.string()),
+                     "shingles": pa.array([sets[i].tobytes() if w else None for i, w in zip(at, away)], pa.binary()),
                      "first": pa.array(first.astype(np.int64))}, schema=JOIN_SCHEMA)
 
 
-def pairs_keyed(batch: pa.Table, partitions: int) -> pa.Table:
-    """Pairs keyed by their first document's verification partition."""
+def pairs_keyed(batch: pa.Table) -> pa.Table:
+    """Pairs keyed by the part that verifies them: their first document's."""
     n = batch.num_rows
-    keys = batch["a_key"].to_numpy()
-    return pa.table({"part": pa.array(part_of(keys, partitions)), "kind": pa.array(["pair"] * n), "key": pa.array(keys),
-                     **{f.name: batch[f.name] for f in PAIR_SCHEMA}, "shingles": pa.nulls(n, pa.binary()),
+    return pa.table({"part": pa.array(batch["a_key"].to_numpy() >> ROW_BITS), "kind": pa.array(["pair"] * n),
+                     "a_key": batch["a_key"], "b_key": batch["b_key"], "id": pa.nulls(n, pa.string()),
+                     "source": pa.nulls(n, pa.string()), "shingles": pa.nulls(n, pa.binary()),
                      "first": pa.array(np.zeros(n, np.int64))}, schema=JOIN_SCHEMA)
 
 
-def verify(group: pa.Table) -> pa.Table:
-    """One verification partition: its pairs (each once, though several bands may have proposed it) and the
-    shingle sets of their documents -> each pair's exact Jaccard."""
+def verify(group: pa.Table, paths: list[str], config: dict) -> pa.Table:
+    """One part's pairs (each once, though several bands may have proposed it) and the shingle sets of
+    their second documents held elsewhere -> each pair's exact Jaccard. The part's own documents are
+    read from the part; a pair is written (a, b) in (id, source) order."""
     docs = group.filter(pc.equal(group["kind"], "doc"))
-    sets = {k: np.frombuffer(s, dtype=np.uint64) for k, s in zip(docs["key"].to_pylist(), docs["shingles"].to_pylist())}
-    pairs = group.filter(pc.equal(group["kind"], "pair")).select([f.name for f in PAIR_SCHEMA])
-    if pairs.num_rows:
-        pairs = pairs.group_by(pairs.column_names, use_threads=False).aggregate([]).select(pairs.column_names)
-    jaccard = [jaccard_of_sets(sets[a], sets[b]) for a, b in zip(pairs["a_key"].to_pylist(), pairs["b_key"].to_pylist())]
-    return pairs.add_column(4, "jaccard", pa.array(jaccard, pa.float64())).cast(CANDIDATE_SCHEMA)
+    pairs = np.unique(np.stack([c.to_numpy() for c in group.filter(pc.equal(group["kind"], "pair"))
+                                .select(["a_key", "b_key"]).columns], axis=1), axis=0)
+    if not len(pairs):
+        return CANDIDATE_SCHEMA.empty_table()
+    part = int(pairs[0, 0] >> ROW_BITS)
+    local = np.unique(pairs[(pairs >> ROW_BITS) == part])
+    names, sets = read_documents(paths[part], local, config)
+    known = {k: (i, s, x) for k, i, s, x in zip(local.tolist(), names["id"].to_pylist(), names["source"].to_pylist(), sets)}
+    for k, i, s, x in zip(docs["a_key"].to_pylist(), docs["id"].to_pylist(), docs["source"].to_pylist(),
+                          docs["shingles"].to_pylist()):
+        known[k] = (i, s, np.frombuffer(x, dtype=np.uint64))
+    out = []
+    for a, b in pairs.tolist():
+        (a_id, a_source, a_set), (b_id, b_source, b_set) = known[a], known[b]
+        if (b_id, b_source, b) < (a_id, a_source, a):
+            a, b, a_id, b_id, a_source, b_source = b, a, b_id, a_id, b_source, a_source
+        out.append({"a": a_id, "b": b_id, "a_source": a_source, "b_source": b_source,
+                    "jaccard": jaccard_of_sets(a_set, b_set), "a_key": a, "b_key": b})
+    return pa.Table.from_pylist(out, schema=CANDIDATE_SCHEMA)
 
 
 # --------------------------------------------------------------------------- 5: components
@@ -488,6 +521,7 @@ def filter_task(task: dict) -> dict:
 def run(ctx: StageContext) -> StageResult:
     import ray
     import ray.data
+    from ray.data.expressions import col
 
     cfg: DedupConfig = ctx.section
     config = dataclasses.asdict(cfg)
@@ -531,15 +565,16 @@ def run(ctx: StageContext) -> StageResult:
         candidates, candidate_documents = ctx.aside("candidates"), 0
         if parquet_files(work / "pairs"):  # no shared band key anywhere: nothing to verify
             pairs = ray.data.read_parquet(str(work / "pairs"))
-            which = pairs.map_batches(candidate_keys, batch_format="pyarrow", fn_kwargs={"partitions": partitions})
+            which = pairs.map_batches(candidate_keys, batch_format="pyarrow")
             grouped(which, "candidate documents").map_groups(shingle_rows, batch_format="pyarrow",
                                                              fn_kwargs={"paths": parts, "config": config}) \
                 .write_parquet(str(work / "shingles"))
             candidate_documents = ray.data.read_parquet(str(work / "shingles"), columns=["first"]).sum("first") or 0
             bar.update()
-            keyed = pairs.map_batches(pairs_keyed, batch_format="pyarrow", fn_kwargs={"partitions": partitions})
-            grouped(keyed.union(ray.data.read_parquet(str(work / "shingles"))), "verification") \
-                .map_groups(verify, batch_format="pyarrow").write_parquet(str(candidates))
+            sent = ray.data.read_parquet(str(work / "shingles")).filter(expr=col("part") >= 0)
+            grouped(pairs.map_batches(pairs_keyed, batch_format="pyarrow").union(sent), "verification") \
+                .map_groups(verify, batch_format="pyarrow", fn_kwargs={"paths": parts, "config": config}) \
+                .write_parquet(str(candidates))
         bar.update_to(4)
 
         duplicates, removed, rounds = ctx.aside("duplicates"), work / "removed", 0
