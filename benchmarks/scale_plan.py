@@ -37,10 +37,27 @@ TOKENS_PER_CORE_S = (790_537, "Tokenize: stage on 1 CPU")
 BYTES_PER_TOKEN = TEXT_BYTES / TOKENS
 VCPUS_PER_NODE = 96  # p4de.24xlarge; Ray counts vCPUs
 
-# Dedup's shuffles (dedup/stage.py): every document's band rows (bands x (8-byte key + id + source
-# + partition)), then every document's text twice (the verification join meets each pair's first,
-# then its second document: both groupbys take all documents as well as the pairs).
-BANDS, BAND_ROW_BYTES = 10, 8 + 40 + 8 + 8
+# Dedup's shuffles (dedup/stage.py), per unit, from `bench_dedup.py scale --docs 400000 --planted 0.1`
+# (docs/benchmarks.md, "Dedup without the corpus in any shuffle"): each phase's bytes over what it scales with.
+BANDS = 10
+SHUFFLE_NOW = {
+    "exact": (20.6e6 / 400_000, "per document: its text hash, key, id, source; then each copy's key"),
+    "candidates": (80.0e6 / ((400_000 - 5_095) * BANDS), "per band row (band, partition, key) of each document that is not a copy"),
+    "candidate documents": (4.48e6 / (0.141 * 400_000), "per candidate document: its key and the part that needs it"),
+    "verification": (50.5e6 / (0.141 * 400_000 * 1088), "per byte of candidate documents' text: the shingle sets sent (8 B a shingle) "
+                                                        "of those whose pair is verified in another part, and the pairs"),
+}
+# The code before issue 19 (commit 57f9f91), the same run: band rows with ids and sources, and every
+# document's text through both verification groupbys (2.2x the corpus).
+SHUFFLE_BEFORE = {"candidates": 140.0e6 / (400_000 * BANDS), "verification": 960.7e6 / (400_000 * 1088)}
+# The candidate documents' share, measured at 10% planted duplicates (1.3% exact copies): 14.1%,
+# 1.6x the near-duplicate rate (a duplicate and its original are both candidates).
+CANDIDATES_PER_NEAR_DUPLICATE = 0.141 / (0.1 - 5_095 / 400_000)
+# Components: an edge per removed document (a verified pair or an exact copy; 18,608 for 18,486 removed
+# at 400k) goes through each round's two groupbys (both directions, then one: 3 x 24 B), then the
+# join with its label and the groupby by component (~2 x 100 B with the ids).
+EDGE_ROUND_BYTES, EDGE_ASSEMBLY_BYTES = 3 * 24, 2 * 100
+COMPONENT_ROUNDS = 8  # bench_dedup.py components (docs/benchmarks.md)
 # Tokenize's shuffle: one small row per document (key, source, id, where its tokens are).
 TOKENIZE_ROW_BYTES = 8 + 8 + 40 + 24
 
@@ -82,10 +99,36 @@ def data_stages(nodes: list[int], fsx_bytes_s: float) -> None:
         print(f"- {stage}: docs/benchmarks.md, \"{where}\"")
     print(f"- tokenize: docs/benchmarks.md, \"{TOKENS_PER_CORE_S[1]}\"\n")
     print("Shuffle volumes:\n")
-    print(f"- dedup, candidates: {BANDS} band rows per document x {BAND_ROW_BYTES} B = {gb(docs * BANDS * BAND_ROW_BYTES)}")
-    print(f"- dedup, verification join: every document's text, twice = {gb(2 * TEXT_BYTES)} (plus the pairs)")
+    dedup_shuffles()
     print(f"- tokenize: one {TOKENIZE_ROW_BYTES}-byte row per document = {gb(docs * TOKENIZE_ROW_BYTES)}; "
           f"the tokens ({gb(2 * TOKENS)} as uint16) move through files, not the shuffle\n")
+
+
+def dedup_shuffles() -> None:
+    """Dedup's bytes through Ray's object store at OPT's size and at 10x, before and after issue 19."""
+    cases = [("800 GB (OPT's), 10% duplicates, 1.3% exact", TEXT_BYTES, 0.1, 0.013),
+             ("10 TB, 40% duplicates, half of them exact", 10e12, 0.4, 0.2)]
+    print("| dedup | " + " | ".join(c[0] for c in cases) + " |\n|---|" + "---|" * len(cases))
+    rows: dict[str, list[float]] = {}
+    for _, text, dup, exact in cases:
+        docs = text / DOC_BYTES
+        candidate = min(1.0, CANDIDATES_PER_NEAR_DUPLICATE * (dup - exact))
+        now = {"exact": SHUFFLE_NOW["exact"][0] * docs,
+               "candidates": SHUFFLE_NOW["candidates"][0] * docs * (1 - exact) * BANDS,
+               "candidate documents": SHUFFLE_NOW["candidate documents"][0] * candidate * docs,
+               "verification": SHUFFLE_NOW["verification"][0] * candidate * text,
+               "components": dup * docs * (EDGE_ROUND_BYTES * COMPONENT_ROUNDS + EDGE_ASSEMBLY_BYTES)}
+        before = SHUFFLE_BEFORE["candidates"] * docs * BANDS + SHUFFLE_BEFORE["verification"] * text
+        for k, v in now.items():
+            rows.setdefault(f"now: {k}", []).append(v)
+        rows.setdefault("**now: total**", []).append(sum(now.values()))
+        rows.setdefault("before (57f9f91): total", []).append(before)
+        rows.setdefault("before / now", []).append(before / sum(now.values()))
+    for name, values in rows.items():
+        cells = [f"{v:.1f}x" if name == "before / now" else gb(v) for v in values]
+        print(f"| {name} | " + " | ".join(cells) + " |")
+    print(f"\nThe components: {COMPONENT_ROUNDS} rounds assumed (measured: `bench_dedup.py components`); "
+          f"their edges are one per removed document.\n")
 
 
 def screen(mfus: list[float]) -> None:
