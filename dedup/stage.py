@@ -29,7 +29,7 @@ its own part, not a join) and what removal matches on.
    its smallest (source order, id) document; an exact copy goes to `duplicates/` with Jaccard 1.0
    and `via` its text's kept copy, any other removed document with `via` its verified neighbour of
    highest Jaccard (ties: the preferred one), the evidence. Chains a~b~c are one component. Up to
-   `SMALL_GRAPH_EDGES` edges, all this in one task instead (the same rows: tests/test_dedup.py).
+   `SMALL_GRAPH_EDGES` checked pairs and copies, all this in one task instead (the same rows: tests/test_dedup.py).
 6. Output: one task per part drops its removed rows by key against a sorted array.
 """
 
@@ -47,7 +47,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from corpus.parts import DOCUMENT_SCHEMA, Parts, check_read, check_written, parquet_bytes, parquet_files, run_tasks
+from corpus.parts import (DOCUMENT_SCHEMA, Parts, check_read, check_written, parquet_bytes, parquet_files, rows_in_folder,
+                          run_tasks)
 from dedup.lsh import band_keys, choose_banding
 from dedup.minhash import MinHasher, jaccard_of_sets
 from pipelines.config import DedupConfig
@@ -57,7 +58,7 @@ from pipelines.engines import groupby
 
 SMALL_BUCKET = 32  # buckets up to this size give all their pairs
 PARTITION_BYTES = 64 << 20  # of shuffled rows per groupby partition
-SMALL_GRAPH_EDGES = 1 << 20  # verified pairs up to this many: their components in one task
+SMALL_GRAPH_EDGES = 1 << 20  # checked pairs and exact copies up to this many: their components in one task
 ROW_BITS = 32  # key = part << ROW_BITS | row
 DUPLICATE_SCHEMA = pa.schema([("id", pa.string()), ("source", pa.string()), ("kept_id", pa.string()),
                               ("kept_source", pa.string()), ("jaccard", pa.float64()), ("via", pa.string())])
@@ -578,18 +579,21 @@ def run(ctx: StageContext) -> StageResult:
         bar.update_to(4)
 
         duplicates, removed, rounds = ctx.aside("duplicates"), work / "removed", 0
-        near = ray.data.read_parquet(str(candidates)).map_batches(near_edges, batch_format="pyarrow",
-                                                                   fn_kwargs={"threshold": cfg.threshold}) \
-            if parquet_files(candidates) else None
-        copies = ray.data.read_parquet(str(exact)).map_batches(copy_edges, batch_format="pyarrow") \
-            if parquet_files(exact) else None
-        edges = sum(ds.count() for ds in (near, copies) if ds is not None)
-        if edges <= SMALL_GRAPH_EDGES:
-            tallies, _ = ray.get(ray.remote(assemble_in_one_task).remote(
+        checked, copied = rows_in_folder(candidates), rows_in_folder(exact)  # from the footers
+        on_ray = checked + copied > SMALL_GRAPH_EDGES  # else at most that many edges: one task
+        if not on_ray:
+            tallies, edges = ray.get(ray.remote(assemble_in_one_task).remote(
                 str(candidates), str(exact), cfg.threshold, priority, str(duplicates), str(removed)))
         else:
-            graph = near.union(copies) if near is not None and copies is not None else near or copies
-            graph = graph.materialize()
+            near = ray.data.read_parquet(str(candidates)).map_batches(near_edges, batch_format="pyarrow",
+                                                                       fn_kwargs={"threshold": cfg.threshold}) \
+                if checked else None
+            copies = ray.data.read_parquet(str(exact)).map_batches(copy_edges, batch_format="pyarrow") \
+                if copied else None
+            graph = (near.union(copies) if near is not None and copies is not None else near or copies).materialize()
+            edges, tallies = graph.count(), []
+            Path(removed).mkdir(parents=True)
+        if on_ray and edges:
             undirected = graph.map_batches(_undirected, batch_format="pyarrow").materialize()
             shuffled["components"] = undirected.size_bytes()
             labels, rounds = components_on_ray(undirected, undirected.size_bytes(), ctx.config.ray, partitions)
@@ -600,13 +604,11 @@ def run(ctx: StageContext) -> StageResult:
             assembled = grouped(by_root, "components").map_groups(
                 assemble_components, batch_format="pyarrow", fn_kwargs={"priority": priority}).materialize()
             assembled.select_columns(DUPLICATE_SCHEMA.names).write_parquet(str(duplicates))
-            Path(removed).mkdir(parents=True)
             grouped(assembled.map_batches(keys_by_part, batch_format="pyarrow"), "components").map_groups(
                 write_by_part, batch_format="pyarrow", fn_kwargs={"folder": str(removed)}).materialize()
             tallies = assembled.map_batches(tally, batch_format="pyarrow").take_all()
         found = {"verified_pairs": edges, "rounds": rounds, "removed": collections.Counter(), "cluster_sizes": collections.Counter(),
-                 "candidate_pairs": ray.data.read_parquet(str(candidates)).count() if parquet_files(candidates) else 0,
-                 "exact_duplicates": copies.count() if copies is not None else 0}
+                 "candidate_pairs": checked, "exact_duplicates": copied}
         for t in tallies:
             if t["size"]:
                 found["cluster_sizes"][t["size"]] += t["n"]
