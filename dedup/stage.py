@@ -273,20 +273,25 @@ def verify(group: pa.Table, paths: list[str], config: dict) -> pa.Table:
 
 
 def components_in_one_task(u: np.ndarray, v: np.ndarray) -> dict[int, int]:
-    """{node: the smallest node of its component}, by min-label propagation with pointer jumping."""
+    """{node: the smallest node of its component}, by hooking and pointer jumping: each round hangs the
+    larger root of every edge under the smaller one, then every node jumps to its root. O(log n)
+    rounds even on long chains, where propagating labels along edges would take their length."""
     nodes = np.unique(np.concatenate([u, v]))
     iu, iv = np.searchsorted(nodes, u), np.searchsorted(nodes, v)
-    label = np.arange(len(nodes), dtype=np.int64)
-    while True:  # O(log) rounds on chains
-        m = np.minimum(label[iu], label[iv])
-        new = label.copy()
-        np.minimum.at(new, iu, m)
-        np.minimum.at(new, iv, m)
-        new = new[new]
-        if (new == label).all():
+    parent = np.arange(len(nodes), dtype=np.int64)  # index order = key order: a root is its tree's smallest
+    while True:
+        ru, rv = parent[iu], parent[iv]
+        live = ru != rv
+        if not live.any():
             break
-        label = new
-    return dict(zip(nodes.tolist(), nodes[label].tolist()))
+        lo, hi = np.minimum(ru[live], rv[live]), np.maximum(ru[live], rv[live])
+        np.minimum.at(parent, hi, lo)
+        while True:  # jump to the root
+            jumped = parent[parent]
+            if (jumped == parent).all():
+                break
+            parent = jumped
+    return dict(zip(nodes.tolist(), nodes[parent].tolist()))
 
 
 def _large_star(group: pa.Table) -> pa.Table:
