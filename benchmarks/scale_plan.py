@@ -29,9 +29,9 @@ DOC_BYTES = 4_000  # mean document size: an assumption (Pile-CC's is ~4 KB; OPT 
 RATES = {
     "ingest": (54.9e6, "Corpus: ingest, stage on 1 CPU", 2),
     "normalize": (8.5e6, "Corpus: normalize, stage on 1 CPU (ftfy is the cost)", 2),
-    # Dedup at 100k and 400k documents: 109 -> 436 MB in 32.8 -> 59.1 s on 2 cores: the marginal
-    # rate, without the fixed start-up costs that dominate the small run.
-    "dedup": ((436e6 - 109e6) / (59.1 - 32.8) / 2, "Dedup: the stage at 100k and 400k documents (marginal, per core)", 3),
+    # Dedup at 400k and 3M documents (issue 19's stage): 435 -> 3,268 MB in 29.5 -> 144.3 s on 2 cores:
+    # the marginal rate, without the fixed start-up costs that dominate the small run.
+    "dedup": ((3268e6 - 435e6) / (144.3 - 29.5) / 2, "Dedup without the corpus in any shuffle (marginal, per core)", 3),
 }
 TOKENS_PER_CORE_S = (790_537, "Tokenize: stage on 1 CPU")
 BYTES_PER_TOKEN = TEXT_BYTES / TOKENS
@@ -57,7 +57,7 @@ CANDIDATES_PER_NEAR_DUPLICATE = 0.141 / (0.1 - 5_095 / 400_000)
 # at 400k) goes through each round's two groupbys (both directions, then one: 3 x 24 B), then the
 # join with its label and the groupby by component (~2 x 100 B with the ids).
 EDGE_ROUND_BYTES, EDGE_ASSEMBLY_BYTES = 3 * 24, 2 * 100
-COMPONENT_ROUNDS = 8  # bench_dedup.py components (docs/benchmarks.md)
+COMPONENT_ROUNDS = 15  # bench_dedup.py components: 14-15 rounds from 1M to 16M edges (docs/benchmarks.md)
 # Tokenize's shuffle: one small row per document (key, source, id, where its tokens are).
 TOKENIZE_ROW_BYTES = 8 + 8 + 40 + 24
 
@@ -127,7 +127,7 @@ def dedup_shuffles() -> None:
     for name, values in rows.items():
         cells = [f"{v:.1f}x" if name == "before / now" else gb(v) for v in values]
         print(f"| {name} | " + " | ".join(cells) + " |")
-    print(f"\nThe components: {COMPONENT_ROUNDS} rounds assumed (measured: `bench_dedup.py components`); "
+    print(f"\nThe components: {COMPONENT_ROUNDS} rounds (measured: 14-15 from 1M to 16M edges, `bench_dedup.py components`); "
           f"their edges are one per removed document.\n")
 
 
