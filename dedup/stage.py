@@ -527,7 +527,6 @@ def filter_task(task: dict) -> dict:
 def run(ctx: StageContext) -> StageResult:
     import ray
     import ray.data
-    from ray.data.expressions import col
 
     cfg: DedupConfig = ctx.section
     config = dataclasses.asdict(cfg)
@@ -577,7 +576,8 @@ def run(ctx: StageContext) -> StageResult:
                 .write_parquet(str(work / "shingles"))
             candidate_documents = ray.data.read_parquet(str(work / "shingles"), columns=["first"]).sum("first") or 0
             bar.update()
-            sent = ray.data.read_parquet(str(work / "shingles")).filter(expr=col("part") >= 0)
+            sent = ray.data.read_parquet(str(work / "shingles")).map_batches(
+                lambda b: b.filter(pc.greater_equal(b["part"], 0)), batch_format="pyarrow")
             grouped(pairs.map_batches(pairs_keyed, batch_format="pyarrow").union(sent), "verification") \
                 .map_groups(verify, batch_format="pyarrow", fn_kwargs={"paths": parts, "config": config}) \
                 .write_parquet(str(candidates))
