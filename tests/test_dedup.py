@@ -243,3 +243,9 @@ def test_exact_copies_a_hot_bucket_and_chains_merge_as_brute_force_does_with_eit
     assert one["lsh_threshold"] == pytest.approx((1 - 0.5 ** (1 / 10)) ** (1 / 12), abs=1e-4)
     assert 0 < one["candidate_documents_fraction"] < 0.5  # the copies are not candidates: one text, one document
     assert one["verified_pairs"] >= 119 + 59 + 5 and one["shuffled_bytes.exact"] > 0
+    # No text in the shuffles: all phases together move less than the corpus's text once (the code before
+    # issue 19 sent every text through two groupbys), though pairs cross the two sources' parts.
+    text = sum(len(json.loads(line)["text"].encode()) for f in ("news", "web") for line in (root / f"{f}.jsonl").open())
+    for metrics in (one, rounds):
+        assert metrics["shuffled_bytes.verification"] > 0
+        assert sum(v for k, v in metrics.items() if k.startswith("shuffled_bytes.")) < text
