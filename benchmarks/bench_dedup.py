@@ -102,6 +102,12 @@ def generate(path: Path, docs: int, seed: int = 5, planted: float = 0.2) -> dict
     return kinds
 
 
+def ray_workers_rss() -> list[int]:
+    """The RSS of every Ray worker process on this machine (they name themselves `ray::...`)."""
+    return [p.info["memory_info"].rss for p in psutil.process_iter(["name", "memory_info"])
+            if (p.info["name"] or "").startswith("ray::") and p.info["memory_info"]]
+
+
 def run_pipeline(root: Path, data: Path, tree: Path = ROOT, stages: str = "ingest,normalize,dedup",
                  workdir: Path | None = None) -> tuple[dict, dict]:
     """`stages` of the pipeline, with the code in `tree`; returns (dedup manifest, peak MB of memory:
@@ -125,8 +131,7 @@ def run_pipeline(root: Path, data: Path, tree: Path = ROOT, stages: str = "inges
     def watch() -> None:
         while proc.poll() is None:
             try:
-                workers = [p.info["memory_info"].rss for p in psutil.process_iter(["name", "memory_info"])
-                           if (p.info["name"] or "").startswith("ray::") and p.info["memory_info"]]
+                workers = ray_workers_rss()
                 now = {"driver": driver.memory_info().rss, "worker": max(workers, default=0), "workers": sum(workers),
                        "object store": psutil.disk_usage("/dev/shm").used - shm_base,
                        "machine": psutil.virtual_memory().used - base}
@@ -377,9 +382,7 @@ def components(sizes: list[int]) -> None:
 
         def watch() -> None:
             while not done.is_set():
-                rss = [p.info["memory_info"].rss for p in psutil.process_iter(["name", "memory_info"])
-                       if (p.info["name"] or "").startswith("ray::") and p.info["memory_info"]]
-                peak[0] = max(peak[0], max(rss, default=0))
+                peak[0] = max(peak[0], max(ray_workers_rss(), default=0))
                 time.sleep(0.5)
 
         watcher = threading.Thread(target=watch)

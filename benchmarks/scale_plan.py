@@ -41,11 +41,12 @@ VCPUS_PER_NODE = 96  # p4de.24xlarge; Ray counts vCPUs
 # (docs/benchmarks.md, "Dedup without the corpus in any shuffle"): each phase's bytes over what it scales with.
 BANDS = 10
 SHUFFLE_NOW = {
-    "exact": (20.6e6 / 400_000, "per document: its text hash, key, id, source; then each copy's key"),
-    "candidates": (80.0e6 / ((400_000 - 5_095) * BANDS), "per band row (band, partition, key) of each document that is not a copy"),
-    "candidate documents": (4.48e6 / (0.141 * 400_000), "per candidate document: its key and the part that needs it"),
-    "verification": (50.5e6 / (0.141 * 400_000 * 1088), "per byte of candidate documents' text: the shingle sets sent (8 B a shingle) "
-                                                        "of those whose pair is verified in another part, and the pairs"),
+    "exact": 20.6e6 / 400_000,  # per document: its text hash, key, id, source; then each copy's key
+    "candidates": 80.0e6 / ((400_000 - 5_095) * BANDS),  # per band row (band, partition, key) of each non-copy
+    "candidate documents": 4.48e6 / (0.141 * 400_000),  # per candidate document: its key, the part that needs it
+    # per byte of the candidate documents' text: the shingle sets (8 B a shingle) of those whose pair is
+    # verified in another part, and the pairs
+    "verification": 50.5e6 / (0.141 * 400_000 * 1088),
 }
 # The code before issue 19 (commit 57f9f91), the same run: band rows with ids and sources, and every
 # document's text through both verification groupbys (2.2x the corpus).
@@ -113,10 +114,10 @@ def dedup_shuffles() -> None:
     for _, text, dup, exact in cases:
         docs = text / DOC_BYTES
         candidate = min(1.0, CANDIDATES_PER_NEAR_DUPLICATE * (dup - exact))
-        now = {"exact": SHUFFLE_NOW["exact"][0] * docs,
-               "candidates": SHUFFLE_NOW["candidates"][0] * docs * (1 - exact) * BANDS,
-               "candidate documents": SHUFFLE_NOW["candidate documents"][0] * candidate * docs,
-               "verification": SHUFFLE_NOW["verification"][0] * candidate * text,
+        now = {"exact": SHUFFLE_NOW["exact"] * docs,
+               "candidates": SHUFFLE_NOW["candidates"] * docs * (1 - exact) * BANDS,
+               "candidate documents": SHUFFLE_NOW["candidate documents"] * candidate * docs,
+               "verification": SHUFFLE_NOW["verification"] * candidate * text,
                "components": dup * docs * (EDGE_ROUND_BYTES * COMPONENT_ROUNDS + EDGE_ASSEMBLY_BYTES)}
         before = SHUFFLE_BEFORE["candidates"] * docs * BANDS + SHUFFLE_BEFORE["verification"] * text
         for k, v in now.items():

@@ -224,13 +224,12 @@ def shingle_rows(group: pa.Table, paths: list[str], config: dict) -> pa.Table:
     away = routes[:, 1] >= 0
     sent = np.unique(routes[away, 0])
     names, sets = read_documents(paths[int(unique[0] >> ROW_BITS)], unique[sent], config)
-    at = np.searchsorted(sent, routes[:, 0])  # where sent, the document's place in names and sets
+    # Each row's place in `names` and `sets`, None on the rows that send nothing.
+    at = pa.array(np.searchsorted(sent, routes[:, 0]), mask=~away)
     n = len(routes)
     return pa.table({"part": pa.array(routes[:, 1]), "kind": pa.array(["doc"] * n), "a_key": pa.array(unique[routes[:, 0]]),
-                     "b_key": pa.nulls(n, pa.int64()),
-                     "id": pa.array([names["id"][int(i)].as_py() if w else None for i, w in zip(at, away)], pa.string()),
-                     "source": pa.array([names["source"][int(i)].as_py() if w else None for i, w in zip(at, away)], pa.string()),
-                     "shingles": pa.array([sets[i].tobytes() if w else None for i, w in zip(at, away)], pa.binary()),
+                     "b_key": pa.nulls(n, pa.int64()), "id": names["id"].take(at), "source": names["source"].take(at),
+                     "shingles": pa.array([sets[i].tobytes() if i is not None else None for i in at.to_pylist()], pa.binary()),
                      "first": pa.array(first.astype(np.int64))}, schema=JOIN_SCHEMA)
 
 
@@ -479,6 +478,7 @@ def tally(batch: pa.Table) -> pa.Table:
 
 
 def keys_by_part(batch: pa.Table) -> pa.Table:
+    """Rows with a document key -> (part, key), for a groupby that writes each part's rows (`write_by_part`)."""
     keys = batch["key"].to_numpy()
     return pa.table({"part": pa.array(keys >> ROW_BITS), "key": pa.array(keys)})
 
@@ -503,6 +503,24 @@ def assemble_in_one_task(candidates: str, exact: str, threshold: float, priority
     for part in np.unique(keys >> ROW_BITS).tolist():
         write_by_part(pa.table({"key": keys[(keys >> ROW_BITS) == part]}), removed)
     return tally(assembled).to_pylist(), graph.num_rows
+
+
+def assemble_on_ray(graph, labels, grouped, partitions: int, priority: dict[str, int], duplicates: str,
+                    removed: str) -> list[dict]:
+    """The large graph's path after `components_on_ray`: a groupby joins each edge with its first document's
+    label, another brings each component's edges to one task (`assemble_components`), and a third writes
+    each part's removed rows. `grouped(ds, phase)`: the stage's groupby on "part", which counts the bytes.
+    Writes `duplicates/` and returns the tally rows."""
+    kw = {"partitions": partitions}
+    joined = graph.map_batches(edges_keyed, batch_format="pyarrow", fn_kwargs=kw) \
+        .union(labels.map_batches(labels_keyed, batch_format="pyarrow", fn_kwargs=kw))
+    by_root = grouped(joined, "components").map_groups(with_roots, batch_format="pyarrow", fn_kwargs=kw)
+    assembled = grouped(by_root, "components").map_groups(
+        assemble_components, batch_format="pyarrow", fn_kwargs={"priority": priority}).materialize()
+    assembled.select_columns(DUPLICATE_SCHEMA.names).write_parquet(duplicates)
+    grouped(assembled.map_batches(keys_by_part, batch_format="pyarrow"), "components").map_groups(
+        write_by_part, batch_format="pyarrow", fn_kwargs={"folder": removed}).materialize()
+    return assembled.map_batches(tally, batch_format="pyarrow").take_all()
 
 
 # --------------------------------------------------------------------------- 6: output
@@ -556,8 +574,7 @@ def run(ctx: StageContext) -> StageResult:
             .write_parquet(str(exact))
         (work / "exact_rows").mkdir(parents=True)
         if parquet_files(exact):
-            keyed = ray.data.read_parquet(str(exact)).select_columns(["key"]).map_batches(
-                lambda b: b.append_column("part", pa.array(b["key"].to_numpy() >> ROW_BITS)), batch_format="pyarrow")
+            keyed = ray.data.read_parquet(str(exact)).map_batches(keys_by_part, batch_format="pyarrow")
             grouped(keyed, "exact").map_groups(write_by_part, batch_format="pyarrow",
                                                fn_kwargs={"folder": str(work / "exact_rows")}).materialize()
         bar.update()
@@ -585,8 +602,7 @@ def run(ctx: StageContext) -> StageResult:
 
         duplicates, removed, rounds = ctx.aside("duplicates"), work / "removed", 0
         checked, copied = rows_in_folder(candidates), rows_in_folder(exact)  # from the footers
-        on_ray = checked + copied > SMALL_GRAPH_EDGES  # else at most that many edges: one task
-        if not on_ray:
+        if checked + copied <= SMALL_GRAPH_EDGES:  # at most that many edges: one task
             tallies, edges = ray.get(ray.remote(assemble_in_one_task).remote(
                 str(candidates), str(exact), cfg.threshold, priority, str(duplicates), str(removed)))
         else:
@@ -598,20 +614,11 @@ def run(ctx: StageContext) -> StageResult:
             graph = (near.union(copies) if near is not None and copies is not None else near or copies).materialize()
             edges, tallies = graph.count(), []
             Path(removed).mkdir(parents=True)
-        if on_ray and edges:
-            undirected = graph.map_batches(_undirected, batch_format="pyarrow").materialize()
-            shuffled["components"] = undirected.size_bytes()
-            labels, rounds = components_on_ray(undirected, undirected.size_bytes(), ctx.config.ray, partitions)
-            kw = {"partitions": partitions}
-            joined = graph.map_batches(edges_keyed, batch_format="pyarrow", fn_kwargs=kw) \
-                .union(labels.map_batches(labels_keyed, batch_format="pyarrow", fn_kwargs=kw))
-            by_root = grouped(joined, "components").map_groups(with_roots, batch_format="pyarrow", fn_kwargs=kw)
-            assembled = grouped(by_root, "components").map_groups(
-                assemble_components, batch_format="pyarrow", fn_kwargs={"priority": priority}).materialize()
-            assembled.select_columns(DUPLICATE_SCHEMA.names).write_parquet(str(duplicates))
-            grouped(assembled.map_batches(keys_by_part, batch_format="pyarrow"), "components").map_groups(
-                write_by_part, batch_format="pyarrow", fn_kwargs={"folder": str(removed)}).materialize()
-            tallies = assembled.map_batches(tally, batch_format="pyarrow").take_all()
+            if edges:
+                undirected = graph.map_batches(_undirected, batch_format="pyarrow").materialize()
+                shuffled["components"] = undirected.size_bytes()
+                labels, rounds = components_on_ray(undirected, undirected.size_bytes(), ctx.config.ray, partitions)
+                tallies = assemble_on_ray(graph, labels, grouped, partitions, priority, str(duplicates), str(removed))
         found = {"verified_pairs": edges, "rounds": rounds, "removed": collections.Counter(), "cluster_sizes": collections.Counter(),
                  "candidate_pairs": checked, "exact_duplicates": copied}
         for t in tallies:
