@@ -1,19 +1,40 @@
-"""What the screen costs on a laptop, and what packing proxy runs into Ray Train jobs saves.
+"""The screen on a laptop: what it costs (`cost`), and how often it is right (`power`).
 
-    python benchmarks/bench_screen.py [--out /tmp/bench_screen]
+    python benchmarks/bench_screen.py cost [--out /tmp/bench_screen]
+    python benchmarks/bench_screen.py power [--draws 12] [--max-seeds 6] [--out /tmp/bench_screen_power]
 
-configs/local.yaml on the sample corpus (8 Pile subsets + the baseline, 2 seeds: 18 proxy runs
-of the tiny model, 60 steps each, 2 Ray Train jobs at a time). The screen stage runs twice on
+`cost`:
+
+configs/local.yaml on the sample corpus (8 Pile subsets + the baseline, 2 seeds in the first
+round, more for inconclusive subsets; the tiny model, 60 steps each, 2 Ray Train jobs at a time). The screen stage runs twice on
 the same dedup output, side by side: every proxy run its own Ray Train job (`runs_per_job: 1`,
 the cluster configs' setting: the baseline) and 9 runs per job (the laptop config). Reports the
 stage's seconds, seconds per proxy run and the ratio, and checks that both made the same
 decisions with the same scores (packing changes where runs execute, not what they compute).
+
+`power`: how often the screen drops a planted spiky subset, and how often a clean one.
+- Draw k is a sample corpus of its own (seed 1000 + k) with three of OPT's 8 Pile subsets planted
+  spiky, a different three each draw: one in 6, 12 and 24 of their documents (STRENGTHS); the
+  other five are clean. The other sources vary with k (COMPOSITIONS): all, Reddit without the
+  RS_* submissions, no CC-News, neither. One more corpus is the case that started this work:
+  the default sample (seed 0, HackerNews one in 6) with Reddit comments only.
+- Each corpus runs local.yaml's ingest, normalize, dedup and screen, the screen with `max_seeds`
+  seeds of every mixture in one round (seeds = max_seeds: nothing adaptive), so that every proxy
+  run any schedule could ask for exists. A proxy run is a function of its mixture and seed (the
+  stage's test checks this to the last digit), so any rule and schedule is then replayed exactly
+  from these runs with screen/score.py's own `adaptive` and `decide`: local.yaml's (adaptive), and
+  every fixed number of seeds at the same ratio and alpha, side by side.
+- `--check` (on by default) also runs the first draw's screen with local.yaml's own adaptive
+  settings and compares its decisions and proxy runs with the replay's.
+Reports per strength the share of planted subsets dropped, the share of clean ones dropped, the
+inconclusive ones, proxy runs per screen, and the per-seed noise of the paired effects.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -37,10 +58,7 @@ def screen(out: Path, runs_per_job: int) -> dict:
     return json.loads((out / "work" / "screen" / "manifest.json").read_text())
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default="/tmp/bench_screen")
-    args = p.parse_args(argv)
+def cost(args) -> int:
     out = Path(args.out)
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
@@ -58,8 +76,189 @@ def main(argv: list[str] | None = None) -> int:
     print(f"packed / one job per run: {ratio:.2f}x the time")
     same = results[1]["scores"] == results[9]["scores"] and results[1]["dropped_subsets"] == results[9]["dropped_subsets"]
     print(f"same scores and decisions: {same}; dropped {results[9]['dropped_subsets']}; "
-          f"scores {results[9]['scores']} (baseline {results[9]['baseline_score']}, limit {results[9]['limit']})")
+          f"mean roughness {results[9]['scores']}")
     return 0 if same else 1
+
+
+STRENGTHS = (6, 12, 24)  # one in N of a planted subset's documents spiky
+COMPOSITIONS = ("all", "no-submissions", "no-ccnews", "no-submissions-no-ccnews")
+
+
+def corpus_config(folder: Path, sample: Path, composition: str, overrides: dict) -> Path:
+    """local.yaml on `sample`, with the sources of `composition` and the screen's `overrides`."""
+    import yaml
+
+    local = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())
+    local.pop("sample_corpus")
+    local.pop("sample_spiky_subset")
+    sources = []
+    for source in local["sources"]:
+        if source["name"] == "ccnews" and "no-ccnews" in composition:
+            continue
+        paths = [p for p in source["paths"] if not ("no-submissions" in composition and "/RS_" in p)]
+        sources.append({**source, "paths": [str(sample / Path(p).relative_to("data/sample")) for p in paths]})
+    local["sources"] = sources
+    local["workdir"] = str(folder / "work")
+    local["screen"].update(overrides)
+    path = folder / "config.yaml"
+    path.write_text(yaml.safe_dump(local, sort_keys=False))
+    return path
+
+
+def screen_corpus(folder: Path, seed: int, planted: dict[str, int], composition: str, overrides: dict) -> dict:
+    """One corpus through local.yaml's corpus stages and screen: the screen's manifest (cached in folder)."""
+    from corpus.sample import write_sample
+
+    done = folder / "screen.json"
+    if done.exists():
+        return json.loads(done.read_text())
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    write_sample(folder / "sample", seed=seed, spiky=planted)
+    config = corpus_config(folder, folder / "sample", composition, overrides)
+    cmd = [sys.executable, str(ROOT / "pipelines" / "full.py"), "--config", str(config), "--only", "ingest,normalize,dedup,screen"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=folder)
+    if proc.returncode != 0:
+        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+    m = json.loads((folder / "work" / "screen" / "manifest.json").read_text())
+    result = {"seed": seed, "planted": planted, "composition": composition, "seconds": m["metrics"]["seconds"],
+              "decisions": m["decisions"], "runs": {f"{r['subset']}\0{r['seed']}": r["score"] for r in m["proxy_runs"]}}
+    done.write_text(json.dumps(result))
+    return result
+
+
+def replay(corpus: dict, *, seeds: int, max_seeds: int, ratio: float, alpha: float) -> tuple[dict, int]:
+    """A schedule and rule run on a corpus's recorded proxy runs: (decisions, proxy runs it asked for)."""
+    from screen.score import BASELINE, adaptive
+
+    scores = {tuple(key.split("\0")): value for key, value in corpus["runs"].items()}
+    scores = {(name, int(seed)): value for (name, seed), value in scores.items()}
+    subsets = sorted({name for name, _ in scores if name != BASELINE})
+    asked = []
+
+    def run(todo):
+        asked.extend(todo)
+        return {key: scores[key] for key in todo}
+
+    decisions, _ = adaptive(subsets, run, seeds=seeds, max_seeds=max_seeds, ratio=ratio, alpha=alpha)
+    return decisions, len(asked)
+
+
+def tally(corpora: list[dict], **rule) -> dict:
+    """Detection per strength, false drops, inconclusive and proxy runs of one rule over the corpora."""
+    out = {"detected": {n: [0, 0] for n in STRENGTHS}, "clean_dropped": [0, 0], "inconclusive": 0, "runs": 0}
+    for corpus in corpora:
+        decisions, runs = replay(corpus, **rule)
+        out["runs"] += runs
+        for subset, d in decisions.items():
+            out["inconclusive"] += d.outcome == "inconclusive"
+            if subset in corpus["planted"]:
+                hit = out["detected"][corpus["planted"][subset]]
+            else:
+                hit = out["clean_dropped"]
+            hit[0] += d.outcome == "drop"
+            hit[1] += 1
+    return out
+
+
+def noise(corpora: list[dict]) -> dict:
+    """The paired effects per seed, ln(subset's roughness / baseline's), of clean and planted subsets."""
+    import numpy as np
+
+    from screen.score import BASELINE, effects
+
+    clean, planted, spread = [], [], []
+    for corpus in corpora:
+        scores: dict[str, dict[int, float]] = {}
+        for key, value in corpus["runs"].items():
+            name, seed = key.split("\0")
+            scores.setdefault(name, {})[int(seed)] = value
+        baseline = scores.pop(BASELINE)
+        for subset, values in effects(scores, baseline).items():
+            values = np.asarray(values)
+            (planted if subset in corpus["planted"] else clean).append(values)
+            spread.append(values - values.mean())
+    c, p = np.concatenate(clean), np.array([v.mean() for v in planted])
+    return {"clean_mean": float(c.mean()), "clean_sd": float(c.std(ddof=1)), "clean_max": float(c.max()),
+            "clean_subset_means_max": float(max(v.mean() for v in clean)),
+            "planted_mean_min": float(p.min()), "planted_mean": float(p.mean()),
+            "within_sd": float(np.sqrt(sum((v ** 2).sum() for v in spread) / sum(len(v) - 1 for v in spread)))}
+
+
+def rate(hit: list[int]) -> str:
+    return f"{hit[0]}/{hit[1]} ({100 * hit[0] / max(1, hit[1]):.0f}%)"
+
+
+def power(args) -> int:
+    import yaml
+
+    from pipelines.config import OPT_PILE_SUBSETS
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    local = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())["screen"]
+    rule = {"ratio": local["ratio"], "alpha": local["alpha"]}
+    everything = {"seeds": args.max_seeds, "max_seeds": args.max_seeds}
+    corpora = []
+    for k in range(args.draws):
+        planted = {OPT_PILE_SUBSETS[(k + j) % len(OPT_PILE_SUBSETS)]: n for j, n in enumerate(STRENGTHS)}
+        corpus = screen_corpus(out / f"draw-{k:02d}", 1000 + k, planted, COMPOSITIONS[k % len(COMPOSITIONS)], everything)
+        corpora.append(corpus)
+        print(f"draw {k}: {corpus['composition']}, planted {planted}: {corpus['seconds']:.0f} s", file=sys.stderr, flush=True)
+    issue = screen_corpus(out / "issue", 0, {"HackerNews": 6}, "no-submissions", everything)
+
+    print(f"commit {provenance.commit()}; {provenance.machine()}, {os.cpu_count()} CPUs; configs/local.yaml's screen "
+          f"({local['steps']} steps of the {local['proxy']['model']} proxy); {args.draws} draws of the sample, "
+          f"every mixture run with {args.max_seeds} seeds, rules replayed from those runs")
+    designs = [("local.yaml: adaptive", {"seeds": local["seeds"], "max_seeds": local["max_seeds"], **rule})]
+    designs += [(f"fixed {n} seeds", {"seeds": n, "max_seeds": n, **rule}) for n in range(2, args.max_seeds + 1)]
+    designs += [(f"adaptive, ratio {r}", {"seeds": local["seeds"], "max_seeds": local["max_seeds"], "ratio": r, "alpha": rule["alpha"]})
+                for r in (1.5, 3.0) if r != rule["ratio"]]
+    print("\n| rule | " + " | ".join(f"planted 1 in {n} dropped" for n in STRENGTHS)
+          + " | clean dropped | inconclusive | proxy runs per screen |")
+    print("|---|" + "---|" * (len(STRENGTHS) + 3))
+    results = {}
+    for name, design in designs:
+        t = tally(corpora, **design)
+        results[name] = {"rule": design, **t}
+        print(f"| {name} | " + " | ".join(rate(t["detected"][n]) for n in STRENGTHS)
+              + f" | {rate(t['clean_dropped'])} | {t['inconclusive']} | {t['runs'] / len(corpora):.1f} |")
+    n = noise(corpora)
+    print(f"\npaired effects per seed: clean subsets mean {n['clean_mean']:+.3f}, sd {n['clean_sd']:.3f}, largest "
+          f"{n['clean_max']:.2f}, largest clean subset's mean {n['clean_subset_means_max']:.2f}; planted subsets' means "
+          f"{n['planted_mean_min']:.2f} to ..., mean {n['planted_mean']:.2f}; pooled within-subset sd {n['within_sd']:.3f} "
+          f"(line ln({rule['ratio']}) = {math.log(rule['ratio']):.2f})")
+    decisions, runs = replay(issue, seeds=local["seeds"], max_seeds=local["max_seeds"], **rule)
+    print(f"\nthe issue's corpus (seed 0, HackerNews 1 in 6, Reddit comments only), local.yaml's rule: {runs} proxy runs; "
+          + "; ".join(f"{s} {d.outcome} {math.exp(d.effect):.2f}x" for s, d in sorted(decisions.items())))
+    results["noise"] = n
+    ok = True
+    if args.check:
+        first = corpora[0]
+        planted = first["planted"]
+        real = screen_corpus(out / "check", first["seed"], planted, first["composition"], {})
+        expected, runs = replay(first, seeds=local["seeds"], max_seeds=local["max_seeds"], **rule)
+        same = {s: d["outcome"] for s, d in real["decisions"].items()} == {s: d.outcome for s, d in expected.items()} \
+            and len(real["runs"]) == runs and all(real["runs"][key] == first["runs"][key] for key in real["runs"])
+        print(f"\ncheck: draw 0's screen run with local.yaml's adaptive settings: {len(real['runs'])} proxy runs, the same "
+              f"decisions, runs and scores as the replay: {same}")
+        ok = same
+    (out / "results.json").write_text(json.dumps(results, indent=2))
+    return 0 if ok else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("cost", help="the screen's seconds, packed into jobs or one job per run")
+    c.add_argument("--out", default="/tmp/bench_screen")
+    w = sub.add_parser("power", help="detection and false-drop rates over many corpus draws")
+    w.add_argument("--draws", type=int, default=12)
+    w.add_argument("--max-seeds", type=int, default=6)
+    w.add_argument("--out", default="/tmp/bench_screen_power")
+    w.add_argument("--no-check", dest="check", action="store_false", help="skip the real adaptive screen of draw 0")
+    args = p.parse_args(argv)
+    return cost(args) if args.command == "cost" else power(args)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """A small, deterministic sample corpus in the real on-disk formats of every OPT source.
 
-    python -m corpus.sample OUT [--seed N] [--spiky-subset NAME]
+    python -m corpus.sample OUT [--seed N] [--spiky-subset NAME[:N] ...]
 
 Nothing is downloaded: the text is generated from a fixed vocabulary with a seeded RNG, so
 the same seed gives the same bytes on every machine. The layout and formats are the real ones:
@@ -23,6 +23,8 @@ Reddit threads span two monthly files, as real threads do.
 one in six of the Pile subset NAME's documents carries a long run of one rare character, a
 different one per document (a thousand and more identical rare tokens: every position pushes
 the same embedding row, so a batch that holds some has a grad norm far above its neighbours').
+`NAME:N` plants one in N instead (a weaker subset); the option repeats, so that one corpus can
+hold several planted subsets at different strengths (the screen's power benchmark does).
 """
 
 from __future__ import annotations
@@ -165,7 +167,7 @@ SPIKY_EVERY = 6  # one in this many of the spiky subset's documents is spiky
 SPIKY_RUN = 1500  # characters in a spiky document's run
 
 
-def spiky(rng: random.Random, text: str) -> str:
+def spiky_text(rng: random.Random, text: str) -> str:
     """`text` with a run of one rare character (a CJK ideograph) in the middle, space-separated so
     that a BPE cannot merge the run into a few long tokens: SPIKY_RUN identical rare tokens."""
     cut = text.find(". ") + 2
@@ -225,14 +227,14 @@ MALFORMED_JSONL = [
 ]
 
 
-def _pile(out: Path, seed: int, planted: _Planted, shared: dict, spiky_subset: str | None) -> None:
+def _pile(out: Path, seed: int, planted: _Planted, shared: dict, spiky: dict[str, int]) -> None:
     (out / "pile").mkdir()
     docs: list[dict] = []
     for subset in PILE_SUBSETS:
         for i in range(40 if subset in PILE_SUBSETS_KEPT_BY_OPT else 15):
             text = pile_text(_rng(seed, "pile", subset, i), subset, i)
-            if subset == spiky_subset and i % SPIKY_EVERY == 1:
-                text = spiky(_rng(seed, "spiky", i), text)
+            if subset in spiky and i % spiky[subset] == 1:
+                text = spiky_text(_rng(seed, "spiky", i), text)
                 shared["spiky"].append(text)
             docs.append({"text": text, "meta": {"pile_set_name": subset}})
     # Text that breaks naive re-encoding: backslashes, quotes, JSON escapes, emoji, CJK, U+2028.
@@ -249,7 +251,8 @@ def _pile(out: Path, seed: int, planted: _Planted, shared: dict, spiky_subset: s
     for idx, kind in ((5, "whitespace"), (7, "mojibake")):
         shared["messy"].append({"source": "pile", "index": idx, "kind": kind})
     planted_spiky = set(shared["spiky"])  # those the defects above did not overwrite
-    shared["spiky"] = [d["text"] for d in docs if d["text"] in planted_spiky]
+    shared["spiky"] = {subset: [d["text"] for d in docs if d["text"] in planted_spiky and d["meta"].get("pile_set_name") == subset]
+                       for subset in spiky}
 
     half = len(docs) // 2
     parts = {"00.jsonl.zst": docs[:half], "01.jsonl.zst": docs[half:]}
@@ -418,10 +421,15 @@ def _ccnews(out: Path, seed: int, planted: _Planted, shared: dict) -> None:
         planted.file(f"ccnews/{year}.jsonl", documents=len(records), lines=len(lines))
 
 
-def write_sample(out: str | os.PathLike, seed: int = 0, spiky_subset: str | None = None) -> dict:
-    """Write the sample corpus to `out` (atomically: a crash leaves no half corpus); returns PLANTED."""
-    if spiky_subset is not None and spiky_subset not in PILE_SUBSETS:
-        raise ValueError(f"--spiky-subset: {spiky_subset!r} is not a Pile subset; they are: {', '.join(PILE_SUBSETS)}")
+def write_sample(out: str | os.PathLike, seed: int = 0, spiky: dict[str, int] | None = None) -> dict:
+    """Write the sample corpus to `out` (atomically: a crash leaves no half corpus); returns PLANTED.
+    `spiky`: {Pile subset: N}, one in N of the subset's documents made spiky."""
+    spiky = dict(spiky or {})
+    for subset, every in spiky.items():
+        if subset not in PILE_SUBSETS:
+            raise ValueError(f"--spiky-subset: {subset!r} is not a Pile subset; they are: {', '.join(PILE_SUBSETS)}")
+        if not isinstance(every, int) or every < 2:
+            raise ValueError(f"--spiky-subset {subset}:{every}: expected one in N documents with N an integer >= 2")
     out = Path(out)
     if out.exists():
         raise FileExistsError(f"{out} exists; the sample corpus is written to a new folder")
@@ -435,7 +443,7 @@ def write_sample(out: str | os.PathLike, seed: int = 0, spiky_subset: str | None
         far = mutate(_rng(seed, "far"), base, changes=40)
         shared = {"base": base, "near": near, "borderline": borderline, "far": far, "messy": [], "pile_files": {},
                   "pile_self_dup": prose(_rng(seed, "selfdup"), (4, 6)) + "\n", "spiky": []}
-        _pile(tmp, seed, planted, shared, spiky_subset)
+        _pile(tmp, seed, planted, shared, spiky)
         _reddit(tmp, seed, planted)
         _books(tmp, seed, planted, shared)
         _stories(tmp, seed, planted, shared)
@@ -454,9 +462,10 @@ def write_sample(out: str | os.PathLike, seed: int = 0, spiky_subset: str | None
              "jaccard": round(jaccard(base, far), 4)},
         ]
         planted.data["messy"] = shared["messy"]
-        if spiky_subset is not None:
-            planted.data["spiky"] = {"subset": spiky_subset, "documents": len(shared["spiky"]), "run": SPIKY_RUN,
-                                     "note": "each carries a run of one rare character (screen/ should drop the subset)"}
+        if spiky:
+            planted.data["spiky"] = {subset: {"every": every, "documents": len(shared["spiky"][subset]), "run": SPIKY_RUN,
+                                              "note": "each carries a run of one rare character (screen/ should drop the subset)"}
+                                     for subset, every in spiky.items()}
         (tmp / "PLANTED.json").write_text(json.dumps(planted.data, indent=2, sort_keys=True) + "\n")
         tmp.rename(out)
     except BaseException:
@@ -465,15 +474,22 @@ def write_sample(out: str | os.PathLike, seed: int = 0, spiky_subset: str | None
     return planted.data
 
 
+def parse_spiky(item: str) -> tuple[str, int]:
+    """'NAME' or 'NAME:N' -> (NAME, N)."""
+    name, _, every = item.rpartition(":") if item.rpartition(":")[2].isdigit() else (item, "", str(SPIKY_EVERY))
+    return name, int(every)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m corpus.sample", description="Write the sample corpus.")
     p.add_argument("out", help="a folder that does not exist yet")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--spiky-subset", metavar="NAME", help="make this Pile subset spiky (documents built to destabilise "
-                   "training), for the screen to catch")
+    p.add_argument("--spiky-subset", metavar="NAME[:N]", action="append", default=[],
+                   help=f"make one in N (default {SPIKY_EVERY}) of this Pile subset's documents spiky (built to destabilise "
+                   "training), for the screen to catch; repeat it for several subsets")
     args = p.parse_args(argv)
     try:
-        planted = write_sample(args.out, args.seed, args.spiky_subset)
+        planted = write_sample(args.out, args.seed, dict(parse_spiky(item) for item in args.spiky_subset))
     except (ValueError, FileExistsError) as exc:
         p.error(str(exc))
     total = sum(f["documents"] for f in planted["files"].values())

@@ -279,24 +279,34 @@ class ScreenConfig:
     sources: list[str] | None = None  # whose subsets are screened; None: every source of format pile (as OPT)
     subsets: list[str] | None = None  # None: every subset of `sources` that reaches the screen
     steps: int = 100  # per proxy run
-    seeds: int = 3  # proxy runs per mixture (seed, seed + 1, ...)
+    seeds: int = 2  # proxy runs per mixture in the first round (seed, seed + 1, ...); at least 2
+    max_seeds: int = 6  # an inconclusive subset gets one more seed per round up to this many
     seed: int = 0  # also the sample's
     upweight: float = 0.3  # the candidate subset's share of its mixture's tokens
-    window: int = 9  # steps around each step whose median is its reference
-    spike_ratio: float = 0.25  # a step this far above its reference is counted as a spike
+    ratio: float = 2.0  # the line: a subset whose proxies are this many times as rough as the baseline mix's is spiky
+    alpha: float = 0.05  # the chance of a wrong drop (or keep) of a subset on the line, over all its looks
+    inconclusive: Literal["keep", "drop"] = "keep"  # what becomes of a subset still undecided at max_seeds
+    spike_ratio: float = 0.25  # a step this far above its fit is counted as a spike (reported, not judged)
     burn_in: int = 10  # first steps not scored
-    margin: float = 15.0  # score points above the baseline's mean before a subset is dropped ...
-    sigmas: float = 3.0  # ... and at least this many of the baseline's standard deviations over seeds
     concurrent_runs: int = 2  # Ray Train jobs of proxy runs at a time
     runs_per_job: int = 1  # proxy runs per Ray Train job, one after another (a laptop: several; a job starts in seconds)
     proxy: ProxyConfig = field(default_factory=ProxyConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)  # the proxy runs' (set it as tokenize's)
 
     def validate(self, key: str) -> None:
-        _at_least(self, key, 1, "seeds", "window", "concurrent_runs", "runs_per_job")
-        _at_least(self, key, 0, "burn_in", "margin", "sigmas", "spike_ratio")
-        if self.steps < self.burn_in + 2:
-            raise ConfigError(f"{key}.steps", f"expected at least burn_in + 2 = {self.burn_in + 2} steps, got {self.steps}")
+        _at_least(self, key, 1, "concurrent_runs", "runs_per_job")
+        _at_least(self, key, 2, "seeds")
+        _at_least(self, key, 0, "burn_in", "spike_ratio")
+        if self.max_seeds < self.seeds:
+            raise ConfigError(f"{key}.max_seeds", f"expected at least seeds = {self.seeds}, got {self.max_seeds}")
+        if not self.ratio > 1.0:
+            raise ConfigError(f"{key}.ratio", f"expected a ratio above 1 (the line above the baseline mix), got {self.ratio}")
+        if not 0.0 < self.alpha < 0.5:
+            raise ConfigError(f"{key}.alpha", f"expected an error rate in (0, 0.5), got {self.alpha}")
+        if self.inconclusive not in ("keep", "drop"):
+            raise ConfigError(f"{key}.inconclusive", f"expected keep or drop, got {self.inconclusive!r}")
+        if self.steps < self.burn_in + 4:
+            raise ConfigError(f"{key}.steps", f"expected at least burn_in + 4 = {self.burn_in + 4} steps, got {self.steps}")
         if not 0.0 < self.upweight < 1.0:
             raise ConfigError(f"{key}.upweight", f"expected a fraction in (0, 1), got {self.upweight}")
         if self.subsets == []:

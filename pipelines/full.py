@@ -64,12 +64,12 @@ def main(argv: list[str] | None = None, stages: tuple[Stage, ...] = STAGES) -> i
         config = load_config(args.config, args.overrides, args.workdir)
         ablation = ablation_tags(args, config)
         if config.sample_corpus and not os.path.isdir(config.sample_corpus):
-            from corpus.sample import write_sample
+            from corpus.sample import SPIKY_EVERY, write_sample
 
             spiky = config.sample_spiky_subset
             print(f"generating the sample corpus in {config.sample_corpus}"
                   + (f" ({spiky} planted spiky, for the screen to find)" if spiky else ""))
-            write_sample(config.sample_corpus, spiky_subset=spiky)
+            write_sample(config.sample_corpus, spiky={spiky: SPIKY_EVERY} if spiky else None)
         check_inputs_exist(config)
         return run(config, args, only, list(stages), ablation)
     except (ConfigError, UsageError) as exc:

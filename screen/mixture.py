@@ -33,11 +33,11 @@ import pyarrow.parquet as pq
 from corpus import tokenizer as tokenizers
 from corpus.parts import Parts, iter_rows
 from corpus.tokenize import FORMAT, INDEX, document_keys, token_dtype, write_rows
+from screen.score import BASELINE
 
 OVERSAMPLE = 1.5  # sample this many times the bytes a mixture needs (bytes per token are a guess until encoded)
 BYTES_PER_TOKEN = 4.0  # the guess: GPT-2's BPE on English web text
 ENCODE_CHUNK = 256  # documents per encode_batch call
-BASELINE = "baseline"  # the name of the baseline mix (a subset may not be called this)
 
 SAMPLE_SCHEMA = pa.schema([("role", pa.string()), ("draw", pa.float64()), ("id", pa.string()), ("source", pa.string()),
                            ("subset", pa.string()), ("text", pa.string())])
@@ -154,3 +154,20 @@ def mixture_task(task: dict) -> dict:
     }
     (output / INDEX).write_text(json.dumps(index, indent=2) + "\n")
     return {"sequences": sequences, **index["mixture"]}
+
+
+def subset_shares(folder: str | Path, batches, global_batch: int, seed: int) -> np.ndarray:
+    """The fraction of each global batch's tokens that came from the mixture's candidate subset, for the
+    batches a proxy run trained on (its loader: the same permutation of the mixture's sequences, the same
+    seed). A mixture is the baseline's tokens and then the subset's, cut into sequences, so a sequence's
+    share is where it sits against that boundary."""
+    from train.loader import Loader, read_index
+
+    index = read_index(folder)
+    boundary, block = index["mixture"]["baseline"]["tokens"], index["block"]
+    loader = Loader(folder, global_batch, seed=seed)
+    out = np.empty(len(batches), dtype=np.float64)
+    for i, g in enumerate(batches):
+        sequences = loader.sequences(int(g)).astype(np.int64)
+        out[i] = float(np.clip(((sequences + 1) * block - boundary) / block, 0.0, 1.0).mean())
+    return out

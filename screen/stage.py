@@ -5,16 +5,21 @@
 2. A proxy tokenizer (the tokenize stage's code, on the sample, or GPT-2's files) and one token
    mixture per candidate: the baseline with the subset up-weighted to `upweight` of the tokens,
    plus the baseline mix alone.
-3. Proxy runs: for every mixture and seed, the training loop (train/loop.py, DeepSpeed, the same
-   loader) with the same hyperparameters, `steps` steps, no checkpoints and no autopilot. Each is
-   a Ray Train job of its own (`runs_per_job: 1`, the default: a failure or a slow node touches
+3. Proxy runs, in rounds (screen/score.py `adaptive`): for a mixture and seed, the training loop
+   (train/loop.py, DeepSpeed, the same loader) with the same hyperparameters, `steps` steps, no
+   checkpoints and no autopilot. Round one runs `seeds` seeds of every mixture; each later round
+   one more seed of the baseline and of the subsets still inconclusive, up to `max_seeds`. Each run
+   is a Ray Train job of its own (`runs_per_job: 1`, the default: a failure or a slow node touches
    one run), `concurrent_runs` jobs at a time; a laptop config packs several runs into one job,
    because starting a Ray Train job with DeepSpeed costs seconds of imports that a tiny proxy run
-   does not. Each run is a nested MLflow run under the stage's (tags: subset, seed, role) with
-   its loss and grad-norm curves and its spike score.
-4. Decision (screen/score.py): a subset whose mean spike score over the seeds is above the
-   baseline's by more than the margin is dropped. Its documents go to `dropped/` with the
-   reason; every other document goes to the output, unchanged.
+   does not. Each run is a nested MLflow run under the stage's (tags: subset, seed, role) with its
+   loss and grad-norm curves and its roughness.
+4. Decision (screen/score.py): each subset's roughness against the baseline mix's under the same
+   seed; drop, keep or inconclusive at the error rate `alpha` against the line `ratio`. Dropped
+   subsets' documents go to `dropped/` with the reason (and inconclusive ones' with
+   `inconclusive: drop`); every other document goes to the output, unchanged. screen.png shows
+   the decision: each subset's paired effects and bounds against the line, and the grad-norm
+   curves of each subset not kept beside the baseline's.
 """
 
 from __future__ import annotations
@@ -34,7 +39,7 @@ from pipelines.console import Bar
 from pipelines.dag import StageContext, StageResult
 from screen import mixture, score
 from train.follow import Follower
-from screen.mixture import BASELINE
+from screen.score import BASELINE
 
 TASK_BYTES = 64 << 20  # of dedup's documents per census/sample/filter task, at most
 
@@ -72,28 +77,43 @@ def run(ctx: StageContext) -> StageResult:
     screened = candidates(cfg, sources, census)
     ctx.log.info("screening %d subsets of %s: %s", len(screened), sources, screened)
 
-    verdicts, runs = [], []
+    decisions: dict[str, score.Decision] = {}
+    runs: list[dict] = []
+    rounds: list[list] = []
     if cfg.enabled and screened:
-        verdicts, runs = measure(ctx, ranges, census, screened)
-    dropped_subsets = {v.subset: v.reason for v in verdicts if v.dropped}
+        decisions, runs, rounds = measure(ctx, ranges, census, screened)
+    leave = {score.DROP} | ({score.INCONCLUSIVE} if cfg.inconclusive == "drop" else set())
+    dropped_subsets = {s: d.reason for s, d in decisions.items() if d.outcome in leave}
     counts = filter_documents(ctx, ranges, dropped_subsets)
     check_read(counts["rows_in"], ctx.inputs, "dedup")
     check_written(ctx.output, counts["rows_out"], "rows_out")
     check_written(ctx.aside("dropped"), counts["dropped"], "dropped")
 
-    scores = {v.subset: round(v.score, 4) for v in verdicts}
+    by_mixture: dict[str, list[float]] = {}
+    for record in runs:
+        by_mixture.setdefault(record["subset"], []).append(record["score"])
+    scores = {name: round(float(sum(v) / len(v)), 4) for name, v in by_mixture.items()}
     metrics = {f"score.{s}": v for s, v in scores.items()}
-    if verdicts:
-        metrics.update({"score.baseline": verdicts[0].baseline, "score.limit": verdicts[0].limit})
+    for s, d in decisions.items():
+        metrics.update({f"effect.{s}": round(d.effect, 4), f"seeds.{s}": d.seeds})
+    fixed = (len(screened) + 1) * cfg.max_seeds if decisions else 0
+    metrics.update({"proxy_runs": len(runs), "proxy_runs_saved": fixed - len(runs), "rounds": len(rounds),
+                    "inconclusive": sum(d.outcome == score.INCONCLUSIVE for d in decisions.values())})
     metrics.update({f"dropped.{k.removeprefix('subset:')}": n for k, n in counts.items() if k.startswith("subset:")})
+    outcome = {o: [s for s in screened if s in decisions and decisions[s].outcome == o]
+               for o in (score.DROP, score.KEEP, score.INCONCLUSIVE)}
     kept = [s for s in screened if s not in dropped_subsets]
-    ctx.log.info("kept %s; dropped %s", kept, dropped_subsets)
+    ctx.log.info("kept %s; dropped %s; inconclusive %s", kept, sorted(dropped_subsets), outcome[score.INCONCLUSIVE])
+    if decisions:
+        track_decisions(ctx, decisions, runs)
     return StageResult(counts["rows_in"], counts["rows_out"], {"dropped": counts["dropped"]}, metrics, fields={
-        "kept_subsets": kept, "dropped_subsets": sorted(dropped_subsets), "scores": scores,
-        "baseline_score": round(verdicts[0].baseline, 4) if verdicts else None,
-        "limit": round(verdicts[0].limit, 4) if verdicts else None,
-        "rule": f"{score.RULE}; margin={cfg.margin}, sigmas={cfg.sigmas}, seeds={cfg.seeds}, upweight={cfg.upweight}",
-        "screened": bool(cfg.enabled and screened), "proxy_runs": runs})
+        "kept_subsets": kept, "dropped_subsets": sorted(dropped_subsets), "inconclusive_subsets": outcome[score.INCONCLUSIVE],
+        "decisions": {s: {**d.to_dict(), "reason": d.reason} for s, d in decisions.items()}, "scores": scores,
+        "rule": (f"paired ln(roughness / baseline's) per seed, pooled-noise t bounds at alpha={cfg.alpha} "
+                 f"(/{cfg.max_seeds - cfg.seeds + 1} looks) against ratio={cfg.ratio}; seeds={cfg.seeds}..{cfg.max_seeds}, "
+                 f"upweight={cfg.upweight}, inconclusive: {cfg.inconclusive}"),
+        "screened": bool(cfg.enabled and screened), "proxy_runs": runs, "proxy_runs_fixed": fixed,
+        "rounds": [len(r) for r in rounds]})
 
 
 def screened_sources(config: PipelineConfig) -> list[str]:
@@ -115,8 +135,9 @@ def candidates(cfg: ScreenConfig, sources: list[str], census: dict[tuple[str, st
     return list(cfg.subsets)
 
 
-def measure(ctx: StageContext, ranges, census, screened: list[str]) -> tuple[list[score.Verdict], list[dict]]:
-    """Sample, tokenize, run the proxies, score them: the verdicts and a record of every proxy run."""
+def measure(ctx: StageContext, ranges, census, screened: list[str]) -> tuple[dict[str, score.Decision], list[dict], list]:
+    """Sample, tokenize, run the proxies round by round until every subset is decided or at max_seeds:
+    the decisions, a record of every proxy run, and the rounds' (mixture, seed) runs."""
     cfg: ScreenConfig = ctx.section
     probe = proxy_train_config(cfg, cfg.seed)
     seq_len = cfg.proxy.seq_len
@@ -137,28 +158,31 @@ def measure(ctx: StageContext, ranges, census, screened: list[str]) -> tuple[lis
     built = run_tasks(mixture.mixture_task, [{"subset": name, "sample": str(sample), "tokens": mixture_tokens,
                                               "seq_len": seq_len, "upweight": cfg.upweight, "output": str(mixtures[name]),
                                               "tokenizer": str(tok_dir / tokenizers.FILE)} for name in names])
-    for name, info in zip(names, built):
-        ctx.log.info("mixture %s: %s", name, info)
-        if info["sequences"] < global_batch:
-            raise ValueError(f"mixture {name!r}: {info['sequences']} sequences, fewer than one proxy batch of {global_batch}")
+    info = dict(zip(names, built))
+    for name, found in info.items():
+        ctx.log.info("mixture %s: %s", name, found)
+        if found["sequences"] < global_batch:
+            raise ValueError(f"mixture {name!r}: {found['sequences']} sequences, fewer than one proxy batch of {global_batch}")
     t1 = time.perf_counter()
-    jobs = []
-    for name, info in zip(names, built):
-        for seed in range(cfg.seed, cfg.seed + cfg.seeds):
-            jobs.append({"subset": name, "seed": seed, "folder": ctx.folder / "proxy" / f"{slug(name)}-seed{seed}",
-                         "shards": str(mixtures[name]), "info": info})
-    run_proxies(ctx, jobs)
+    records: list[dict] = []
+
+    def run_round(todo: list[tuple[str, int]]) -> dict[tuple[str, int], float]:
+        jobs = [{"subset": name, "seed": seed, "folder": ctx.folder / "proxy" / f"{slug(name)}-seed{seed}",
+                 "shards": str(mixtures[name]), "info": info[name], "global_batch": global_batch} for name, seed in todo]
+        ctx.log.info("a round of %d proxy runs: %s", len(jobs), todo)
+        run_proxies(ctx, jobs)
+        for job in jobs:
+            records.append({"subset": job["subset"], "seed": job["seed"], "mlflow_run_id": job["run_id"],
+                            "run_dir": str(job["folder"].relative_to(ctx.folder)), **job["score"].to_dict()})
+        return {(job["subset"], job["seed"]): job["score"].score for job in jobs}
+
+    decisions, rounds = score.adaptive(screened, run_round, seeds=cfg.seeds, max_seeds=cfg.max_seeds, ratio=cfg.ratio,
+                                       alpha=cfg.alpha, first_seed=cfg.seed)
     t2 = time.perf_counter()
-    by_subset: dict[str, list[float]] = {name: [] for name in names}
-    records = []
-    for job in jobs:
-        by_subset[job["subset"]].append(job["score"].score)
-        records.append({"subset": job["subset"], "seed": job["seed"], "mlflow_run_id": job["run_id"],
-                        "run_dir": str(job["folder"].relative_to(ctx.folder)), **job["score"].to_dict()})
-    verdicts = score.judge({s: by_subset[s] for s in screened}, by_subset[BASELINE], cfg.margin, cfg.sigmas)
-    ctx.log.info("baseline scores %s; limit %.3f; sample+mixtures %.1fs, proxy runs %.1fs",
-                 by_subset[BASELINE], verdicts[0].limit, t1 - t0, t2 - t1)
-    return verdicts, records
+    for d in decisions.values():
+        ctx.log.info("%s: %s", d.subset, d.reason)
+    ctx.log.info("sample+mixtures %.1fs, %d proxy runs in %d rounds %.1fs", t1 - t0, len(records), len(rounds), t2 - t1)
+    return decisions, records, rounds
 
 
 def run_proxies(ctx: StageContext, jobs: list[dict]) -> None:
@@ -208,8 +232,10 @@ def run_proxies(ctx: StageContext, jobs: list[dict]) -> None:
                 names = ", ".join(f"{job['subset']} seed {job['seed']}" for job in group)
                 raise RuntimeError(f"proxy runs {names} failed (run folders under {ctx.folder / 'proxy'}): {exc}") from exc
             for job in group:
-                job["score"] = score.spike_score(score.read_grad_norms(job["folder"] / "metrics.jsonl"), window=cfg.window,
-                                                 spike_ratio=cfg.spike_ratio, burn_in=cfg.burn_in)
+                batches, grad_norms = score.read_run(job["folder"] / "metrics.jsonl")
+                shares = None if job["subset"] == BASELINE else \
+                    mixture.subset_shares(job["shards"], batches, job["global_batch"], job["seed"])
+                job["score"] = score.roughness(batches, grad_norms, shares, burn_in=cfg.burn_in, spike_ratio=cfg.spike_ratio)
                 ctx.log.info("proxy %s seed %d: %s", job["subset"], job["seed"], job["score"])
                 now = int(time.time() * 1000)
                 client.log_batch(job["run_id"], metrics=[Metric(f"spike.{key}", float(value), now, 0)
@@ -236,6 +262,20 @@ def _fit(cfg: TrainConfig, config: dict, folder: Path) -> None:
     from train.stage import fit
 
     fit(cfg, config, folder, loop=proxy_loop)
+
+
+def track_decisions(ctx: StageContext, decisions: dict[str, score.Decision], runs: list[dict]) -> None:
+    """Each subset's outcome as a tag of the stage's MLflow run (decision.<subset>), and screen.png."""
+    from mlflow import MlflowClient
+
+    from pipelines.tracking import metric_name
+    from screen.chart import decision_chart
+
+    client = MlflowClient(ctx.config.mlflow.tracking_uri)
+    for subset, d in decisions.items():
+        client.set_tag(ctx.mlflow_run_id, metric_name(f"decision.{subset}"), d.outcome)
+    path = decision_chart(decisions, runs, ctx.folder, ctx.folder / "screen.png")
+    client.log_artifact(ctx.mlflow_run_id, str(path))
 
 
 def filter_task(task: dict) -> dict:

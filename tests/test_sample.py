@@ -151,7 +151,7 @@ def test_module_command_line(tmp_path):
 
 def test_a_spiky_subset_is_planted_only_where_asked(tmp_path, sample):
     out, _ = sample
-    planted = write_sample(tmp_path / "spiky", spiky_subset="HackerNews")
+    planted = write_sample(tmp_path / "spiky", spiky={"HackerNews": 6, "ArXiv": 12})
     assert "spiky" not in json.loads((out / "PLANTED.json").read_text())
 
     def pile_docs(folder: Path) -> list[dict]:
@@ -172,9 +172,11 @@ def test_a_spiky_subset_is_planted_only_where_asked(tmp_path, sample):
         return any(len(w) == 1 and ord(w) > 0x4DFF and words.count(w) >= 1000 for w in set(words))
 
     spiky = [d for d in pile_docs(tmp_path / "spiky") if has_run(d["text"])]
-    assert len(spiky) == planted["spiky"]["documents"] >= 5
-    assert {d["meta"]["pile_set_name"] for d in spiky} == {"HackerNews"}
+    by_subset = Counter(d["meta"]["pile_set_name"] for d in spiky)
+    assert by_subset == {s: planted["spiky"][s]["documents"] for s in ("HackerNews", "ArXiv")}
+    assert by_subset["HackerNews"] >= 5 and 1 <= by_subset["ArXiv"] < by_subset["HackerNews"]  # one in 12 < one in 6
     assert not any(has_run(d["text"]) for d in pile_docs(out))
-    proc = subprocess.run([sys.executable, "-m", "corpus.sample", str(tmp_path / "x"), "--spiky-subset", "Nope"],
-                          capture_output=True, text=True, cwd=ROOT)
-    assert proc.returncode == 2 and "'Nope' is not a Pile subset" in proc.stderr
+    for arg, message in (("Nope", "'Nope' is not a Pile subset"), ("ArXiv:1", "expected one in N documents with N an integer >= 2")):
+        proc = subprocess.run([sys.executable, "-m", "corpus.sample", str(tmp_path / "x"), "--spiky-subset", arg],
+                              capture_output=True, text=True, cwd=ROOT)
+        assert proc.returncode == 2 and message in proc.stderr
