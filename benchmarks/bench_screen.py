@@ -80,6 +80,8 @@ def cost(args) -> int:
     return 0 if same else 1
 
 
+OPT_PILE = 8  # subsets screened per corpus
+CLUSTER_CONCURRENT = 8  # the cluster configs' screen.concurrent_runs: a round of n runs takes ceil(n / 8) run times
 STRENGTHS = (6, 12, 24)  # one in N of a planted subset's documents spiky
 COMPOSITIONS = ("all", "no-submissions", "no-ccnews", "no-submissions-no-ccnews")
 
@@ -106,83 +108,131 @@ def corpus_config(folder: Path, sample: Path, composition: str, overrides: dict)
 
 
 def screen_corpus(folder: Path, seed: int, planted: dict[str, int], composition: str, overrides: dict) -> dict:
-    """One corpus through local.yaml's corpus stages and screen: the screen's manifest (cached in folder)."""
+    """One corpus through local.yaml's corpus stages and screen: a summary of the screen (cached in folder)."""
     from corpus.sample import write_sample
 
     done = folder / "screen.json"
-    if done.exists():
-        return json.loads(done.read_text())
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir(parents=True)
-    write_sample(folder / "sample", seed=seed, spiky=planted)
-    config = corpus_config(folder, folder / "sample", composition, overrides)
-    cmd = [sys.executable, str(ROOT / "pipelines" / "full.py"), "--config", str(config), "--only", "ingest,normalize,dedup,screen"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=folder)
-    if proc.returncode != 0:
-        raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
-    m = json.loads((folder / "work" / "screen" / "manifest.json").read_text())
-    result = {"seed": seed, "planted": planted, "composition": composition, "seconds": m["metrics"]["seconds"],
-              "decisions": m["decisions"], "runs": {f"{r['subset']}\0{r['seed']}": r["score"] for r in m["proxy_runs"]}}
+    if done.exists() and "unadjusted" in (found := json.loads(done.read_text())):
+        return found
+    manifest = folder / "work" / "screen" / "manifest.json"
+    if not manifest.exists():
+        shutil.rmtree(folder, ignore_errors=True)
+        folder.mkdir(parents=True)
+        write_sample(folder / "sample", seed=seed, spiky=planted)
+        config = corpus_config(folder, folder / "sample", composition, overrides)
+        cmd = [sys.executable, str(ROOT / "pipelines" / "full.py"), "--config", str(config), "--only",
+               "ingest,normalize,dedup,screen"]
+        proc = subprocess.run(cmd, capture_output=True, text=True, cwd=folder)
+        if proc.returncode != 0:
+            raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
+    result = summary(json.loads(manifest.read_text()), seed, planted, composition)
     done.write_text(json.dumps(result))
     return result
 
 
-def replay(corpus: dict, *, seeds: int, max_seeds: int, ratio: float, alpha: float) -> tuple[dict, int]:
-    """A schedule and rule run on a corpus's recorded proxy runs: (decisions, proxy runs it asked for)."""
+def summary(m: dict, seed: int, planted: dict[str, int], composition: str) -> dict:
+    """A screen's decisions and every proxy run's score; also the score before this work (spike_score: the mean
+    excess over the neighbourhood's median plus growth) from the same runs' grad norms, for the old rule."""
+    from screen.score import read_grad_norms, read_run, roughness, spike_score
+
+    stage = Path(m["output"]).parent
+    before, unadjusted = {}, {}
+    for r in m["proxy_runs"]:
+        key, metrics = f"{r['subset']}\0{r['seed']}", stage / r["run_dir"] / "metrics.jsonl"
+        before[key] = spike_score(read_grad_norms(metrics)).score
+        unadjusted[key] = roughness(*read_run(metrics)).score  # no composition term
+    return {"seed": seed, "planted": planted, "composition": composition, "seconds": m["metrics"]["seconds"],
+            "decisions": m["decisions"], "runs": {f"{r['subset']}\0{r['seed']}": r["score"] for r in m["proxy_runs"]},
+            "before": before, "unadjusted": unadjusted}
+
+
+def old_rule(corpus: dict, seeds: int = 2, margin: float = 15.0, sigmas: float = 3.0) -> dict[str, str]:
+    """The rule before this work, on the score before it: dropped when the mean spike score over the first `seeds`
+    seeds exceeds the baseline's mean by more than max(margin, sigmas x the baseline's sd over seeds)."""
+    import numpy as np
+
+    from screen.score import BASELINE
+
+    by: dict[str, list[float]] = {}
+    for key, value in corpus["before"].items():
+        name, k = key.split("\0")
+        if int(k) < seeds:
+            by.setdefault(name, []).append(value)
+    base = np.asarray(by.pop(BASELINE))
+    limit = base.mean() + max(margin, sigmas * base.std(ddof=1))
+    return {subset: "drop" if np.mean(v) > limit else "keep" for subset, v in by.items()}
+
+
+def replay(corpus: dict, *, seeds: int, max_seeds: int, ratio: float, alpha: float, slots: int = 1,
+           score: str = "runs") -> tuple[dict, list[int]]:
+    """A schedule and rule run on a corpus's recorded proxy runs: (decisions, proxy runs per round). `score`:
+    "runs" (the stage's) or "unadjusted" (the roughness without its composition term)."""
     from screen.score import BASELINE, adaptive
 
-    scores = {tuple(key.split("\0")): value for key, value in corpus["runs"].items()}
+    scores = {tuple(key.split("\0")): value for key, value in corpus[score].items()}
     scores = {(name, int(seed)): value for (name, seed), value in scores.items()}
     subsets = sorted({name for name, _ in scores if name != BASELINE})
-    asked = []
 
     def run(todo):
-        asked.extend(todo)
         return {key: scores[key] for key in todo}
 
-    decisions, _ = adaptive(subsets, run, seeds=seeds, max_seeds=max_seeds, ratio=ratio, alpha=alpha)
-    return decisions, len(asked)
+    decisions, rounds = adaptive(subsets, run, seeds=seeds, max_seeds=max_seeds, ratio=ratio, alpha=alpha, slots=slots)
+    return decisions, [len(r) for r in rounds]
 
 
 def tally(corpora: list[dict], **rule) -> dict:
-    """Detection per strength, false drops, inconclusive and proxy runs of one rule over the corpora."""
-    out = {"detected": {n: [0, 0] for n in STRENGTHS}, "clean_dropped": [0, 0], "inconclusive": 0, "runs": 0}
+    """Detection per strength, false drops, inconclusive and proxy runs of one rule over the corpora
+    (rule {"before": True}: the old score and rule, on each corpus's first 2 seeds)."""
+    out = {"detected": {n: [0, 0] for n in STRENGTHS}, "clean_dropped": [0, 0], "inconclusive": 0, "runs": 0,
+           "rounds": 0, "waves": 0}
     for corpus in corpora:
-        decisions, runs = replay(corpus, **rule)
-        out["runs"] += runs
-        for subset, d in decisions.items():
-            out["inconclusive"] += d.outcome == "inconclusive"
+        if rule.get("before"):
+            outcomes, rounds = old_rule(corpus), [2 * (OPT_PILE + 1)]
+        else:
+            decisions, rounds = replay(corpus, **rule)
+            outcomes = {s: d.outcome for s, d in decisions.items()}
+        out["runs"] += sum(rounds)
+        out["rounds"] += len(rounds)
+        out["waves"] += sum(-(-n // CLUSTER_CONCURRENT) for n in rounds)
+        for subset, outcome in outcomes.items():
+            out["inconclusive"] += outcome == "inconclusive"
             if subset in corpus["planted"]:
                 hit = out["detected"][corpus["planted"][subset]]
             else:
                 hit = out["clean_dropped"]
-            hit[0] += d.outcome == "drop"
+            hit[0] += outcome == "drop"
             hit[1] += 1
     return out
 
 
-def noise(corpora: list[dict]) -> dict:
-    """The paired effects per seed, ln(subset's roughness / baseline's), of clean and planted subsets."""
+def noise(corpora: list[dict], score: str = "runs") -> dict:
+    """The paired effects per seed, ln(subset's roughness / baseline's), of clean and planted subsets; and the
+    mean effect of each clean subset over the draws where it was clean."""
     import numpy as np
 
     from screen.score import BASELINE, effects
 
-    clean, planted, spread = [], [], []
+    clean, planted, spread, by_subset = [], {}, [], {}
     for corpus in corpora:
         scores: dict[str, dict[int, float]] = {}
-        for key, value in corpus["runs"].items():
+        for key, value in corpus[score].items():
             name, seed = key.split("\0")
             scores.setdefault(name, {})[int(seed)] = value
         baseline = scores.pop(BASELINE)
         for subset, values in effects(scores, baseline).items():
             values = np.asarray(values)
-            (planted if subset in corpus["planted"] else clean).append(values)
+            if subset in corpus["planted"]:
+                planted.setdefault(corpus["planted"][subset], []).append(float(values.mean()))
+            else:
+                clean.append(values)
+                by_subset.setdefault(subset, []).extend(values)
             spread.append(values - values.mean())
-    c, p = np.concatenate(clean), np.array([v.mean() for v in planted])
+    c = np.concatenate(clean)
     return {"clean_mean": float(c.mean()), "clean_sd": float(c.std(ddof=1)), "clean_max": float(c.max()),
             "clean_subset_means_max": float(max(v.mean() for v in clean)),
-            "planted_mean_min": float(p.min()), "planted_mean": float(p.mean()),
-            "within_sd": float(np.sqrt(sum((v ** 2).sum() for v in spread) / sum(len(v) - 1 for v in spread)))}
+            "planted_means": {every: (min(v), float(np.mean(v))) for every, v in sorted(planted.items())},
+            "within_sd": float(np.sqrt(sum((v ** 2).sum() for v in spread) / sum(len(v) - 1 for v in spread))),
+            "clean_by_subset": {s: round(float(np.exp(np.mean(v))), 2) for s, v in sorted(by_subset.items())}}
 
 
 def rate(hit: list[int]) -> str:
@@ -198,6 +248,7 @@ def power(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     local = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())["screen"]
     rule = {"ratio": local["ratio"], "alpha": local["alpha"]}
+    schedule = {"seeds": local["seeds"], "max_seeds": local["max_seeds"], "slots": local["concurrent_runs"] * local["runs_per_job"]}
     everything = {"seeds": args.max_seeds, "max_seeds": args.max_seeds}
     corpora = []
     for k in range(args.draws):
@@ -210,36 +261,45 @@ def power(args) -> int:
     print(f"commit {provenance.commit()}; {provenance.machine()}, {os.cpu_count()} CPUs; configs/local.yaml's screen "
           f"({local['steps']} steps of the {local['proxy']['model']} proxy); {args.draws} draws of the sample, "
           f"every mixture run with {args.max_seeds} seeds, rules replayed from those runs")
-    designs = [("local.yaml: adaptive", {"seeds": local["seeds"], "max_seeds": local["max_seeds"], **rule})]
+    designs = [(f"local.yaml: adaptive, {schedule['slots']} slots a round", {**schedule, **rule}),
+               (f"adaptive, {CLUSTER_CONCURRENT} slots a round (the cluster configs)", {**schedule, **rule, "slots": CLUSTER_CONCURRENT}),
+               ("adaptive, one seed a round", {**schedule, **rule, "slots": 1})]
     designs += [(f"fixed {n} seeds", {"seeds": n, "max_seeds": n, **rule}) for n in range(2, args.max_seeds + 1)]
-    designs += [(f"adaptive, ratio {r}", {"seeds": local["seeds"], "max_seeds": local["max_seeds"], "ratio": r, "alpha": rule["alpha"]})
-                for r in (1.5, 3.0) if r != rule["ratio"]]
+    designs += [(f"adaptive, ratio {r}", {**schedule, **rule, "ratio": r}) for r in (1.5, 3.0) if r != rule["ratio"]]
+    designs += [("local.yaml's, without the composition term", {**schedule, **rule, "score": "unadjusted"}),
+                ("before: spike score, margin 15, 2 seeds", {"before": True})]
     print("\n| rule | " + " | ".join(f"planted 1 in {n} dropped" for n in STRENGTHS)
-          + " | clean dropped | inconclusive | proxy runs per screen |")
-    print("|---|" + "---|" * (len(STRENGTHS) + 3))
+          + " | clean dropped | inconclusive | proxy runs per screen | rounds | run times, 8 at a time |")
+    print("|---|" + "---|" * (len(STRENGTHS) + 5))
     results = {}
     for name, design in designs:
         t = tally(corpora, **design)
         results[name] = {"rule": design, **t}
         print(f"| {name} | " + " | ".join(rate(t["detected"][n]) for n in STRENGTHS)
-              + f" | {rate(t['clean_dropped'])} | {t['inconclusive']} | {t['runs'] / len(corpora):.1f} |")
+              + f" | {rate(t['clean_dropped'])} | {t['inconclusive']} | {t['runs'] / len(corpora):.1f} "
+              f"| {t['rounds'] / len(corpora):.2f} | {t['waves'] / len(corpora):.2f} |")
     n = noise(corpora)
     print(f"\npaired effects per seed: clean subsets mean {n['clean_mean']:+.3f}, sd {n['clean_sd']:.3f}, largest "
-          f"{n['clean_max']:.2f}, largest clean subset's mean {n['clean_subset_means_max']:.2f}; planted subsets' means "
-          f"{n['planted_mean_min']:.2f} to ..., mean {n['planted_mean']:.2f}; pooled within-subset sd {n['within_sd']:.3f} "
+          f"{n['clean_max']:.2f}, largest clean subset's mean {n['clean_subset_means_max']:.2f}; planted subsets' means, "
+          + ", ".join(f"1 in {every}: lowest {low:.2f}, mean {mean:.2f}" for every, (low, mean) in n["planted_means"].items())
+          + f"; pooled within-subset sd {n['within_sd']:.3f} "
           f"(line ln({rule['ratio']}) = {math.log(rule['ratio']):.2f})")
-    decisions, runs = replay(issue, seeds=local["seeds"], max_seeds=local["max_seeds"], **rule)
-    print(f"\nthe issue's corpus (seed 0, HackerNews 1 in 6, Reddit comments only), local.yaml's rule: {runs} proxy runs; "
+    decisions, rounds = replay(issue, **schedule, **rule)
+    print(f"\nthe issue's corpus (seed 0, HackerNews 1 in 6, Reddit comments only), local.yaml's rule: {sum(rounds)} proxy runs; "
           + "; ".join(f"{s} {d.outcome} {math.exp(d.effect):.2f}x" for s, d in sorted(decisions.items())))
+    print("clean subsets' mean roughness over the baseline's (x), where clean: "
+          + "; ".join(f"{s} {v}x" for s, v in n["clean_by_subset"].items())
+          + "\n  the same without the composition term: "
+          + "; ".join(f"{s} {v}x" for s, v in noise(corpora, "unadjusted")["clean_by_subset"].items()))
     results["noise"] = n
     ok = True
     if args.check:
         first = corpora[0]
         planted = first["planted"]
         real = screen_corpus(out / "check", first["seed"], planted, first["composition"], {})
-        expected, runs = replay(first, seeds=local["seeds"], max_seeds=local["max_seeds"], **rule)
+        expected, rounds = replay(first, **schedule, **rule)
         same = {s: d["outcome"] for s, d in real["decisions"].items()} == {s: d.outcome for s, d in expected.items()} \
-            and len(real["runs"]) == runs and all(real["runs"][key] == first["runs"][key] for key in real["runs"])
+            and len(real["runs"]) == sum(rounds) and all(real["runs"][key] == first["runs"][key] for key in real["runs"])
         print(f"\ncheck: draw 0's screen run with local.yaml's adaptive settings: {len(real['runs'])} proxy runs, the same "
               f"decisions, runs and scores as the replay: {same}")
         ok = same

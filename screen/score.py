@@ -22,8 +22,9 @@ layout's error term, sum of (n_s - 1) degrees of freedom), and each subset's mea
 Student-t interval. With line = ln(ratio):
 - drop when the lower bound is above the line, keep when the upper bound is below it, else
   inconclusive;
-- the subsets are first judged after `seeds` seeds, and the inconclusive ones get one more seed
-  (and the baseline with them) until decided or at `max_seeds`. A subset once decided stays so.
+- the subsets are first judged after `seeds` seeds, and the inconclusive ones get more seeds (and
+  the baseline with them: one each per round, or as many as fill the round's slots) until decided
+  or at `max_seeds`. A subset once decided stays so.
 - Each look uses alpha / looks (Bonferroni over the max_seeds - seeds + 1 looks), so that a
   subset whose true effect is on the line is wrongly decided with probability at most alpha over
   the whole sequence, however many looks it takes.
@@ -204,11 +205,14 @@ def decide(effects_by_subset: dict[str, list[float]], *, ratio: float, alpha: fl
 
 
 def adaptive(subsets: list[str], run, *, seeds: int, max_seeds: int, ratio: float, alpha: float,
-             first_seed: int = 0) -> tuple[dict[str, Decision], list[list[tuple[str, int]]]]:
+             first_seed: int = 0, slots: int = 1) -> tuple[dict[str, Decision], list[list[tuple[str, int]]]]:
     """The screen's sequence of rounds: `run([(mixture, seed), ...])` runs those proxies and returns
     {(mixture, seed): score}; the baseline's mixture is called BASELINE. Round one runs `seeds` seeds
-    of the baseline and of every subset; each later round one more seed of the baseline and of every
-    subset still inconclusive, until none is or all have max_seeds. (decisions, the rounds' runs)."""
+    of the baseline and of every subset; each later round more seeds of the baseline and of every
+    subset still inconclusive, until none is or all have max_seeds: one seed each, or as many as fill
+    `slots` proxy runs (a round costs a start and the time of its slowest run, so runs that fit in
+    it are cheaper than another round; the looks stay bounded by max_seeds - seeds + 1).
+    (decisions, the rounds' runs)."""
     looks = max_seeds - seeds + 1
     scores: dict[str, dict[int, float]] = {name: {} for name in [BASELINE, *subsets]}
     final: dict[str, Decision] = {}
@@ -230,5 +234,6 @@ def adaptive(subsets: list[str], run, *, seeds: int, max_seeds: int, ratio: floa
                 open_.append(subset)
         if not open_:
             return {s: final[s] for s in subsets}, rounds
-        k = first_seed + found[open_[0]].seeds
-        wanted = {name: [k] for name in [BASELINE, *open_]}
+        done = found[open_[0]].seeds  # every open subset has run as many seeds as the others
+        more = max(1, min(slots // (len(open_) + 1), max_seeds - done))
+        wanted = {name: range(first_seed + done, first_seed + done + more) for name in [BASELINE, *open_]}

@@ -8,7 +8,8 @@
 3. Proxy runs, in rounds (screen/score.py `adaptive`): for a mixture and seed, the training loop
    (train/loop.py, DeepSpeed, the same loader) with the same hyperparameters, `steps` steps, no
    checkpoints and no autopilot. Round one runs `seeds` seeds of every mixture; each later round
-   one more seed of the baseline and of the subsets still inconclusive, up to `max_seeds`. Each run
+   more seeds of the baseline and of the subsets still inconclusive (one each, or as many as fill
+   `concurrent_runs` x `runs_per_job`), up to `max_seeds`. Each run
    is a Ray Train job of its own (`runs_per_job: 1`, the default: a failure or a slow node touches
    one run), `concurrent_runs` jobs at a time; a laptop config packs several runs into one job,
    because starting a Ray Train job with DeepSpeed costs seconds of imports that a tiny proxy run
@@ -177,7 +178,7 @@ def measure(ctx: StageContext, ranges, census, screened: list[str]) -> tuple[dic
         return {(job["subset"], job["seed"]): job["score"].score for job in jobs}
 
     decisions, rounds = score.adaptive(screened, run_round, seeds=cfg.seeds, max_seeds=cfg.max_seeds, ratio=cfg.ratio,
-                                       alpha=cfg.alpha, first_seed=cfg.seed)
+                                       alpha=cfg.alpha, first_seed=cfg.seed, slots=cfg.concurrent_runs * cfg.runs_per_job)
     t2 = time.perf_counter()
     for d in decisions.values():
         ctx.log.info("%s: %s", d.subset, d.reason)
@@ -201,7 +202,9 @@ def run_proxies(ctx: StageContext, jobs: list[dict]) -> None:
     parent = client.get_run(ctx.mlflow_run_id)
     inherited = {k: v for k, v in parent.data.tags.items() if k == "ablation" or k.startswith("ablation.")}
     fit = ray.remote(num_cpus=0)(_fit)  # the trainer's workers hold the CPUs and GPUs; this task only waits
-    groups = [jobs[i : i + cfg.runs_per_job] for i in range(0, len(jobs), cfg.runs_per_job)]
+    # As few jobs as runs_per_job allows, but no fewer than the concurrent slots: a round's runs spread evenly.
+    count = max(-(-len(jobs) // cfg.runs_per_job), min(cfg.concurrent_runs, len(jobs)))
+    groups = [jobs[i::count] for i in range(count)]
     pending, running = list(enumerate(groups)), {}
 
     def start(number: int, group: list[dict]) -> None:
