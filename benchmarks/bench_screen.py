@@ -248,7 +248,7 @@ def power(args) -> int:
     out.mkdir(parents=True, exist_ok=True)
     local = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())["screen"]
     rule = {"ratio": local["ratio"], "alpha": local["alpha"]}
-    schedule = {"seeds": local["seeds"], "max_seeds": local["max_seeds"], "slots": local["concurrent_runs"] * local["runs_per_job"]}
+    schedule = {"seeds": local["seeds"], "max_seeds": local["max_seeds"], "slots": local["concurrent_runs"]}
     everything = {"seeds": args.max_seeds, "max_seeds": args.max_seeds}
     corpora = []
     for k in range(args.draws):
@@ -261,9 +261,10 @@ def power(args) -> int:
     print(f"commit {provenance.commit()}; {provenance.machine()}, {os.cpu_count()} CPUs; configs/local.yaml's screen "
           f"({local['steps']} steps of the {local['proxy']['model']} proxy); {args.draws} draws of the sample, "
           f"every mixture run with {args.max_seeds} seeds, rules replayed from those runs")
-    designs = [(f"local.yaml: adaptive, {schedule['slots']} slots a round", {**schedule, **rule}),
+    packed = local["concurrent_runs"] * local["runs_per_job"]
+    designs = [(f"local.yaml: adaptive, {schedule['slots']} slots a round (its concurrent jobs: one seed a round)", {**schedule, **rule}),
                (f"adaptive, {CLUSTER_CONCURRENT} slots a round (the cluster configs)", {**schedule, **rule, "slots": CLUSTER_CONCURRENT}),
-               ("adaptive, one seed a round", {**schedule, **rule, "slots": 1})]
+               (f"adaptive, {packed} slots a round (local.yaml's packed runs too)", {**schedule, **rule, "slots": packed})]
     designs += [(f"fixed {n} seeds", {"seeds": n, "max_seeds": n, **rule}) for n in range(2, args.max_seeds + 1)]
     designs += [(f"adaptive, ratio {r}", {**schedule, **rule, "ratio": r}) for r in (1.5, 3.0) if r != rule["ratio"]]
     designs += [("local.yaml's, without the composition term", {**schedule, **rule, "score": "unadjusted"}),

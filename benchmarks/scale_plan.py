@@ -68,7 +68,9 @@ GPUS, PEAK_TFLOPS, SEQ = 992, 312.0, 2048  # A100 80GB, dense fp16/bf16 peak
 # The screen's schedules: (proxy runs, run times with 8 at a time) per screen of 8 subsets + the baseline, from
 # `bench_screen.py power` (docs/benchmarks.md): its rounds replayed with 8 slots a round, at the configs' rule (ratio 2,
 # alpha 0.05). The laptop's tiny proxy measured them; the 1.3B proxy's noise is not measured (no GPU lent): an assumption.
-SCREEN_SCHEDULES = {"adaptive, seeds 2 up to 6 (the configs)": (0.0, 0.0), "fixed 3 seeds (before)": (27, 4),
+# (proxy runs, run times with 8 at a time) per screen: the power benchmark's replay of 12 draws
+# (`bench_screen.py power`, docs/benchmarks.md), the adaptive schedule with 8 slots a round.
+SCREEN_SCHEDULES = {"adaptive, seeds 2 up to 6 (the configs)": (23.7, 3.92), "fixed 3 seeds (before)": (27, 4),
                     "fixed 6 seeds": (54, 7)}
 KEEP_CHECKPOINTS = 3
 

@@ -280,7 +280,7 @@ class ScreenConfig:
     subsets: list[str] | None = None  # None: every subset of `sources` that reaches the screen
     steps: int = 100  # per proxy run
     seeds: int = 2  # proxy runs per mixture in the first round (seed, seed + 1, ...); at least 2
-    max_seeds: int = 6  # an inconclusive subset gets one more seed per round up to this many
+    max_seeds: int = 6  # inconclusive subsets get more seeds, round by round, up to this many
     seed: int = 0  # also the sample's
     upweight: float = 0.3  # the candidate subset's share of its mixture's tokens
     ratio: float = 2.0  # the line: a subset whose proxies are this many times as rough as the baseline mix's is spiky

@@ -10,20 +10,21 @@ what its trend and its batches' composition explain.
   a candidate's mixture, the share of the batch's tokens that came from the candidate subset. A
   subset whose text is merely different (DM Mathematics' sums) moves the grad norm with how much
   of it a batch holds; that is composition, not instability, and the fit takes it out (on the
-  power benchmark it took a clean DM Mathematics from 3.6x the baseline's roughness to 0.8x).
+  power benchmark, 12 draws, it took a clean DM Mathematics from 3.57x the baseline's roughness
+  to 1.11x).
   A subset with documents that make training jump is rough whatever its share.
 - score = 100 x the mean absolute residual: the typical jump in percent.
 
 The decision (`decide`, `adaptive`): each subset against the baseline mix under the same seed
 (same initialisation and batch order), as the paired effect ln(subset's score / baseline's score).
-Per seed these effects have about the same noise for every subset (the benchmark: sd 0.20 for
-clean and planted subsets alike), so the noise is pooled over the screen's subsets (a one-way
+Per seed these effects have about the same noise for every subset (the benchmark: sd 0.25 for
+clean subsets, a pooled within-subset sd of 0.27 for clean and planted alike), so the noise is pooled over the screen's subsets (a one-way
 layout's error term, sum of (n_s - 1) degrees of freedom), and each subset's mean effect gets a
 Student-t interval. With line = ln(ratio):
 - drop when the lower bound is above the line, keep when the upper bound is below it, else
   inconclusive;
 - the subsets are first judged after `seeds` seeds, and the inconclusive ones get more seeds (and
-  the baseline with them: one each per round, or as many as fill the round's slots) until decided
+  the baseline with them: one each per round, or as many as fill the round's parallel slots) until decided
   or at `max_seeds`. A subset once decided stays so.
 - Each look uses alpha / looks (Bonferroni over the max_seeds - seeds + 1 looks), so that a
   subset whose true effect is on the line is wrongly decided with probability at most alpha over
@@ -210,8 +211,8 @@ def adaptive(subsets: list[str], run, *, seeds: int, max_seeds: int, ratio: floa
     {(mixture, seed): score}; the baseline's mixture is called BASELINE. Round one runs `seeds` seeds
     of the baseline and of every subset; each later round more seeds of the baseline and of every
     subset still inconclusive, until none is or all have max_seeds: one seed each, or as many as fill
-    `slots` proxy runs (a round costs a start and the time of its slowest run, so runs that fit in
-    it are cheaper than another round; the looks stay bounded by max_seeds - seeds + 1).
+    `slots` proxy runs that run side by side (those cost no more time than one, where another round
+    costs a run's time again; the looks stay bounded by max_seeds - seeds + 1).
     (decisions, the rounds' runs)."""
     looks = max_seeds - seeds + 1
     scores: dict[str, dict[int, float]] = {name: {} for name in [BASELINE, *subsets]}

@@ -9,7 +9,7 @@
    (train/loop.py, DeepSpeed, the same loader) with the same hyperparameters, `steps` steps, no
    checkpoints and no autopilot. Round one runs `seeds` seeds of every mixture; each later round
    more seeds of the baseline and of the subsets still inconclusive (one each, or as many as fill
-   `concurrent_runs` x `runs_per_job`), up to `max_seeds`. Each run
+   the `concurrent_runs` jobs that would otherwise idle), up to `max_seeds`. Each run
    is a Ray Train job of its own (`runs_per_job: 1`, the default: a failure or a slow node touches
    one run), `concurrent_runs` jobs at a time; a laptop config packs several runs into one job,
    because starting a Ray Train job with DeepSpeed costs seconds of imports that a tiny proxy run
@@ -178,7 +178,7 @@ def measure(ctx: StageContext, ranges, census, screened: list[str]) -> tuple[dic
         return {(job["subset"], job["seed"]): job["score"].score for job in jobs}
 
     decisions, rounds = score.adaptive(screened, run_round, seeds=cfg.seeds, max_seeds=cfg.max_seeds, ratio=cfg.ratio,
-                                       alpha=cfg.alpha, first_seed=cfg.seed, slots=cfg.concurrent_runs * cfg.runs_per_job)
+                                       alpha=cfg.alpha, first_seed=cfg.seed, slots=cfg.concurrent_runs)
     t2 = time.perf_counter()
     for d in decisions.values():
         ctx.log.info("%s: %s", d.subset, d.reason)
