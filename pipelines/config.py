@@ -289,7 +289,7 @@ class ScreenConfig:
     spike_ratio: float = 0.25  # a step this far above its fit is counted as a spike (reported, not judged)
     burn_in: int = 10  # first steps not scored
     concurrent_runs: int = 2  # Ray Train jobs of proxy runs at a time
-    runs_per_job: int = 1  # proxy runs per Ray Train job, one after another (a laptop: several; a job starts in seconds)
+    runs_per_job: int = 1  # proxy runs a Ray Train job takes, one after another, over the rounds (a laptop: many)
     proxy: ProxyConfig = field(default_factory=ProxyConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)  # the proxy runs' (set it as tokenize's)
 

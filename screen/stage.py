@@ -9,11 +9,11 @@
    (train/loop.py, DeepSpeed, the same loader) with the same hyperparameters, `steps` steps, no
    checkpoints and no autopilot. Round one runs `seeds` seeds of every mixture; each later round
    more seeds of the baseline and of the subsets still inconclusive (one each, or as many as fill
-   the `concurrent_runs` jobs that would otherwise idle), up to `max_seeds`. Each run
-   is a Ray Train job of its own (`runs_per_job: 1`, the default: a failure or a slow node touches
-   one run), `concurrent_runs` jobs at a time; a laptop config packs several runs into one job,
-   because starting a Ray Train job with DeepSpeed costs seconds of imports that a tiny proxy run
-   does not. Each run is a nested MLflow run under the stage's (tags: subset, seed, role) with its
+   the `concurrent_runs` jobs that would otherwise idle), up to `max_seeds`. `concurrent_runs` Ray
+   Train jobs at a time take the runs from one queue across the rounds (screen/proxies.py), up to
+   `runs_per_job` each: 1, the default, is a job per run (a failure or a slow node touches one
+   run); a laptop config lets a job run many, because starting one with DeepSpeed costs seconds of
+   imports that a tiny proxy run does not. Each run is a nested MLflow run under the stage's (tags: subset, seed, role) with its
    loss and grad-norm curves and its roughness.
 4. Decision (screen/score.py): each subset's roughness against the baseline mix's under the same
    seed; drop, keep or inconclusive at the error rate `alpha` against the line `ratio`. Dropped
@@ -39,6 +39,7 @@ from pipelines.config import AutopilotConfig, PipelineConfig, ScreenConfig, Trai
 from pipelines.console import Bar
 from pipelines.dag import StageContext, StageResult
 from screen import mixture, score
+from screen.proxies import ProxyJobs
 from train.follow import Follower
 from screen.score import BASELINE
 
@@ -171,14 +172,16 @@ def measure(ctx: StageContext, ranges, census, screened: list[str]) -> tuple[dic
         jobs = [{"subset": name, "seed": seed, "folder": ctx.folder / "proxy" / f"{slug(name)}-seed{seed}",
                  "shards": str(mixtures[name]), "info": info[name], "global_batch": global_batch} for name, seed in todo]
         ctx.log.info("a round of %d proxy runs: %s", len(jobs), todo)
-        run_proxies(ctx, jobs)
+        run_proxies(ctx, pool, jobs)
         for job in jobs:
             records.append({"subset": job["subset"], "seed": job["seed"], "mlflow_run_id": job["run_id"],
                             "run_dir": str(job["folder"].relative_to(ctx.folder)), **job["score"].to_dict()})
         return {(job["subset"], job["seed"]): job["score"].score for job in jobs}
 
-    decisions, rounds = score.adaptive(screened, run_round, seeds=cfg.seeds, max_seeds=cfg.max_seeds, ratio=cfg.ratio,
-                                       alpha=cfg.alpha, first_seed=cfg.seed, slots=cfg.concurrent_runs)
+    with ProxyJobs(probe, concurrent=cfg.concurrent_runs, runs_per_job=cfg.runs_per_job,
+                   folder=ctx.folder / "proxy") as pool:
+        decisions, rounds = score.adaptive(screened, run_round, seeds=cfg.seeds, max_seeds=cfg.max_seeds,
+                                           ratio=cfg.ratio, alpha=cfg.alpha, first_seed=cfg.seed, slots=cfg.concurrent_runs)
     t2 = time.perf_counter()
     for d in decisions.values():
         ctx.log.info("%s: %s", d.subset, d.reason)
@@ -186,10 +189,9 @@ def measure(ctx: StageContext, ranges, census, screened: list[str]) -> tuple[dic
     return decisions, records, rounds
 
 
-def run_proxies(ctx: StageContext, jobs: list[dict]) -> None:
-    """The proxy runs as Ray Train jobs of `runs_per_job` runs each, `concurrent_runs` jobs at a time; every
-    proxy run gets a nested MLflow run under the stage's, and its score when its job is done."""
-    import ray
+def run_proxies(ctx: StageContext, pool: ProxyJobs, jobs: list[dict]) -> None:
+    """A round's proxy runs on the screen's jobs (screen/proxies.py); every proxy run gets a nested MLflow
+    run under the stage's, and its score when it is done."""
     from mlflow import MlflowClient
 
     from mlflow.entities import Metric
@@ -201,70 +203,38 @@ def run_proxies(ctx: StageContext, jobs: list[dict]) -> None:
     client = MlflowClient(ctx.config.mlflow.tracking_uri)
     parent = client.get_run(ctx.mlflow_run_id)
     inherited = {k: v for k, v in parent.data.tags.items() if k == "ablation" or k.startswith("ablation.")}
-    fit = ray.remote(num_cpus=0)(_fit)  # the trainer's workers hold the CPUs and GPUs; this task only waits
-    # As few jobs as runs_per_job allows, but no fewer than the concurrent slots: a round's runs spread evenly.
-    count = max(-(-len(jobs) // cfg.runs_per_job), min(cfg.concurrent_runs, len(jobs)))
-    groups = [jobs[i::count] for i in range(count)]
-    pending, running = list(enumerate(groups)), {}
+    items = []
+    for job in jobs:
+        role = "baseline" if job["subset"] == BASELINE else "candidate"
+        run = client.create_run(parent.info.experiment_id, run_name=f"screen {job['subset']} seed {job['seed']}", tags={
+            "mlflow.parentRunId": ctx.mlflow_run_id, "stage": "screen.proxy", "subset": job["subset"],
+            "seed": str(job["seed"]), "role": role, **inherited})
+        job["run_id"] = run.info.run_id
+        log_params(client, run.info.run_id, {"proxy": dataclasses.asdict(cfg.proxy), "steps": cfg.steps,
+                                             "seed": job["seed"], "upweight": cfg.upweight, "mixture": job["info"]})
+        job["folder"].mkdir(parents=True, exist_ok=True)
+        items.append({"key": f"{job['subset']} seed {job['seed']}", "config": loop_config(
+            proxy_train_config(cfg, job["seed"]), job["shards"], job["folder"], export_dir=None,
+            tracking_uri=ctx.config.mlflow.tracking_uri, mlflow_run_id=run.info.run_id)})
 
-    def start(number: int, group: list[dict]) -> None:
-        configs = []
-        for job in group:
-            role = "baseline" if job["subset"] == BASELINE else "candidate"
-            run = client.create_run(parent.info.experiment_id, run_name=f"screen {job['subset']} seed {job['seed']}", tags={
-                "mlflow.parentRunId": ctx.mlflow_run_id, "stage": "screen.proxy", "subset": job["subset"],
-                "seed": str(job["seed"]), "role": role, **inherited})
-            job["run_id"] = run.info.run_id
-            log_params(client, run.info.run_id, {"proxy": dataclasses.asdict(cfg.proxy), "steps": cfg.steps,
-                                                 "seed": job["seed"], "upweight": cfg.upweight, "mixture": job["info"]})
-            job["folder"].mkdir(parents=True, exist_ok=True)
-            configs.append(loop_config(proxy_train_config(cfg, job["seed"]), job["shards"], job["folder"], export_dir=None,
-                                       tracking_uri=ctx.config.mlflow.tracking_uri, mlflow_run_id=run.info.run_id))
-        folder = ctx.folder / "proxy" / f"job-{number:03d}"
-        folder.mkdir(parents=True, exist_ok=True)
-        running[fit.remote(proxy_train_config(cfg, cfg.seed), {"runs": configs}, folder)] = group
-
-    def finish(done: list) -> None:
-        for ref in done:
-            group = running.pop(ref)
-            try:
-                ray.get(ref)
-            except Exception as exc:
-                for job in group:
-                    client.set_terminated(job["run_id"], "FAILED")
-                names = ", ".join(f"{job['subset']} seed {job['seed']}" for job in group)
-                raise RuntimeError(f"proxy runs {names} failed (run folders under {ctx.folder / 'proxy'}): {exc}") from exc
-            for job in group:
-                batches, grad_norms = score.read_run(job["folder"] / "metrics.jsonl")
-                shares = None if job["subset"] == BASELINE else \
-                    mixture.subset_shares(job["shards"], batches, job["global_batch"], job["seed"])
-                job["score"] = score.roughness(batches, grad_norms, shares, burn_in=cfg.burn_in, spike_ratio=cfg.spike_ratio)
-                ctx.log.info("proxy %s seed %d: %s", job["subset"], job["seed"], job["score"])
-                now = int(time.time() * 1000)
-                client.log_batch(job["run_id"], metrics=[Metric(f"spike.{key}", float(value), now, 0)
-                                                         for key, value in job["score"].to_dict().items()])
-                client.set_terminated(job["run_id"], "FINISHED")
-
-    runs = {f"{job['subset']} seed {job['seed']}": job["folder"] for job in jobs}
+    runs = {item["key"]: job["folder"] for item, job in zip(items, jobs)}
     with Bar("screen", "proxy steps", len(jobs) * cfg.steps) as bar, Follower("screen", runs, bar):
-        while pending or running:
-            while pending and len(running) < cfg.concurrent_runs:
-                start(*pending.pop(0))
-            finish(ray.wait(list(running), num_returns=1)[0])
-
-
-def proxy_loop(config: dict) -> None:
-    """A Ray Train job of the screen: its proxy runs one after another, each `train_loop` with a fresh model."""
-    from train.loop import train_loop
-
-    for run in config["runs"]:
-        train_loop(run)
-
-
-def _fit(cfg: TrainConfig, config: dict, folder: Path) -> None:
-    from train.stage import fit
-
-    fit(cfg, config, folder, loop=proxy_loop)
+        try:
+            pool.run(items)
+        except Exception:
+            for job in jobs:
+                client.set_terminated(job["run_id"], "FAILED")
+            raise
+    for job in jobs:
+        batches, grad_norms = score.read_run(job["folder"] / "metrics.jsonl")
+        shares = None if job["subset"] == BASELINE else \
+            mixture.subset_shares(job["shards"], batches, job["global_batch"], job["seed"])
+        job["score"] = score.roughness(batches, grad_norms, shares, burn_in=cfg.burn_in, spike_ratio=cfg.spike_ratio)
+        ctx.log.info("proxy %s seed %d: %s", job["subset"], job["seed"], job["score"])
+        now = int(time.time() * 1000)
+        client.log_batch(job["run_id"], metrics=[Metric(f"spike.{key}", float(value), now, 0)
+                                                 for key, value in job["score"].to_dict().items()])
+        client.set_terminated(job["run_id"], "FINISHED")
 
 
 def track_decisions(ctx: StageContext, decisions: dict[str, score.Decision], runs: list[dict]) -> None:

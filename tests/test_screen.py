@@ -175,6 +175,23 @@ def test_bad_screen_config(item, message):
 # --------------------------------------------------------------------------- the stage
 
 
+def test_the_run_queue_gives_every_rank_of_a_job_the_same_run_and_a_restarted_job_its_runs_again():
+    """The queue behind the screen's jobs (screen/proxies.py), as a plain object: the Ray actor is this class."""
+    from screen.proxies import WAIT, RunQueue
+
+    q = RunQueue()
+    assert q.take(0, 0) == WAIT  # open and empty: ask again
+    q.put([{"key": "a"}, {"key": "b"}, {"key": "c"}])
+    assert q.take(0, 0) == q.take(0, 0) == {"key": "a"}  # ranks 0 and 1 of job 0
+    assert q.take(1, 0) == {"key": "b"} and q.take(0, 1) == {"key": "c"}
+    assert q.take(1, 1) == WAIT
+    q.finish("a")
+    assert q.take(0, 0) == {"key": "a"} and q.take(0, 1) == {"key": "c"}  # job 0 restarted: the same runs in order
+    assert q.taken_by(0) == ["a", "c"] and q.taken_by(1) == ["b"] and q.finished() == {"a"}
+    q.close()
+    assert q.take(1, 1) is None and q.take(0, 1) == {"key": "c"}
+
+
 def test_the_screen_drops_the_planted_spiky_subset_and_keeps_the_others(sample_run):
     _, planted, wd = sample_run
     assert list(planted["spiky"]) == [SPIKY] and planted["spiky"][SPIKY]["documents"] > 0
@@ -194,6 +211,10 @@ def test_the_screen_drops_the_planted_spiky_subset_and_keeps_the_others(sample_r
         assert d["effect"] == pytest.approx(np.mean([math.log(score_of[subset, k] / score_of["baseline", k]) for k in seeds]))
     # Adaptive: the first round ran 2 seeds of everything, a later round only what was still open, with the baseline.
     assert m["rounds"][0] == 2 * (len(OPT_PILE_SUBSETS) + 1) and len(m["proxy_runs"]) == sum(m["rounds"])
+    # Two jobs took every round's runs from the queue (local.yaml: 2 at a time, up to 27 runs each): a later round
+    # started no job of its own.
+    assert len(m["rounds"]) > 1 and sorted(p.name for p in (Path(m["output"]).parent / "proxy").glob("job-*")) == [
+        "job-000", "job-001"]
     assert len(m["proxy_runs"]) == m["proxy_runs_fixed"] - m["metrics"]["proxy_runs_saved"] < m["proxy_runs_fixed"]
 
     # Every document accounted for: the spiky subset's in dropped/ with the reason, the rest unchanged.
@@ -251,7 +272,10 @@ def test_a_proxy_run_is_reproducible(sample_run, tmp_path):
     """The planted subset's first proxy run again, from the stage's own mixture, config and seed: the
     same grad-norm curve and score to the last digit (the stage's decisions are a function of these)."""
     from screen.mixture import subset_shares
-    from screen.stage import proxy_loop, proxy_train_config, slug
+    import ray
+
+    from screen.proxies import RunQueue, proxy_loop
+    from screen.stage import proxy_train_config, slug
     from train.stage import fit, loop_config
 
     _, _, wd = sample_run
@@ -264,7 +288,10 @@ def test_a_proxy_run_is_reproducible(sample_run, tmp_path):
     mixture = stage_dir / "mixtures" / slug(SPIKY)
     config = loop_config(train_cfg, str(mixture), tmp_path / "again", export_dir=None, tracking_uri=None, mlflow_run_id=None)
     (tmp_path / "again").mkdir()
-    fit(train_cfg, {"runs": [config]}, tmp_path / "job", loop=proxy_loop)
+    queue = ray.remote(RunQueue).remote()
+    ray.get([queue.put.remote([{"key": "again", "config": config}]), queue.close.remote()])
+    fit(train_cfg, {"queue": queue, "job": 0, "runs": 2}, tmp_path / "job", loop=proxy_loop)  # ends when the queue is empty
+    assert ray.get(queue.finished.remote()) == {"again"}
     before = score.read_run(stage_dir / record["run_dir"] / "metrics.jsonl")
     batches, norms = score.read_run(tmp_path / "again" / "metrics.jsonl")
     assert len(norms) == cfg.steps and np.array_equal(batches, before[0]) and np.array_equal(norms, before[1])
@@ -289,7 +316,7 @@ def test_reddit_comments_alone_still_drop_the_planted_subset_and_only_it(default
     for source in local["sources"]:
         source["paths"] = [str(where / p) for p in source["paths"] if "/RS_" not in p]
     local["workdir"] = str(tmp_path / "work")
-    local["screen"].update(subsets=["DM Mathematics", SPIKY, "USPTO Backgrounds"], seeds=3, runs_per_job=6)
+    local["screen"].update(subsets=["DM Mathematics", SPIKY, "USPTO Backgrounds"], seeds=3)
     cfg = write_config(tmp_path, yaml.safe_dump(local), name="comments")
     assert main(["--config", str(cfg), "--only", "ingest,normalize,dedup,screen"]) == 0
     ingest, m = manifest(tmp_path / "work", "ingest"), manifest(tmp_path / "work", "screen")
