@@ -60,7 +60,10 @@ class SpikeScore:
 
 def read_run(metrics_file: Path) -> tuple[np.ndarray, np.ndarray]:
     """(global batch numbers, grad norms) of a run's steps from its metrics.jsonl, in step order (a step
-    redone after a rollback or restart: its last value), overflow-skipped steps left out (read_grad_norms)."""
+    redone after a rollback or restart: its last value; a missing norm: NaN). Steps the fp16 loss scaler
+    skipped for an overflow are left out: their gradients overflowed in the scaled fp16 copy, which says
+    how high the loss scale was, not how the run behaves (DeepSpeed reports their norm as inf; one would
+    make a candidate's score infinite, or a baseline seed's)."""
     by_step: dict[int, tuple[int, float]] = {}
     for line in Path(metrics_file).read_text().splitlines():
         row = json.loads(line)
@@ -75,20 +78,8 @@ def read_run(metrics_file: Path) -> tuple[np.ndarray, np.ndarray]:
 
 
 def read_grad_norms(metrics_file: Path) -> list[float | None]:
-    """A run's grad-norm series from its metrics.jsonl, one value per step in step order (a step redone
-    after a rollback or restart: its last value). Steps the fp16 loss scaler skipped for an overflow
-    are left out: their gradients overflowed in the scaled fp16 copy, which says how high the loss
-    scale was, not how the run behaves (DeepSpeed reports their norm as inf; one would make a
-    candidate's score infinite, or a baseline seed's, and with it the limit)."""
-    by_step: dict[int, float | None] = {}
-    for line in Path(metrics_file).read_text().splitlines():
-        row = json.loads(line)
-        if "grad_norm" in row:
-            if row.get("overflow"):
-                by_step.pop(row["step"], None)
-            else:
-                by_step[row["step"]] = row["grad_norm"]
-    return [by_step[s] for s in sorted(by_step)]
+    """read_run's grad norms alone, as a list (None where a step had none), for `spike_score`."""
+    return [None if math.isnan(g) else float(g) for g in read_run(metrics_file)[1]]
 
 
 def spike_score(grad_norms: list[float | None], *, window: int = 9, spike_ratio: float = 0.25,
