@@ -90,6 +90,7 @@ OPT_PILE = 8  # subsets screened per corpus
 CLUSTER_CONCURRENT = 8  # the cluster configs' screen.concurrent_runs: a round of n runs takes ceil(n / 8) run times
 STRENGTHS = (6, 12, 24)  # one in N of a planted subset's documents spiky
 COMPOSITIONS = ("all", "no-submissions", "no-ccnews", "no-submissions-no-ccnews")
+PACKED_RUNS = 9  # runs per job that a round would fill as well: local.yaml's jobs of 9 runs before the queue
 
 
 def corpus_config(folder: Path, sample: Path, composition: str, overrides: dict) -> Path:
@@ -152,6 +153,15 @@ def summary(m: dict, seed: int, planted: dict[str, int], composition: str) -> di
             "before": before, "unadjusted": unadjusted}
 
 
+def scores_of(corpus: dict, score: str = "runs") -> dict[str, dict[int, float]]:
+    """A corpus's recorded proxy scores ("runs", "before" or "unadjusted"), as {mixture: {seed: score}}."""
+    out: dict[str, dict[int, float]] = {}
+    for key, value in corpus[score].items():
+        name, seed = key.split("\0")
+        out.setdefault(name, {})[int(seed)] = value
+    return out
+
+
 def old_rule(corpus: dict, seeds: int = 2, margin: float = 15.0, sigmas: float = 3.0) -> dict[str, str]:
     """The rule before this work, on the score before it: dropped when the mean spike score over the first `seeds`
     seeds exceeds the baseline's mean by more than max(margin, sigmas x the baseline's sd over seeds)."""
@@ -159,11 +169,7 @@ def old_rule(corpus: dict, seeds: int = 2, margin: float = 15.0, sigmas: float =
 
     from screen.score import BASELINE
 
-    by: dict[str, list[float]] = {}
-    for key, value in corpus["before"].items():
-        name, k = key.split("\0")
-        if int(k) < seeds:
-            by.setdefault(name, []).append(value)
+    by = {name: [v for k, v in sorted(values.items()) if k < seeds] for name, values in scores_of(corpus, "before").items()}
     base = np.asarray(by.pop(BASELINE))
     limit = base.mean() + max(margin, sigmas * base.std(ddof=1))
     return {subset: "drop" if np.mean(v) > limit else "keep" for subset, v in by.items()}
@@ -175,8 +181,7 @@ def replay(corpus: dict, *, seeds: int, max_seeds: int, ratio: float, alpha: flo
     "runs" (the stage's) or "unadjusted" (the roughness without its composition term)."""
     from screen.score import BASELINE, adaptive
 
-    scores = {tuple(key.split("\0")): value for key, value in corpus[score].items()}
-    scores = {(name, int(seed)): value for (name, seed), value in scores.items()}
+    scores = {(name, seed): v for name, values in scores_of(corpus, score).items() for seed, v in values.items()}
     subsets = sorted({name for name, _ in scores if name != BASELINE})
 
     def run(todo):
@@ -220,10 +225,7 @@ def noise(corpora: list[dict], score: str = "runs") -> dict:
 
     clean, planted, spread, by_subset = [], {}, [], {}
     for corpus in corpora:
-        scores: dict[str, dict[int, float]] = {}
-        for key, value in corpus[score].items():
-            name, seed = key.split("\0")
-            scores.setdefault(name, {})[int(seed)] = value
+        scores = scores_of(corpus, score)
         baseline = scores.pop(BASELINE)
         for subset, values in effects(scores, baseline).items():
             values = np.asarray(values)
@@ -267,10 +269,10 @@ def power(args) -> int:
     print(f"commit {provenance.commit()}; {provenance.machine()}, {os.cpu_count()} CPUs; configs/local.yaml's screen "
           f"({local['steps']} steps of the {local['proxy']['model']} proxy); {args.draws} draws of the sample, "
           f"every mixture run with {args.max_seeds} seeds, rules replayed from those runs")
-    packed = local["concurrent_runs"] * local["runs_per_job"]
+    packed = local["concurrent_runs"] * PACKED_RUNS
     designs = [(f"local.yaml: adaptive, {schedule['slots']} slots a round (its concurrent jobs: one seed a round)", {**schedule, **rule}),
                (f"adaptive, {CLUSTER_CONCURRENT} slots a round (the cluster configs)", {**schedule, **rule, "slots": CLUSTER_CONCURRENT}),
-               (f"adaptive, {packed} slots a round (local.yaml's packed runs too)", {**schedule, **rule, "slots": packed})]
+               (f"adaptive, {packed} slots a round (its jobs' packed runs too)", {**schedule, **rule, "slots": packed})]
     designs += [(f"fixed {n} seeds", {"seeds": n, "max_seeds": n, **rule}) for n in range(2, args.max_seeds + 1)]
     designs += [(f"adaptive, ratio {r}", {**schedule, **rule, "ratio": r}) for r in (1.5, 3.0) if r != rule["ratio"]]
     designs += [("local.yaml's, without the composition term", {**schedule, **rule, "score": "unadjusted"}),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from screen.score import BASELINE, DROP, INCONCLUSIVE, KEEP, Decision, read_run
+from screen.score import BASELINE, DROP, INCONCLUSIVE, KEEP, Decision, effects, read_run
 
 COLOURS = {DROP: "tab:red", KEEP: "tab:green", INCONCLUSIVE: "tab:orange"}
 MAX_CURVES = 4  # grad-norm panels at most (the subsets not kept with the largest effects)
@@ -30,11 +30,13 @@ def decision_chart(decisions: dict[str, Decision], runs: list[dict], stage_folde
     grid = fig.add_gridspec(max(1, len(shown)), 2 if shown else 1, width_ratios=[1.2, 1] if shown else [1])
     ax = fig.add_subplot(grid[:, 0])
     order = sorted(decisions.values(), key=lambda d: d.effect)
-    base = {seed: r["score"] for (name, seed), r in by.items() if name == BASELINE}
+    scores: dict[str, dict[int, float]] = {}
+    for (name, seed), r in by.items():
+        scores.setdefault(name, {})[seed] = r["score"]
+    per_seed = effects({d.subset: scores[d.subset] for d in order}, scores[BASELINE])  # what each subset was judged on
     for y, d in enumerate(order):
         colour = COLOURS[d.outcome]
-        points = [max(r["score"], 1e-9) / max(base[seed], 1e-9)
-                  for (name, seed), r in sorted(by.items()) if name == d.subset and seed in base]
+        points = [math.exp(e) for e in per_seed[d.subset]]
         ax.scatter(points, [y] * len(points), color=colour, s=14, alpha=0.7, zorder=3)
         low, high = (math.exp(min(max(v, -50), 50)) for v in (d.low, d.high))
         ax.plot([low, high], [y, y], color=colour, linewidth=3, alpha=0.5)

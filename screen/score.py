@@ -18,14 +18,14 @@ what its trend and its batches' composition explain.
 The decision (`decide`, `adaptive`): each subset against the baseline mix under the same seed
 (same initialisation and batch order), as the paired effect ln(subset's score / baseline's score).
 Per seed these effects have about the same noise for every subset (the benchmark: sd 0.25 for
-clean subsets, a pooled within-subset sd of 0.27 for clean and planted alike), so the noise is pooled over the screen's subsets (a one-way
-layout's error term, sum of (n_s - 1) degrees of freedom), and each subset's mean effect gets a
-Student-t interval. With line = ln(ratio):
+clean subsets, a pooled within-subset sd of 0.27 for clean and planted alike), so the noise is
+pooled over the screen's subsets (a one-way layout's error term, sum of (n_s - 1) degrees of
+freedom), and each subset's mean effect gets a Student-t interval. With line = ln(ratio):
 - drop when the lower bound is above the line, keep when the upper bound is below it, else
   inconclusive;
 - the subsets are first judged after `seeds` seeds, and the inconclusive ones get more seeds (and
-  the baseline with them: one each per round, or as many as fill the round's parallel slots) until decided
-  or at `max_seeds`. A subset once decided stays so.
+  the baseline with them: one each per round, or as many as fill the round's parallel slots)
+  until decided or at `max_seeds`. A subset once decided stays so.
 - Each look uses alpha / looks (Bonferroni over the max_seeds - seeds + 1 looks), so that a
   subset whose true effect is on the line is wrongly decided with probability at most alpha over
   the whole sequence, however many looks it takes.
@@ -103,8 +103,6 @@ def spike_score(grad_norms: list[float | None], *, window: int = 9, spike_ratio:
     return SpikeScore(score, int(np.sum(excess > spike_ratio)), float(excess.sum()), growth, len(scored))
 
 
-
-
 @dataclass(frozen=True)
 class Roughness:
     score: float  # 100 x mean |residual of ln(grad norm)|: the typical unexplained jump, in percent
@@ -133,8 +131,9 @@ def roughness(batches, grad_norms, shares=None, *, burn_in: int = 10, spike_rati
     with_share = bool(np.ptp(s) > 0)
     if with_share:
         columns.append(s)
-    fit, *_ = np.linalg.lstsq(np.stack(columns, axis=1), np.log(g), rcond=None)
-    residual = np.log(g) - np.stack(columns, axis=1) @ fit
+    design, y = np.stack(columns, axis=1), np.log(g)
+    fit, *_ = np.linalg.lstsq(design, y, rcond=None)
+    residual = y - design @ fit
     return Roughness(100.0 * float(np.abs(residual).mean()), float(fit[3]) if with_share else 0.0,
                      int(np.sum(residual > math.log1p(spike_ratio))), len(g))
 

@@ -13,8 +13,8 @@
    Train jobs at a time take the runs from one queue across the rounds (screen/proxies.py), up to
    `runs_per_job` each: 1, the default, is a job per run (a failure or a slow node touches one
    run); a laptop config lets a job run many, because starting one with DeepSpeed costs seconds of
-   imports that a tiny proxy run does not. Each run is a nested MLflow run under the stage's (tags: subset, seed, role) with its
-   loss and grad-norm curves and its roughness.
+   imports that a tiny proxy run does not. Each run is a nested MLflow run under the stage's (tags:
+   subset, seed, role) with its loss and grad-norm curves and its roughness.
 4. Decision (screen/score.py): each subset's roughness against the baseline mix's under the same
    seed; drop, keep or inconclusive at the error rate `alpha` against the line `ratio`. Dropped
    subsets' documents go to `dropped/` with the reason (and inconclusive ones' with
@@ -98,18 +98,17 @@ def run(ctx: StageContext) -> StageResult:
     metrics = {f"score.{s}": v for s, v in scores.items()}
     for s, d in decisions.items():
         metrics.update({f"effect.{s}": round(d.effect, 4), f"seeds.{s}": d.seeds})
+    inconclusive = [s for s in screened if s in decisions and decisions[s].outcome == score.INCONCLUSIVE]
     fixed = (len(screened) + 1) * cfg.max_seeds if decisions else 0
     metrics.update({"proxy_runs": len(runs), "proxy_runs_saved": fixed - len(runs), "rounds": len(rounds),
-                    "inconclusive": sum(d.outcome == score.INCONCLUSIVE for d in decisions.values())})
+                    "inconclusive": len(inconclusive)})
     metrics.update({f"dropped.{k.removeprefix('subset:')}": n for k, n in counts.items() if k.startswith("subset:")})
-    outcome = {o: [s for s in screened if s in decisions and decisions[s].outcome == o]
-               for o in (score.DROP, score.KEEP, score.INCONCLUSIVE)}
     kept = [s for s in screened if s not in dropped_subsets]
-    ctx.log.info("kept %s; dropped %s; inconclusive %s", kept, sorted(dropped_subsets), outcome[score.INCONCLUSIVE])
+    ctx.log.info("kept %s; dropped %s; inconclusive %s", kept, sorted(dropped_subsets), inconclusive)
     if decisions:
         track_decisions(ctx, decisions, runs)
     return StageResult(counts["rows_in"], counts["rows_out"], {"dropped": counts["dropped"]}, metrics, fields={
-        "kept_subsets": kept, "dropped_subsets": sorted(dropped_subsets), "inconclusive_subsets": outcome[score.INCONCLUSIVE],
+        "kept_subsets": kept, "dropped_subsets": sorted(dropped_subsets), "inconclusive_subsets": inconclusive,
         "decisions": {s: {**d.to_dict(), "reason": d.reason} for s, d in decisions.items()}, "scores": scores,
         "rule": (f"paired ln(roughness / baseline's) per seed, pooled-noise t bounds at alpha={cfg.alpha} "
                  f"(/{cfg.max_seeds - cfg.seeds + 1} looks) against ratio={cfg.ratio}; seeds={cfg.seeds}..{cfg.max_seeds}, "
