@@ -17,7 +17,7 @@ RUN curl -sL https://efa-installer.amazonaws.com/aws-efa-installer-latest.tar.gz
     && rm -rf /tmp/aws-efa-installer
 ENV FI_PROVIDER=efa FI_EFA_USE_DEVICE_RDMA=1 NCCL_PROTO=simple LD_LIBRARY_PATH=/opt/amazon/efa/lib:/opt/amazon/ofi-nccl/lib:$LD_LIBRARY_PATH
 # NCCL's start-up log (which network it chose) into a file per process: the training loop checks there that
-# NCCL selected the EFA provider (train/network.py) instead of falling back to TCP sockets at a tenth the speed.
+# NCCL selected the EFA provider (train/plan/network.py) instead of falling back to TCP sockets at a tenth the speed.
 ENV NCCL_DEBUG=INFO NCCL_DEBUG_SUBSYS=INIT,NET NCCL_DEBUG_FILE=/tmp/nccl.%h.%p.log
 
 RUN python3.11 -m venv /opt/venv
@@ -26,6 +26,7 @@ RUN pip install --upgrade pip && pip install torch   # the CUDA build
 
 WORKDIR /opt/opt-pipeline
 COPY pyproject.toml README.md ./
+COPY core core
 COPY pipelines pipelines
 COPY corpus corpus
 COPY dedup dedup

@@ -250,7 +250,7 @@ def rate(hit: list[int]) -> str:
 def power(args) -> int:
     import yaml
 
-    from pipelines.config import OPT_PILE_SUBSETS
+    from core.config import OPT_PILE_SUBSETS
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_tokenize import make_shards  # noqa: E402
 from model.configs import flops_per_token, get  # noqa: E402
 from model.opt import OPT  # noqa: E402
-from train.loop import peak_tflops  # noqa: E402
+from train.loop.metrics import peak_tflops  # noqa: E402
 from train.optim import adamw  # noqa: E402
 
 import provenance  # noqa: E402  (benchmarks/provenance.py: a script's folder is on sys.path)
@@ -55,12 +55,13 @@ SETUPS = {"cpu": {"tiny": {"seq_len": 128, "batch": 32, "micro": 8, "steps": 30}
 def train_stage(out: Path, label: str, shards: Path, overrides: list[str]) -> Path:
     """The train stage itself (`train.stage.run`, Ray Train + DeepSpeed, MLflow) over `shards`, with
     configs/local.yaml's train section and `overrides` (--set syntax); its output folder."""
-    from pipelines.config import load_config
-    from pipelines.dag import StageContext
-    from pipelines.tracking import MlflowTracker
+    from core.config import load_config
+    from core.dag import StageContext
+    from core.tracking import MlflowTracker
+    from pipelines.stages import CHECKS
     from train import stage
 
-    config = load_config(ROOT / "configs" / "local.yaml", [f"workdir={out}/work", *overrides])
+    config = load_config(ROOT / "configs" / "local.yaml", [f"workdir={out}/work", *overrides], checks=CHECKS)
     tracker = MlflowTracker(config.mlflow.tracking_uri, "bench_train")
     folder = out / label / "stage"
     folder.mkdir(parents=True)
@@ -156,7 +157,7 @@ def main() -> None:
 
     import ray
 
-    from pipelines.engines import init_ray
+    from core.engines import init_ray
 
     init_ray(cores)
     try:

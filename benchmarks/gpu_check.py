@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import provenance  # noqa: E402
-from pipelines.engines import init_ray  # noqa: E402
+from core.engines import init_ray  # noqa: E402
 from bench_tokenize import FORMAT, INDEX, write_rows  # noqa: E402
 from bench_train import train_stage  # noqa: E402
 
@@ -136,11 +136,13 @@ def check_fp16_overflow(out: Path, shards: Path, s: dict, device: str) -> Verdic
     """Ray Train and the training loop (`train.stage.fit`), without the stage's MLflow and output copies
     (check 1 has them): on a CPU (the dry run) the loop first lets DeepSpeed take fp16, which
     config validation refuses there."""
-    from pipelines.config import load_config
+    from core.config import load_config
+    from pipelines.stages import CHECKS
     from screen.score import read_grad_norms, spike_score
-    from train.stage import fit, loop_config
+    from train.loop.config import loop_config
+    from train.stage import fit
 
-    def fp16_on_cpu_loop(config: dict) -> None:  # a closure: shipped to the workers by value
+    def fp16_on_cpu_loop(config) -> None:  # a closure: shipped to the workers by value
         from deepspeed.accelerator import get_accelerator
 
         from train.loop import train_loop
@@ -153,7 +155,8 @@ def check_fp16_overflow(out: Path, shards: Path, s: dict, device: str) -> Verdic
     section = load_config(ROOT / "configs" / "local.yaml", [
         f"workdir={out}/work", *base_overrides(s, device), f"train.max_steps={at + count + 4}", "train.zero_stage=2",
         f"train.precision={'bf16' if device == 'cpu' else 'fp16'}", "train.checkpoint_every=3",
-        "train.autopilot.rollback_steps=1", f"train.inject=[{{kind: overflow, step: {at}, count: {count}}}]"]).train
+        "train.autopilot.rollback_steps=1", f"train.inject=[{{kind: overflow, step: {at}, count: {count}}}]"],
+        checks=CHECKS).train
     section = dataclasses.replace(section, precision="fp16")
     output = out / "fp16"
     output.mkdir(parents=True)

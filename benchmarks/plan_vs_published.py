@@ -3,7 +3,7 @@
 A 174.6B GPT (96 layers, 96 heads, d_model 12288, vocabulary 51200, sequences of 2048, batch 1536,
 fp16, activation recompute, unfused attention) on DGX A100 nodes (8 x 200 Gb/s InfiniBand): ZeRO-3
 without model parallelism against PTD-P (tensor 8 x pipeline 12, micro batch 1), as published and
-as train/layout.py predicts them. TFLOP/s count the recompute, as the paper does.
+as train/plan/layout.py predicts them. TFLOP/s count the recompute, as the paper does.
 
     .venv/bin/python benchmarks/plan_vs_published.py
 """
@@ -16,8 +16,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from model.configs import get  # noqa: E402
-from train.hardware import GPUS, NODES  # noqa: E402
-from train.layout import Cluster, Layout, Prediction, Workload, predict  # noqa: E402
+from train.plan.hardware import GPUS, NODES  # noqa: E402
+from train.plan.layout import Cluster, Layout, Prediction, Workload, predict  # noqa: E402
 
 # GPUs: (ZeRO-3 TFLOP/s, its micro batch, PTD-P TFLOP/s), Table 2's 174.6B rows
 TABLE_2 = {384: (144, 4, 153), 768: (88, 2, 149), 1536: (44, 1, 141)}

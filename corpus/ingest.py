@@ -35,11 +35,11 @@ import pyarrow as pa
 from corpus import reddit
 from corpus.parts import DOCUMENT_SCHEMA, Parts, check_written, group_by_size, iter_rows, parquet_files, run_tasks, task_bytes
 from corpus.readers import READERS, REDDIT_FIELDS, relative_names
-from pipelines import storage
-from pipelines.config import RayConfig, SourceConfig, source_files
-from pipelines.console import note
-from pipelines.dag import StageContext, StageResult
-from pipelines.engines import groupby
+from core import storage
+from core.config import RayConfig, SourceConfig, source_files
+from core.console import note
+from core.dag import StageContext, StageResult
+from core.engines import groupby
 
 REJECT_SCHEMA = pa.schema([("source", pa.string()), ("file", pa.string()), ("line", pa.int64()),
                            ("offset", pa.int64()), ("reason", pa.string()), ("head", pa.string())])

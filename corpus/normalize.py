@@ -27,8 +27,8 @@ from pathlib import Path
 import ftfy
 from corpus.parts import (DOCUMENT_SCHEMA, DROPPED_SCHEMA, Parts, check_read, check_written, iter_rows, parquet_bytes,
                           parquet_files, row_group_ranges, run_tasks, task_bytes)
-from pipelines.config import NormalizeConfig
-from pipelines.dag import StageContext, StageResult
+from core.config import NormalizeConfig
+from core.dag import StageContext, StageResult
 
 RULES = ("ftfy", "whitespace", "gutenberg", "chapter_headings")
 

@@ -171,7 +171,7 @@ def run_tasks(fn: Callable[[dict], dict], tasks: list[dict], num_cpus: float = 1
     """
     import ray.data
 
-    from pipelines.console import Bar
+    from core.console import Bar
 
     if not tasks:
         return []

@@ -22,7 +22,7 @@ from typing import Iterator
 
 import zstandard
 
-from pipelines.storage import open_input
+from core.storage import open_input
 
 ZSTD_MAX_WINDOW = 2**31  # PushShift dumps need the full 2 GiB window
 CHUNK = 1 << 20

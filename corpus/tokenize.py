@@ -43,9 +43,9 @@ import pyarrow.parquet as pq
 
 from corpus import tokenizer as tokenizers
 from corpus.parts import check_read, parquet_bytes, parquet_files, row_group_ranges, run_tasks, task_bytes
-from pipelines.config import TokenizeConfig
-from pipelines.dag import StageContext, StageResult
-from pipelines.engines import groupby
+from core.config import TokenizeConfig
+from core.dag import StageContext, StageResult
+from core.engines import groupby
 
 INDEX = "index.json"
 FORMAT = "opt-pipeline token shards v1"  # index.json's "format"; train.loader reads this one

@@ -51,10 +51,10 @@ from corpus.parts import (DOCUMENT_SCHEMA, Parts, check_read, check_written, par
                           run_tasks)
 from dedup.lsh import band_keys, choose_banding
 from dedup.minhash import MinHasher, jaccard_of_sets
-from pipelines.config import DedupConfig
-from pipelines.console import Bar
-from pipelines.dag import StageContext, StageResult
-from pipelines.engines import groupby
+from core.config import DedupConfig
+from core.console import Bar
+from core.dag import StageContext, StageResult
+from core.engines import groupby
 
 SMALL_BUCKET = 32  # buckets up to this size give all their pairs
 PARTITION_BYTES = 64 << 20  # of shuffled rows per groupby partition

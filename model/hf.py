@@ -8,9 +8,9 @@ one file holds them all, else `model-0000i-of-0000N.safetensors` and the
 `model.safetensors.index.json` that maps each tensor to its file. The model is written one piece
 at a time (the embeddings, each block, the final LayerNorm: `export_parts`), so a caller whose
 parameters are partitioned (ZeRO-3) gathers one block at a time, and the writer holds at most
-one file's tensors in host memory. The tokenizer, when given (a `tokenizers.Tokenizer`), is saved
-as tokenizer.json with OPT's special tokens, so that `AutoTokenizer.from_pretrained` works on the
-same folder. Import reads such a folder (ours, or a released OPT checkpoint on local disk).
+one file's tensors in host memory. `save_tokenizer(folder)`, when given, writes the tokenizer's files
+beside the weights (corpus.tokenizer.save: tokenizer.json with OPT's special tokens), so that
+`AutoTokenizer.from_pretrained` works on the same folder; this module imports nothing of the stages. Import reads such a folder (ours, or a released OPT checkpoint on local disk).
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ from typing import Callable, ContextManager, Iterator
 import torch
 from safetensors.torch import load_file, save_file
 
-from corpus import tokenizer as tokenizers
 from model.configs import OPTConfig
 from model.opt import OPT, POSITION_OFFSET
 
@@ -101,7 +100,7 @@ class WeightsWriter:
         return next(iter(self.dtypes), torch.float32)
 
 
-def save_pretrained(model: OPT, out_dir: str | Path, tokenizer=None, *,
+def save_pretrained(model: OPT, out_dir: str | Path, save_tokenizer: Callable[[Path], object] | None = None, *,
                     gather: Callable[[torch.nn.Module], ContextManager] | None = None, write: bool = True,
                     max_shard_bytes: int = SHARD_BYTES) -> Path:
     """Write `model` as a Hugging Face folder. Under ZeRO-3 every rank calls this, with `gather` making one
@@ -119,8 +118,8 @@ def save_pretrained(model: OPT, out_dir: str | Path, tokenizer=None, *,
     if writer is not None:
         dtype = writer.close()
         (out / "config.json").write_text(json.dumps(hf_config(model.config, dtype), indent=2) + "\n")
-        if tokenizer is not None:
-            tokenizers.save(tokenizer, out)
+        if save_tokenizer is not None:
+            save_tokenizer(out)
     return out
 
 

@@ -72,7 +72,7 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         B, T, _ = x.shape
         # (B, T, C) -> (B, heads, T, head_dim): all n_head heads, or a tensor-parallel rank's share of them
-        # (train/parallel.py splits q/k/v by heads), so the head count is read off the projection
+        # (train/parallel/groups.py splits q/k/v by heads), so the head count is read off the projection
         q, k, v = (p(x).view(B, T, -1, self.head_dim).transpose(1, 2) for p in (self.q_proj, self.k_proj, self.v_proj))
         y = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0)
         return self.out_proj(y.transpose(1, 2).reshape(B, T, -1))

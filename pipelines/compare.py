@@ -21,8 +21,8 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the project importable without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipelines.config import ConfigError, load_config
-from pipelines.stages import STAGES
+from core.config import ConfigError, load_config
+from pipelines.stages import CHECKS, STAGES
 
 
 @dataclass
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="ablations.png", help="the loss-curve chart (default: ablations.png)")
     args = p.parse_args(argv)
     try:
-        config = load_config(args.config, [], args.workdir)
+        config = load_config(args.config, [], args.workdir, checks=CHECKS)
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

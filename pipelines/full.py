@@ -19,11 +19,11 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the project importable without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from pipelines.config import ConfigError, PipelineConfig, check_inputs_exist, load_config
+from core.config import ConfigError, PipelineConfig, check_inputs_exist, load_config
 from pipelines import summary
-from pipelines.dag import Runner, Stage, StageFailed, UsageError, iter_outcomes_table
-from pipelines.stages import STAGES
-from pipelines.tracking import flatten
+from core.dag import Runner, Stage, StageFailed, UsageError, iter_outcomes_table
+from pipelines.stages import CHECKS, STAGES
+from core.tracking import flatten
 
 
 MAX_TAG = 5000  # characters of an MLflow tag value (its limit is 8000)
@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None, stages: tuple[Stage, ...] = STAGES) -> i
         return int(exc.code or 0)
     only = [s.strip() for s in args.only.split(",") if s.strip()] if args.only else None
     try:
-        config = load_config(args.config, args.overrides, args.workdir)
+        config = load_config(args.config, args.overrides, args.workdir, checks=CHECKS)
         ablation = ablation_tags(args, config)
         if config.sample_corpus and not os.path.isdir(config.sample_corpus):
             from corpus.sample import SPIKY_EVERY, write_sample
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None, stages: tuple[Stage, ...] = STAGES) -> i
 
 def ablation_tags(args: argparse.Namespace, config: PipelineConfig) -> dict[str, str]:
     """{"ablation": name, "ablation.diff": "key: base -> this; ..."}: what this run changes in the config file."""
-    base = flatten(dataclasses.asdict(load_config(args.config, [], args.workdir)))
+    base = flatten(dataclasses.asdict(load_config(args.config, [], args.workdir, checks=CHECKS)))
     this = flatten(dataclasses.asdict(config))
     diff = [f"{k}: {base.get(k, '(none)')} -> {v}" for k, v in this.items() if base.get(k) != v]
     diff += [f"{k}: {v} -> (none)" for k, v in base.items() if k not in this]
@@ -92,16 +92,16 @@ def ablation_tags(args: argparse.Namespace, config: PipelineConfig) -> dict[str,
 
 def run(config: PipelineConfig, args: argparse.Namespace, only: list[str] | None, stages: list[Stage],
         ablation: dict[str, str]) -> int:
-    from pipelines.engines import start_ray
-    from pipelines.tracking import MlflowTracker
+    from core.engines import start_ray
+    from core.tracking import MlflowTracker
 
     ray_started: list[bool] = []
     runner = Runner(config, stages, start_engines=lambda: ray_started or ray_started.append(start_ray(config, args.verbose)))
     plan = runner.plan(only, args.from_, args.force)  # a bad selection fails here, before any run
     os.makedirs(config.workdir, exist_ok=True)
     layout_files = []
-    if plan.actions.get("train") == "run":  # GPU training: its layout priced against the best (train/plan.py)
-        from train.plan import startup_check
+    if plan.actions.get("train") == "run":  # GPU training: its layout priced against the best (train/plan/planner.py)
+        from train.plan.planner import startup_check
 
         layout_files = startup_check(config, args.config, args.force_layout, Path(config.workdir) / "plan")
     tracker = MlflowTracker(config.mlflow.tracking_uri, config.mlflow.experiment,

@@ -5,10 +5,16 @@ from __future__ import annotations
 from corpus import ingest, normalize, tokenize
 from dedup import stage as dedup_stage
 from screen import stage as screen_stage
-from pipelines import storage
-from pipelines.config import TOKENIZER_FILES, PipelineConfig, TokenizerConfig, source_files
-from pipelines.dag import Stage
+from core import storage
+from core.config import TOKENIZER_FILES, PipelineConfig, TokenizerConfig, source_files
+from core.dag import Stage
+from train import rules as train_rules
 from train import stage as train_stage
+
+
+# What a config is checked with beyond core/config.py's own validation (load_config's `checks`): the rules
+# that need the model's sizes or the GPU tables.
+CHECKS = (train_rules.check_config,)
 
 
 def raw_files_identity(config: PipelineConfig) -> list[list]:
@@ -31,18 +37,19 @@ def tokenizer_files_identity(tok: TokenizerConfig) -> list[list]:
 
 
 STAGES: tuple[Stage, ...] = (
-    Stage("ingest", (), ("ingest", "sources"), run=ingest.run, code=("corpus.ingest", "corpus.readers", "corpus.reddit", "corpus.parts", "pipelines.storage"),
+    Stage("ingest", (), ("ingest", "sources"), run=ingest.run, code=("corpus.ingest", "corpus.readers", "corpus.reddit", "corpus.parts", "core.storage"),
           external=raw_files_identity),
     Stage("normalize", ("ingest",), "normalize", run=normalize.run, code=("corpus.normalize", "corpus.parts")),
     Stage("dedup", ("normalize",), "dedup", run=dedup_stage.run, code=("dedup.stage", "dedup.minhash", "dedup.lsh", "corpus.parts")),
     Stage("screen", ("dedup",), "screen", run=screen_stage.run,
           code=("screen.stage", "screen.mixture", "screen.score", "corpus.tokenize", "corpus.tokenizer", "corpus.parts",
-                "train.stage", "train.loop", "train.loader", "train.optim", "train.build", "train.collectives",
-                "train.network", "model.opt", "model.configs"),
+                "train.stage", "train.loop", "train.loader", "train.optim", "train.build", "train.parallel",
+                "train.plan.network", "train.plan.hardware", "model.opt", "model.configs"),
           external=lambda config: tokenizer_files_identity(config.screen.tokenizer)),
     Stage("tokenize", ("screen",), "tokenize", run=tokenize.run, code=("corpus.tokenize", "corpus.tokenizer", "corpus.parts"),
           external=lambda config: tokenizer_files_identity(config.tokenize.tokenizer)),
     Stage("train", ("tokenize",), "train", run=train_stage.run, resumable=True,
           code=("train.stage", "train.loop", "train.loader", "train.checkpoint", "train.optim", "train.autopilot",
-                "train.build", "train.collectives", "train.network", "train.plot", "model.opt", "model.configs", "model.hf", "screen.score")),
+                "train.build", "train.parallel", "train.plan.network", "train.plan.hardware", "train.plot", "model.opt",
+                "model.configs", "model.hf", "screen.score")),
 )

@@ -15,6 +15,7 @@ proxy run is a function of its mixture and seed, so the rerun gives the same cur
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 WAIT = "wait"  # the queue's answer while it is empty but open: ask again
@@ -54,16 +55,25 @@ class RunQueue:
         self.closed = True
 
 
-def proxy_loop(config: dict) -> None:
-    """A Ray Train job of the screen: up to config["runs"] proxy runs, each `train_loop` with a fresh model,
-    taken from config["queue"] as job config["job"]; it ends early when the queue is closed and empty."""
+@dataclass(frozen=True)
+class ProxyJob:
+    """What each worker of one of the screen's Ray Train jobs is handed."""
+
+    queue: object  # the RunQueue actor's handle
+    job: int  # this job's number: its ranks ask the queue for "job j's k-th run"
+    runs: int  # the most runs it takes
+
+
+def proxy_loop(config: ProxyJob) -> None:
+    """A Ray Train job of the screen: up to `config.runs` proxy runs, each `train_loop` with a fresh model,
+    taken from `config.queue` as job `config.job`; it ends early when the queue is closed and empty."""
     import ray
     import ray.train
 
     from train.loop import train_loop
 
-    queue, job = config["queue"], config["job"]
-    for k in range(config["runs"]):
+    queue, job = config.queue, config.job
+    for k in range(config.runs):
         while (item := ray.get(queue.take.remote(job, k))) == WAIT:
             time.sleep(0.05)
         if item is None:
@@ -120,7 +130,7 @@ class ProxyJobs:
         self.started += 1
         folder = self.folder / f"job-{number:03d}"
         folder.mkdir(parents=True, exist_ok=True)
-        config = {"queue": self.queue, "job": number, "runs": self.runs_per_job}
+        config = ProxyJob(self.queue, number, self.runs_per_job)
         self.live[self.fit.remote(self.train_cfg, config, folder)] = number
 
     def _ended(self, ref) -> None:

@@ -6,7 +6,7 @@
    mixture per candidate: the baseline with the subset up-weighted to `upweight` of the tokens,
    plus the baseline mix alone.
 3. Proxy runs, in rounds (screen/score.py `adaptive`): for a mixture and seed, the training loop
-   (train/loop.py, DeepSpeed, the same loader) with the same hyperparameters, `steps` steps, no
+   (train/loop/, DeepSpeed, the same loader) with the same hyperparameters, `steps` steps, no
    checkpoints and no autopilot. Round one runs `seeds` seeds of every mixture; each later round
    more seeds of the baseline and of the subsets still inconclusive (one each, or as many as fill
    the `concurrent_runs` jobs that would otherwise idle), up to `max_seeds`. `concurrent_runs` Ray
@@ -35,9 +35,9 @@ from corpus.parts import DOCUMENT_SCHEMA, DROPPED_SCHEMA, Parts, check_read, che
     parquet_files, row_group_ranges, run_tasks, task_bytes
 from corpus.tokenize import tokenizer_task
 from corpus import tokenizer as tokenizers
-from pipelines.config import AutopilotConfig, PipelineConfig, ScreenConfig, TrainConfig
-from pipelines.console import Bar
-from pipelines.dag import StageContext, StageResult
+from core.config import AutopilotConfig, PipelineConfig, ScreenConfig, TrainConfig
+from core.console import Bar
+from core.dag import StageContext, StageResult
 from screen import mixture, score
 from screen.proxies import ProxyJobs
 from train.follow import Follower
@@ -195,8 +195,8 @@ def run_proxies(ctx: StageContext, pool: ProxyJobs, jobs: list[dict]) -> None:
 
     from mlflow.entities import Metric
 
-    from pipelines.tracking import log_params
-    from train.stage import loop_config
+    from core.tracking import log_params
+    from train.loop.config import loop_config
 
     cfg: ScreenConfig = ctx.section
     client = MlflowClient(ctx.config.mlflow.tracking_uri)
@@ -240,7 +240,7 @@ def track_decisions(ctx: StageContext, decisions: dict[str, score.Decision], run
     """Each subset's outcome as a tag of the stage's MLflow run (decision.<subset>), and screen.png."""
     from mlflow import MlflowClient
 
-    from pipelines.tracking import metric_name
+    from core.tracking import metric_name
     from screen.chart import decision_chart
 
     client = MlflowClient(ctx.config.mlflow.tracking_uri)

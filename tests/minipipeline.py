@@ -15,9 +15,9 @@ import pyarrow.parquet as pq
 import ray.data
 
 from corpus.parts import parquet_bytes, parquet_files
-from pipelines.config import source_files
-from pipelines.dag import Stage, StageContext, StageResult
-from pipelines.engines import groupby
+from core.config import source_files
+from core.dag import Stage, StageContext, StageResult
+from core.engines import groupby
 from pipelines.stages import raw_files_identity
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import random
 
-from pipelines.config import AutopilotConfig
+from core.config import AutopilotConfig
 from train.autopilot import Detectors, Incident, Logbook, SimulatedScaler, State, apply_to_state, decide
 
 

@@ -84,7 +84,7 @@ ip-10-0-1-23:812:851 [0] NCCL INFO Using network Socket
 
 
 def test_the_training_start_fails_when_nccl_is_not_on_efa(tmp_path):
-    from train.network import debug_file, efa_problem, nccl_choice
+    from train.plan.network import debug_file, efa_problem, nccl_choice
 
     assert nccl_choice(EFA_LOG) == ("efa", "Libfabric") and nccl_choice(SOCKET_LOG) == (None, "Socket")
     pattern = str(tmp_path / "nccl.%h.%p.log")

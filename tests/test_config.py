@@ -9,10 +9,18 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, write_config
-from pipelines.config import OPT_PILE_SUBSETS, ConfigError, check_inputs_exist, load_config
+from core import config as ground
+from core.config import OPT_PILE_SUBSETS, ConfigError, check_inputs_exist
 from pipelines.full import main
+from pipelines.stages import CHECKS
 
 MINI = 'sources: [{name: a, format: jsonl, paths: ["raw/*.jsonl"]}]\n'
+
+
+
+def load_config(path, overrides=(), workdir=None):
+    """As a run loads a config: with the checks that need the model's sizes or the GPU tables (train/rules.py)."""
+    return ground.load_config(path, overrides, workdir, checks=CHECKS)
 
 
 @pytest.fixture
@@ -117,6 +125,15 @@ def test_bad_values_name_their_key(cfg, text, key, expected):
     assert exc.value.key == key
     assert str(exc.value).startswith(f"config key '{key}': ") and expected in str(exc.value)
     assert "\n" not in str(exc.value)
+
+
+def test_rules_that_need_a_model_or_a_gpu_table_run_only_as_checks(cfg):
+    """core/config.py knows no model sizes or GPUs (docs/architecture.md): train/rules.py's checks do."""
+    assert ground.load_config(cfg("train: {model: 7b}\n")).train.model == "7b"
+    with pytest.raises(ConfigError, match="'train.model': expected one of tiny"):
+        load_config(cfg("train: {model: 7b}\n"))
+    with pytest.raises(ConfigError, match="'screen.proxy.parallel.pipeline': 4 stages for the tiny model's 2 layers"):
+        load_config(cfg("screen: {proxy: {num_workers: 4, zero_stage: 1, parallel: {pipeline: 4}}}\n"))
 
 
 @pytest.mark.parametrize("text, message", [

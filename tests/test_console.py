@@ -7,8 +7,8 @@ import io
 import json
 import logging
 
-from pipelines import console
-from pipelines.console import Bar, route_ray_logging, stage_log
+from core import console
+from core.console import Bar, route_ray_logging, stage_log
 from train.follow import Follower
 
 

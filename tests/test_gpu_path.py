@@ -57,9 +57,9 @@ def eval_loss(engine) -> float:
 @pytest.mark.parametrize("zero_stage", [1, 2, 3])
 def test_the_autopilot_sees_the_loss_scale_collapse_before_deepspeed_gives_up_and_a_reset_takes(
         deepspeed_rank, fp16_on_cpu, zero_stage):
-    from pipelines.config import AutopilotConfig
+    from core.config import AutopilotConfig
     from train.autopilot import Detectors
-    from train.loop import loss_scale, reset_loss_scale
+    from train.loop.pilot import loss_scale, reset_loss_scale
 
     engine = engine_for(zero_stage, "fp16")
     floor = AutopilotConfig().scale_floor
@@ -88,14 +88,14 @@ def test_the_autopilot_sees_the_loss_scale_collapse_before_deepspeed_gives_up_an
 
 
 def test_an_fp16_floor_at_deepspeeds_minimum_is_refused_at_load():
-    from pipelines.config import ConfigError, load_config
+    from core.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match=r"'train.autopilot.scale_floor': expected more than 1, DeepSpeed's minimum"):
         load_config(ROOT / "configs" / "opt-125m.yaml", ["train.autopilot.scale_floor=1.0"])
 
 
 def test_fp16_on_zero_0_is_refused_at_load():
-    from pipelines.config import ConfigError, load_config
+    from core.config import ConfigError, load_config
 
     with pytest.raises(ConfigError, match="'train.zero_stage': fp16 needs zero_stage 1, 2 or 3"):
         load_config(ROOT / "configs" / "opt-125m.yaml", ["train.zero_stage=0"])
@@ -143,7 +143,7 @@ def test_a_zero3_model_is_built_partitioned_with_opts_init_and_decay_groups(deep
 def test_collectives_run_on_the_process_groups_device_and_nothing_else_calls_torch_distributed(deepspeed_rank):
     """NCCL takes CUDA tensors only: every collective of ours makes its tensors on `collectives.device()`,
     and no other module of the project calls a torch.distributed collective with a tensor of its own."""
-    from train import collectives
+    from train.parallel import collectives
 
     assert collectives.backend() == "gloo" and collectives.device() == torch.device("cpu")
     assert collectives.all_mean([2.0, torch.tensor(3.0), torch.tensor([4.0])]) == [2.0, 3.0, 4.0]
@@ -152,19 +152,21 @@ def test_collectives_run_on_the_process_groups_device_and_nothing_else_calls_tor
     # Tensor and pipeline parallelism's collectives move the model's own activations, gradients and weights,
     # which are on its device already; those modules make no tensor but with *_like or on another tensor's
     # device (or, in the export's skeleton, an explicitly host one). The placement probe gathers Python objects.
-    model_tensors = {"tensor_parallel.py", "parallel.py", "pipeline.py", "placement.py"}
-    offenders = [f"{path.relative_to(ROOT)}:{i}" for folder in ("train", "screen", "model", "pipelines", "corpus", "dedup")
-                 for path in (ROOT / folder).glob("*.py") if path.name != "collectives.py" and path.name not in model_tensors
+    model_tensors = {f"train/parallel/{name}.py" for name in ("tensor", "groups", "pipeline", "placement")}
+    offenders = [f"{path.relative_to(ROOT)}:{i}"
+                 for folder in ("train", "screen", "model", "core", "pipelines", "corpus", "dedup")
+                 for path in (ROOT / folder).rglob("*.py")
+                 if path.name != "collectives.py" and str(path.relative_to(ROOT)) not in model_tensors
                  for i, line in enumerate(path.read_text().splitlines(), 1) if calls.search(line)]
     assert offenders == []
     made = re.compile(r"torch\.(tensor|zeros|ones|empty|full|arange|randn?)\((?!.*device=)")
     for name in model_tensors:
-        lines = (ROOT / "train" / name).read_text().splitlines()
+        lines = (ROOT / name).read_text().splitlines()
         assert [line for line in lines if made.search(line)] == [], name
 
 
 def test_bf16_zero_accumulates_gradients_in_fp32_and_mfu_knows_each_h100():
-    from train.hardware import peak_for
+    from train.plan.hardware import peak_for
 
     assert deepspeed_config(micro_batch=1, accumulation=8, world_size=8, zero_stage=1, precision="bf16",
                             grad_clip=1.0)["data_types"] == {"grad_accum_dtype": "fp32"}

@@ -1,5 +1,5 @@
 """The cluster path: `ray job submit` of pipelines/full.py to a real two-node Ray cluster on this machine,
-and of the placement probe (train/placement.py) for a tensor-parallel layout over both nodes.
+and of the placement probe (train/parallel/placement.py) for a tensor-parallel layout over both nodes.
 
 A head (1 CPU, resource `head_node`) and a second node (1 CPU, resource `worker_node`) started
 with `ray start`, token authentication on (a token made for the test), the dashboard bound to
@@ -183,11 +183,11 @@ sources:
         assert after["dedup"]["counts"] == before["dedup"]["counts"]
         assert client.get_run(after["dedup"]["mlflow_run_id"]).info.status == "FINISHED"
 
-        # Where Ray Train puts a layout's workers (train/placement.py). One CPU per node: the two workers of a
+        # Where Ray Train puts a layout's workers (train/parallel/placement.py). One CPU per node: the two workers of a
         # tensor group of 2 land on the two Ray nodes as world ranks 0 and 1, node by node; Ray Train counts
         # local ranks per IP address, and both nodes are this machine, so they are local ranks 0 and 1 of 2,
         # one machine's group (which it is: no network between them), and the probe finds no split.
-        placed = subprocess.run([sys.executable, "-m", "train.placement", "--config", str(cfg), "--set",
+        placed = subprocess.run([sys.executable, "-m", "train.parallel.placement", "--config", str(cfg), "--set",
                                  "train.num_workers=2", "--set", "train.cpus_per_worker=1", "--set", "train.parallel.tensor=2"],
                                 cwd=ROOT, env={**env, "RAY_ADDRESS": f"127.0.0.1:{gcs}"}, capture_output=True, text=True,
                                 timeout=600)  # a driver on the cluster, as `ray job submit` would start

@@ -6,6 +6,7 @@ import contextlib
 import json
 import math
 import re
+from functools import partial
 
 import pytest
 import torch
@@ -138,7 +139,7 @@ def test_tokenizer_is_exported_beside_the_weights(tmp_path):
     from corpus import tokenizer
 
     tok = tokenizer.train(["the quick brown fox jumps over the lazy dog"] * 50, vocab_size=300)
-    save_pretrained(tiny(), tmp_path, tokenizer=tok)
+    save_pretrained(tiny(), tmp_path, save_tokenizer=partial(tokenizer.save, tok))
     loaded = AutoTokenizer.from_pretrained(tmp_path)
     assert loaded.convert_tokens_to_ids(["<s>", "<pad>", "</s>", "<unk>"]) == [0, 1, 2, 3]
     assert loaded.eos_token_id == 2 and loaded.pad_token_id == 1

@@ -1,4 +1,4 @@
-"""Tensor and pipeline parallelism (train/parallel.py, train/tensor_parallel.py, train/pipeline.py) on CPU with
+"""Tensor and pipeline parallelism (train/parallel/groups.py, train/parallel/tensor.py, train/parallel/pipeline.py) on CPU with
 gloo: real process groups of 2 and 4 ranks, each a process; the split model trains step for step as the
 unsplit one."""
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from model.configs import get
-from train.parallel import ParallelDims
+from train.parallel.groups import ParallelDims
 
 STEPS, MICRO = 10, 2  # optimizer steps, micro-batches accumulated per step
 
@@ -82,7 +82,7 @@ def _train(rank, world, tp):
     import torch.distributed as dist
 
     from model.opt import OPT
-    from train.parallel import Groups, full_state_dict, parallelize
+    from train.parallel.groups import Groups, full_state_dict, parallelize
 
     torch.manual_seed(0)
     cfg = get("tiny").replace(dropout=0.1)
@@ -122,7 +122,7 @@ def test_dims_order_ranks_pipe_data_tensor():
 
 
 def test_a_tensor_group_split_over_nodes_is_named():
-    from train.parallel import tensor_group_problem
+    from train.parallel.groups import tensor_group_problem
 
     dims = ParallelDims.for_world(16, tp=4)
     # 8 workers per node: ranks 0-7 and 8-15, every group of 4 inside one.
@@ -155,7 +155,7 @@ def test_the_vocabulary_parallel_output_gathers_the_unsplit_logits():
 
 def _logits(rank, world):
     from model.opt import OPT
-    from train.parallel import Groups, parallelize
+    from train.parallel.groups import Groups, parallelize
 
     torch.manual_seed(0)
     model = OPT(get("tiny")).eval()
@@ -181,8 +181,8 @@ def _deepspeed_run(rank, world, tp, pp, export_to=None):
     from model.hf import save_pretrained
     from model.opt import OPT
     from train.optim import deepspeed_config
-    from train.parallel import Groups, parallelize
-    from train.pipeline import export_model, local_layers, pipeline_module
+    from train.parallel.groups import Groups, parallelize
+    from train.parallel.pipeline import export_model, local_layers, pipeline_module
 
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="gloo")

@@ -1,4 +1,4 @@
-"""The layout planner (train/layout.py, train/plan.py): each term against a hand calculation, the memory
+"""The layout planner (train/plan/layout.py, train/plan/planner.py): each term against a hand calculation, the memory
 against DeepSpeed's own estimator, the published PTD-P vs ZeRO-3 comparison, the command line, and the
 pipeline's start-up check."""
 
@@ -11,10 +11,10 @@ import pytest
 
 from conftest import ROOT, write_config
 from model.configs import OPTConfig, block_params, flops_per_token, get, param_count
-from train import layout as L
-from train.hardware import GPUS
-from train.layout import Cluster, Layout, LayoutError, Workload, predict
-from train.plan import main, make_plan, why_not
+from train.plan import layout as L
+from train.plan.hardware import GPUS
+from train.plan.layout import Cluster, Layout, LayoutError, Workload, predict
+from train.plan.planner import main, make_plan, why_not
 
 SMALL = OPTConfig("small", n_layer=4, n_head=8, d_model=1024, lr=1e-4, batch_tokens=65536, vocab_size=8192, max_seq_len=1024)
 
@@ -144,6 +144,17 @@ def test_layouts_that_cannot_run_are_refused_with_the_reason():
     assert [p.step_seconds for p in plan.ranked] == sorted(p.step_seconds for p in plan.ranked)
 
 
+def test_the_planner_refuses_what_the_config_refuses_in_the_same_words():
+    from core.config import layout_rule
+    from train.plan.layout import refused_here
+
+    work = Workload(get("1.3b"), 2048, 512, "fp16", 1e9)
+    for layout, key in ((Layout(1, 1, 8, 0, 1, "full"), "zero_stage"), (Layout(1, 2, 4, 2, 1, "full"), "parallel.pipeline"),
+                        (Layout(2, 1, 4, 3, 1, "full"), "parallel.tensor")):
+        assert layout_rule(layout.tp, layout.pp, layout.zero, work.precision) == (key, refused_here(layout, work))
+    assert refused_here(Layout(2, 2, 2, 1, 1, "full"), work) is None
+
+
 def test_reproduces_narayanan_2021_ptdp_against_zero3():
     """Table 2 of arXiv 2104.04473 (the rows and the setup: benchmarks/plan_vs_published.py): ZeRO-3 alone
     against tensor 8 x pipeline 12 at 384, 768 and 1,536 A100s, batch 1536, on 8 x 200 Gb/s InfiniBand."""
@@ -169,11 +180,12 @@ def test_the_175b_config_runs_the_best_layout_for_its_cluster():
 
 
 def test_why_not_the_configured_layout_names_the_term_that_costs():
-    from pipelines.config import load_config
-    from train.plan import DEFAULT_CONFIG, inputs, parse_args
+    from core.config import load_config
+    from train.plan.planner import DEFAULT_CONFIG, inputs, parse_args
+    from train.rules import check_config
 
     zero3 = load_config(DEFAULT_CONFIG, ["train.zero_stage=3", "train.parallel={tensor: 1, pipeline: 1}",
-                                         "train.activation_checkpointing=true"])
+                                         "train.activation_checkpointing=true"], checks=(check_config,))
     plan = make_plan(*inputs(parse_args([]), zero3))
     mine = plan.configured
     assert (mine.layout.tp, mine.layout.pp, mine.layout.zero) == (1, 1, 3) and mine.fits
@@ -183,17 +195,19 @@ def test_why_not_the_configured_layout_names_the_term_that_costs():
 
 
 def test_the_configured_layout_follows_train_parallel():
-    from pipelines.config import load_config
-    from train.plan import DEFAULT_CONFIG, configured_layout
+    from core.config import load_config
+    from train.plan.planner import DEFAULT_CONFIG, configured_layout
+    from train.rules import check_config
 
-    config = load_config(DEFAULT_CONFIG, ["train.parallel={tensor: 8, pipeline: 1}", "train.activation_checkpointing=true"])
+    config = load_config(DEFAULT_CONFIG, ["train.parallel={tensor: 8, pipeline: 1}", "train.activation_checkpointing=true"],
+                         checks=(check_config,))
     assert configured_layout(config, 992) == Layout(8, 1, 124, 1, 1, "full")
-    config = load_config(DEFAULT_CONFIG, ["train.parallel={tensor: 4, pipeline: 8}"])
+    config = load_config(DEFAULT_CONFIG, ["train.parallel={tensor: 4, pipeline: 8}"], checks=(check_config,))
     assert configured_layout(config, 992) == Layout(4, 8, 31, 1, 1, "none")
 
 
 def _inputs(argv):
-    from train.plan import inputs, parse_args
+    from train.plan.planner import inputs, parse_args
 
     return inputs(parse_args(argv))
 
@@ -224,9 +238,15 @@ def test_the_command_line(tmp_path, capsys):
 
 
 def test_the_pipeline_refuses_a_layout_that_does_not_fit_and_warns_about_a_slow_one(tmp_path, sample, capsys):
-    from pipelines.config import ConfigError, load_config
+    from functools import partial
+
+    from core import config as ground
+    from core.config import ConfigError
     from pipelines.full import main as full
-    from train.plan import startup_check
+    from pipelines.stages import CHECKS
+    from train.plan.planner import startup_check
+
+    load_config = partial(ground.load_config, checks=CHECKS)  # as full.py loads it
 
     folder, _ = sample
     gpu_train = ("train: {model: 175b, num_workers: 992, gpus_per_worker: 1, precision: fp16, zero_stage: %d, "

@@ -12,10 +12,16 @@ import pytest
 import yaml
 from conftest import ROOT, SPIKY, manifest, rows, write_config
 
-from pipelines.config import OPT_PILE_SUBSETS, ConfigError, ScreenConfig, load_config
+from core.config import OPT_PILE_SUBSETS, ConfigError, ScreenConfig
+from core.config import load_config as load_ground
+from pipelines.stages import CHECKS
 from screen import score
 from screen.stage import candidates, screened_sources
 
+
+def load_config(path, overrides=()):
+    """As a run loads a config: with the checks that need the model's sizes or the GPU tables (train/rules.py)."""
+    return load_ground(path, overrides, checks=CHECKS)
 
 # --------------------------------------------------------------------------- the score
 
@@ -274,9 +280,10 @@ def test_a_proxy_run_is_reproducible(sample_run, tmp_path):
     from screen.mixture import subset_shares
     import ray
 
-    from screen.proxies import RunQueue, proxy_loop
+    from screen.proxies import ProxyJob, RunQueue, proxy_loop
     from screen.stage import proxy_train_config, slug
-    from train.stage import fit, loop_config
+    from train.loop.config import loop_config
+    from train.stage import fit
 
     _, _, wd = sample_run
     m = manifest(wd, "screen")
@@ -290,7 +297,7 @@ def test_a_proxy_run_is_reproducible(sample_run, tmp_path):
     (tmp_path / "again").mkdir()
     queue = ray.remote(RunQueue).remote()
     ray.get([queue.put.remote([{"key": "again", "config": config}]), queue.close.remote()])
-    fit(train_cfg, {"queue": queue, "job": 0, "runs": 2}, tmp_path / "job", loop=proxy_loop)  # ends when the queue is empty
+    fit(train_cfg, ProxyJob(queue, job=0, runs=2), tmp_path / "job", loop=proxy_loop)  # ends when the queue is empty
     assert ray.get(queue.finished.remote()) == {"again"}
     before = score.read_run(stage_dir / record["run_dir"] / "metrics.jsonl")
     batches, norms = score.read_run(tmp_path / "again" / "metrics.jsonl")

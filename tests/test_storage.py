@@ -10,9 +10,9 @@ import pytest
 import zstandard
 
 from corpus.readers import read_lines, read_pile, relative_names
-from pipelines import storage
-from pipelines.config import ConfigError, check_inputs_exist, load_config, source_files
-from pipelines.tracking import MlflowTracker
+from core import storage
+from core.config import ConfigError, check_inputs_exist, load_config, source_files
+from core.tracking import MlflowTracker
 
 from conftest import manifest, write_config
 

@@ -181,7 +181,7 @@ def test_a_hung_start_up_ends_its_worker_with_the_reason(tmp_path):
     once started, each step has hang_seconds."""
     script = """
 import sys, time
-from train.loop import Watchdog
+from train.loop.faults import Watchdog
 said = []
 def on_hang(step, stalled, started):
     print(f"hang step={step} started={started} stalled>={stalled >= float(sys.argv[1])}", flush=True)
@@ -197,7 +197,8 @@ time.sleep(30)
 
 
 def test_restarts_from_the_same_checkpoint_stop_after_the_limit(tmp_path):
-    from train.loop import Context, restarts_without_progress
+    from train.loop.context import Context
+    from train.loop.faults import restarts_without_progress
 
     ctx = Context(rank=0, world=1, run_dir=tmp_path, device=torch.device("cpu"))
     assert restarts_without_progress(ctx, None, limit=2) is None  # the first start
@@ -242,7 +243,7 @@ def test_split_layouts_train_as_one_worker_through_a_spike_a_hang_and_a_kill_and
         out = Path(train["output"])
         curves[name], exports[name] = losses(out / "metrics.jsonl"), out / "model"
         loop = json.loads((out / "loop_config.json").read_text())
-        assert loop["accumulation"] == 4 and loop["pipeline_parallel"] == (2 if name == "tensor x pipeline" else 1)
+        assert loop["accumulation"] == 4 and loop["train"]["parallel"]["pipeline"] == (2 if name == "tensor x pipeline" else 1)
         book = [json.loads(line) for line in (out / "logbook.jsonl").read_text().splitlines()]
         assert [(e["step"], e["kind"], e["actions"], e["rolled_back_to"], e["skipped_batches"]) for e in book] == [
             (7, "loss_spike", ["rollback", "skip"], 4, [4, 17])], name

@@ -1,5 +1,5 @@
 """The model built where it will live: whole in every process for ZeRO 0-2, partitioned as it is
-constructed for ZeRO-3 (a pipeline's stages build only their own layers: train/pipeline.py).
+constructed for ZeRO-3 (a pipeline's stages build only their own layers: train/parallel/pipeline.py).
 
 Built whole, OPT-175B is 700 GB of fp32 in every worker's host memory (8 workers per node):
 no node has that. Under `deepspeed.zero.Init` each module's parameters are partitioned over the
@@ -33,7 +33,7 @@ def shape_of(p: torch.Tensor) -> torch.Size:
 def build(config: OPTConfig, ds_config: dict, *, seed: int, rank: int) -> OPT:
     """The model for a DeepSpeed engine configured by `ds_config` (the dict `train.optim.deepspeed_config`
     made), on this rank. ZeRO 0-2: whole, each parameter from its own stream of `seed` (model.opt.generator_for),
-    as train/pipeline.py builds a stage's layers."""
+    as train/parallel/pipeline.py builds a stage's layers."""
     if ds_config["zero_optimization"]["stage"] != 3:
         return OPT(config, seed=seed)  # each parameter from its own stream: the same weights as a pipeline's stages
     import deepspeed

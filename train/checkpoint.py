@@ -16,7 +16,7 @@ newest `step-*` whose files all match meta.json, each rank checking the files of
 (the ones DeepSpeed then reads on it); a corrupt or partial one is skipped with a logged reason
 and the previous one is tried. Keep: the newest K plus every checkpoint whose meta says healthy.
 
-Collective calls (barrier, all_reduce) go through `train.collectives`, on the process group's
+Collective calls (barrier, all_reduce) go through `train.parallel.collectives`, on the process group's
 device, so the same code runs in one process (tests) and on every rank of a Ray Train job.
 """
 
@@ -36,7 +36,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from train.collectives import all_ok, barrier, rank_world
+from train.parallel.collectives import all_ok, barrier, rank_world
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@ bar, their incidents (restarts, hangs, skipped checkpoints, autopilot interventi
 person sees.
 
 The workers append to metrics.jsonl (rank 0, a line per step) and incidents.jsonl (any rank) in
-each run folder (train/loop.py). A thread of the driver reads what was appended since its last
+each run folder (train/loop/metrics.py, train/loop/context.py). A thread of the driver reads what was appended since its last
 look; on a cluster the run folders are on shared storage, so the driver's node sees them too.
 Nothing here talks to the workers: a run that is followed is not slowed down.
 """
@@ -14,7 +14,7 @@ import json
 import threading
 from pathlib import Path
 
-from pipelines.console import Bar, note
+from core.console import Bar, note
 
 
 class _Tail:

@@ -12,17 +12,16 @@ from the newest checkpoint that verifies, until the same checkpoint has been res
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
-from model.configs import get
-from pipelines.config import TrainConfig
-from pipelines.console import Bar
-from pipelines.dag import StageContext, StageResult
+from core.config import TrainConfig
+from core.console import Bar
+from core.dag import StageContext, StageResult
 from train import autopilot
 from train.follow import Follower
 from train.loader import read_index
+from train.loop.config import loop_config
 from train.plot import plot_run
 
 
@@ -31,49 +30,10 @@ def run_dir(ctx: StageContext) -> Path:
     return storage / f"{ctx.config.name}-{ctx.fingerprint[:16]}"
 
 
-def loop_config(cfg: TrainConfig, shards: str, folder: Path, *, export_dir: str | None, tracking_uri: str,
-                mlflow_run_id: str) -> dict:
-    """Everything a worker needs, as plain data; batch and schedule in steps from our token-based config.
-    The screen's proxy runs use it too, with their own TrainConfig and shards."""
-    index = read_index(shards)
-    seq_len = index["seq_len"]
-    model = get(cfg.model)
-    model = model.replace(vocab_size=index["vocab_size"], max_seq_len=max(seq_len, model.max_seq_len),
-                          activation_checkpointing=cfg.activation_checkpointing,
-                          dropout=model.dropout if cfg.dropout is None else cfg.dropout)
-    batch_tokens = cfg.global_batch_tokens or model.batch_tokens
-    global_batch = max(1, batch_tokens // seq_len)
-    per_rank = cfg.micro_batch_size * cfg.data_parallel  # the ranks of a tensor group and of a pipeline share their batch
-    if global_batch % per_rank:
-        raise ValueError(f"a global batch of {global_batch} sequences ({batch_tokens} tokens / seq_len {seq_len}) does "
-                         f"not split into micro-batches of {cfg.micro_batch_size} on {cfg.data_parallel} data-parallel ranks")
-    if index["sequences"] < global_batch:
-        raise ValueError(f"{shards}: {index['sequences']} training sequences of {seq_len} tokens, fewer than one "
-                         f"global batch of {global_batch}: more data, a shorter tokenize.seq_len or a smaller batch")
-    tokens_per_step = global_batch * seq_len
-    total_steps = max(1, cfg.total_tokens // tokens_per_step)
-    return {
-        "run_dir": str(folder), "shards": str(shards), "export_dir": export_dir,
-        "model": dataclasses.asdict(model), "seq_len": seq_len, "global_batch": global_batch,
-        "micro_batch": cfg.micro_batch_size, "accumulation": global_batch // per_rank,
-        "zero_stage": cfg.zero_stage, "precision": cfg.precision, "grad_clip": cfg.grad_clip,
-        "tensor_parallel": cfg.parallel.tensor, "pipeline_parallel": cfg.parallel.pipeline,
-        "lr": cfg.lr or model.lr, "weight_decay": cfg.weight_decay, "final_lr_ratio": cfg.final_lr_ratio,
-        "warmup_steps": cfg.warmup_tokens // tokens_per_step, "total_steps": total_steps,
-        "max_steps": cfg.max_steps or total_steps, "checkpoint_every": cfg.checkpoint_every,
-        "keep_checkpoints": cfg.keep_checkpoints, "keep_healthy": cfg.keep_healthy, "eval_every": cfg.eval_every,
-        "eval_batches": cfg.eval_batches, "eval_micro_batch": cfg.eval_micro_batch_size or 4 * cfg.micro_batch_size,
-        "validation_sources": sorted(s for s, v in index["validation"].items() if v["sequences"] > 0),
-        "hang_seconds": cfg.hang_seconds, "startup_seconds": cfg.startup_seconds,
-        "max_stalled_restarts": cfg.max_stalled_restarts, "seed": cfg.seed, "inject": [dataclasses.asdict(f) for f in cfg.inject],
-        "autopilot": dataclasses.asdict(cfg.autopilot),
-        "tracking_uri": tracking_uri, "mlflow_run_id": mlflow_run_id,
-    }
-
-
-def fit(cfg: TrainConfig, config: dict, folder: Path, loop=None):
-    """One Ray Train job: `loop(config)` (train_loop by default) on cfg.num_workers workers, restarted up to
-    max_failures times (-1: always); Ray Train's own records go to `folder`/ray. Returns Ray Train's Result."""
+def fit(cfg: TrainConfig, config, folder: Path, loop=None):
+    """One Ray Train job: `loop(config)` (train_loop with a LoopConfig by default; the screen's proxy jobs and
+    the placement probe pass their own loop and its typed config) on cfg.num_workers workers, restarted up to max_failures times (-1: always); Ray Train's own records go to
+    `folder`/ray. Returns Ray Train's Result."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
@@ -98,10 +58,10 @@ def run(ctx: StageContext) -> StageResult:
     folder.mkdir(parents=True, exist_ok=True)
     config = loop_config(cfg, str(ctx.input_output("tokenize")), folder, export_dir=str(ctx.output / "model"),
                          tracking_uri=ctx.config.mlflow.tracking_uri, mlflow_run_id=ctx.mlflow_run_id)
-    (folder / "loop_config.json").write_text(json.dumps(config, indent=1))
-    ctx.log.info("run folder %s: %d steps of %d sequences x %d tokens on %d workers", folder, config["max_steps"],
-                 config["global_batch"], config["seq_len"], cfg.num_workers)
-    with Bar("train", "steps", config["max_steps"]) as bar, Follower("train", {"": folder}, bar):
+    config.write(folder / "loop_config.json")
+    ctx.log.info("run folder %s: %d steps of %d sequences x %d tokens on %d workers", folder, config.max_steps,
+                 config.global_batch, config.seq_len, cfg.num_workers)
+    with Bar("train", "steps", config.max_steps) as bar, Follower("train", {"": folder}, bar):
         fit(cfg, config, folder)
     summary = json.loads((folder / "summary.json").read_text())
     for name in ("metrics.jsonl", "incidents.jsonl", "loop_config.json", "logbook.jsonl", "LOGBOOK.md", "train.log"):
@@ -112,11 +72,11 @@ def run(ctx: StageContext) -> StageResult:
     track_logbook(ctx, logbook, [chart] + [ctx.output / n for n in ("LOGBOOK.md", "logbook.jsonl") if (ctx.output / n).exists()])
     if summary.get("stopped"):
         raise RuntimeError(f"{summary['stopped']} (logbook: {folder / 'LOGBOOK.md'})")
-    index = read_index(config["shards"])
-    sequences = summary["steps"] * config["global_batch"]
+    index = read_index(config.shards)
+    sequences = summary["steps"] * config.global_batch
     incidents = (folder / "incidents.jsonl").read_text().splitlines() if (folder / "incidents.jsonl").exists() else []
     metrics = {"steps": summary["steps"], "final_loss": summary["final_loss"], "sequences_trained": sequences,
-               "tokens_trained": sequences * config["seq_len"], "incidents": len(incidents),
+               "tokens_trained": sequences * config.seq_len, "incidents": len(incidents),
                "interventions": len(logbook), **curve_summary(folder / "metrics.jsonl")}
     return StageResult(index["sequences"], index["sequences"], {}, metrics,
                        fields={"steps": summary["steps"], "final_loss": summary["final_loss"], "run_dir": str(folder),

@@ -1,7 +1,7 @@
 """What the GPUs and the nodes we plan for can do: datasheet numbers, each with where it comes from.
 
 Two users: the training loop's MFU (`peak_for`, by the name CUDA reports) and the layout planner
-(`train/plan.py`: memory, peak, bandwidths by a short name, and nodes by their instance type).
+(`train/plan/planner.py`: memory, peak, bandwidths by a short name, and nodes by their instance type).
 No torch here, so the planner starts in a blink.
 """
 

@@ -2,7 +2,7 @@
 
 A layout splits the GPUs into tensor (tp, inside a node) x pipeline (pp) x data (dp) parallel groups,
 with a ZeRO stage over the data-parallel group, a micro batch and an activation-recompute policy.
-`predict` prices it on a cluster for a workload; `train/plan.py` enumerates and ranks layouts.
+`predict` prices it on a cluster for a workload; `train/plan/planner.py` enumerates and ranks layouts.
 
 The model, in the order of `predict`:
 
@@ -40,8 +40,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from core.config import layout_rule
 from model.configs import OPTConfig, block_params, flops_per_token
-from train.hardware import GPU
+from train.plan.hardware import GPU
 
 # The fraction of dense peak that the model's matmuls and kernels reach on one GPU, with no communication
 # and no bubble. Narayanan et al. 2021 (arXiv 2104.04473), Table 1: 44-52% of peak end to end for 145B-1T
@@ -166,14 +167,10 @@ def problem(layout: Layout, work: Workload, cluster: Cluster) -> str | None:
 
 def refused_here(layout: Layout, work: Workload) -> str | None:
     """Why this project's training stage refuses a layout that the cost model can price (Megatron's ZeRO-0
-    pipelines, for one), or None: the rules pipelines/config.py applies to train.parallel and zero_stage."""
-    if layout.pp > 1 and layout.zero != 1:
-        return "pipeline parallelism takes ZeRO-1 here (under ZeRO-0 DeepSpeed reports no gradient norm for the autopilot)"
-    if layout.tp > 1 and layout.zero == 3:
-        return "tensor parallelism takes ZeRO 0-2 here (train/parallel.py splits a model built whole)"
-    if work.precision == "fp16" and layout.zero == 0:
-        return "fp16 takes ZeRO 1-3 here (DeepSpeed's ZeRO-0 fp16 wrapper around a torch optimizer: platform notes)"
-    return None
+    pipelines, for one), or None: core/config.py's layout_rule, the rules it applies to train.parallel,
+    zero_stage and precision."""
+    broken = layout_rule(layout.tp, layout.pp, layout.zero, work.precision)
+    return broken[1] if broken else None
 
 
 @dataclass
@@ -235,78 +232,103 @@ def activation_bytes(work: Workload, layout: Layout, recompute: str) -> float:
     return kept
 
 
-def predict(layout: Layout, work: Workload, cluster: Cluster) -> Prediction:
-    reason = problem(layout, work, cluster)
-    if reason:
-        raise LayoutError(f"{layout}: {reason}")
-    cfg, gpu = work.model, cluster.gpu
+@dataclass(frozen=True)
+class _Step:
+    """What `predict` derives once from a layout, a workload and a cluster, for its terms to share."""
+
+    layout: Layout
+    work: Workload
+    micro_batches: int  # per step through each pipeline
+    block: int  # parameters of one decoder layer
+    embedding: int  # token and position embeddings
+    grad_bytes: int
+    rate: float  # FLOP/s one GPU reaches
+    sbh_bytes: float  # one micro-batch's activations at a layer boundary
+    dp_link: float  # bytes/s of each group's ring
+    pp_link: float
+    tp_link: float
+    stages: dict[int, tuple[int, bool, bool]]  # stage: (layers, holds the embedding, holds the output layer)
+
+
+def _step(layout: Layout, work: Workload, cluster: Cluster) -> _Step:
+    cfg = work.model
     tp, pp, dp, zero, b = layout.tp, layout.pp, layout.dp, layout.zero, layout.micro_batch
-    s, h, vocab = work.seq_len, cfg.d_model, cfg.vocab_size
-    m = work.batch_seqs // (dp * b)  # micro-batches per step through each pipeline
-    block = block_params(cfg)
-    embedding = vocab * h + (cfg.max_seq_len + 2) * h
-    full = layout.recompute == "full"
-    grad_bytes = 4 if work.precision == "bf16" and zero >= 1 else 2
-    rate = gpu.peak_tflops(work.precision) * 1e12 * ACHIEVABLE_FRACTION
-    sbh_bytes = ACTIVATION_BYTES * s * b * h
+    h = cfg.d_model
     # Where each group's ring runs. DeepSpeed's topology orders ranks (pipe, data, model): a tensor group is
     # tp neighbours, a data-parallel group spans tp x dp ranks, and a pipeline spans all of them.
     dp_link = (cluster.intra_bytes_s if tp * dp <= cluster.gpus_per_node else cluster.inter_bytes_s) * BUS_EFFICIENCY
     pp_link = (cluster.intra_bytes_s if tp * dp * pp <= cluster.gpus_per_node else cluster.inter_bytes_s) * BUS_EFFICIENCY
-    tp_link = cluster.intra_bytes_s * BUS_EFFICIENCY
-
     layers = stage_layers(cfg.n_layer, pp)
-    stages = {0: (layers[0], True, pp == 1)}  # stage: (layers, holds the embedding, holds the output layer)
+    stages = {0: (layers[0], True, pp == 1)}
     stages[pp - 1] = (layers[-1], pp == 1, True)
+    return _Step(
+        layout, work,
+        micro_batches=work.batch_seqs // (dp * b),
+        block=block_params(cfg),
+        embedding=cfg.vocab_size * h + (cfg.max_seq_len + 2) * h,
+        grad_bytes=4 if work.precision == "bf16" and zero >= 1 else 2,
+        rate=cluster.gpu.peak_tflops(work.precision) * 1e12 * ACHIEVABLE_FRACTION,
+        sbh_bytes=ACTIVATION_BYTES * work.seq_len * b * h,
+        dp_link=dp_link, pp_link=pp_link, tp_link=cluster.intra_bytes_s * BUS_EFFICIENCY,
+        stages=stages)
 
-    def params_on(stage: int) -> float:
-        n, first, last = stages[stage]
-        return (n * block + (embedding if first or last else 0) + (2 * h if last else 0)) / tp
 
-    def memory_of(stage: int) -> dict[str, float]:
-        n, _, last = stages[stage]
-        params = params_on(stage)
-        in_flight = min(pp - stage, m)
-        terms = {
-            "weights": 2 * params / (dp if zero == 3 else 1),
-            "gradients": grad_bytes * params / (dp if zero >= 2 else 1),
-            "optimizer": OPTIMIZER_BYTES * params / (dp if zero >= 1 else 1),
-            # ZeRO-3's working set, as DeepSpeed's estimator counts it: the largest module's gathered fp16
-            # weights and gradient (4 B per parameter); ours is fc1 (or fc2), d_model x ffn_dim
-            "gathered module": 4 * (h * cfg.ffn_dim + cfg.ffn_dim) / tp if zero == 3 else 0.0,
-            "activations": in_flight * n * activation_bytes(work, layout, layout.recompute)
-            + (activation_bytes(work, layout, "none") if full else 0.0),
-            "logits": s * b * vocab / tp * LOGIT_BYTES if last else 0.0,
-        }
-        terms["allocator margin"] = FRAGMENTATION * sum(terms.values()) + RESERVED_BYTES
-        return terms
+def _params_on(st: _Step, stage: int) -> float:
+    """Parameters one GPU of this pipeline stage holds before ZeRO partitions them."""
+    n, first, last = st.stages[stage]
+    h = st.work.model.d_model
+    return (n * st.block + (st.embedding if first or last else 0) + (2 * h if last else 0)) / st.layout.tp
 
-    def micro_batch_times(stage: int) -> dict[str, float]:
-        """Seconds of one micro-batch (forward and backward) on this stage, by term."""
-        n, first, last = stages[stage]
-        tokens = s * b
-        layer_fpt = 6 * block + 12 * h * s  # per layer, as flops_per_token counts it
-        extra_fpt = {"none": 0, "selective": 4 * h * s, "full": 2 * block + 4 * h * s}[layout.recompute]
-        head_fpt = 6 * vocab * h if last else 0
-        compute = tokens * (n * (layer_fpt + extra_fpt) + head_fpt) / tp / rate
-        backward = tokens * (n * layer_fpt + head_fpt) * (2 / 3) / tp / rate
-        # Megatron's column/row split: two all-reduces of the layer's activations forward, two backward, two
-        # more when the forward is recomputed; the vocabulary-parallel embedding and output layer one each.
-        all_reduces = n * (6 if full else 4) + first + last
-        tensor = all_reduces * ring(tp, "all-reduce") * sbh_bytes / tp_link
-        # Each rank of the tensor group sends the whole activation (no scatter/gather in DeepSpeed's engine),
-        # forward, and its gradient back.
-        pipeline = 2 * sbh_bytes / pp_link if pp > 1 else 0.0
-        return {"compute": compute, "backward": backward, "tensor parallel": tensor, "pipeline sends": pipeline}
 
-    memory = max((memory_of(i) for i in stages), key=lambda t: sum(t.values()))
-    per_mb = max((micro_batch_times(i) for i in stages),
-                 key=lambda t: t["compute"] + t["tensor parallel"] + t["pipeline sends"])
-    slot = per_mb["compute"] + per_mb["tensor parallel"] + per_mb["pipeline sends"]
+def _memory_of(st: _Step, stage: int) -> dict[str, float]:
+    """Bytes per GPU on this pipeline stage, by term."""
+    layout, work, cfg = st.layout, st.work, st.work.model
+    tp, pp, dp, zero = layout.tp, layout.pp, layout.dp, layout.zero
+    n, _, last = st.stages[stage]
+    params = _params_on(st, stage)
+    in_flight = min(pp - stage, st.micro_batches)
+    h, full = cfg.d_model, layout.recompute == "full"
+    terms = {
+        "weights": 2 * params / (dp if zero == 3 else 1),
+        "gradients": st.grad_bytes * params / (dp if zero >= 2 else 1),
+        "optimizer": OPTIMIZER_BYTES * params / (dp if zero >= 1 else 1),
+        # ZeRO-3's working set, as DeepSpeed's estimator counts it: the largest module's gathered fp16
+        # weights and gradient (4 B per parameter); ours is fc1 (or fc2), d_model x ffn_dim
+        "gathered module": 4 * (h * cfg.ffn_dim + cfg.ffn_dim) / tp if zero == 3 else 0.0,
+        "activations": in_flight * n * activation_bytes(work, layout, layout.recompute)
+        + (activation_bytes(work, layout, "none") if full else 0.0),
+        "logits": work.seq_len * layout.micro_batch * cfg.vocab_size / tp * LOGIT_BYTES if last else 0.0,
+    }
+    terms["allocator margin"] = FRAGMENTATION * sum(terms.values()) + RESERVED_BYTES
+    return terms
 
-    # Data parallelism, on the largest stage's parameters.
-    params = max(params_on(i) for i in stages)
-    grads, weights = grad_bytes * params, 2 * params
+
+def _micro_batch_times(st: _Step, stage: int) -> dict[str, float]:
+    """Seconds of one micro-batch (forward and backward) on this stage, by term."""
+    layout, cfg = st.layout, st.work.model
+    tp, pp, s, h = layout.tp, layout.pp, st.work.seq_len, cfg.d_model
+    n, first, last = st.stages[stage]
+    tokens = s * layout.micro_batch
+    layer_fpt = 6 * st.block + 12 * h * s  # per layer, as flops_per_token counts it
+    extra_fpt = {"none": 0, "selective": 4 * h * s, "full": 2 * st.block + 4 * h * s}[layout.recompute]
+    head_fpt = 6 * cfg.vocab_size * h if last else 0
+    compute = tokens * (n * (layer_fpt + extra_fpt) + head_fpt) / tp / st.rate
+    backward = tokens * (n * layer_fpt + head_fpt) * (2 / 3) / tp / st.rate
+    # Megatron's column/row split: two all-reduces of the layer's activations forward, two backward, two
+    # more when the forward is recomputed; the vocabulary-parallel embedding and output layer one each.
+    all_reduces = n * (6 if layout.recompute == "full" else 4) + first + last
+    tensor = all_reduces * ring(tp, "all-reduce") * st.sbh_bytes / st.tp_link
+    # Each rank of the tensor group sends the whole activation (no scatter/gather in DeepSpeed's engine),
+    # forward, and its gradient back.
+    pipeline = 2 * st.sbh_bytes / st.pp_link if pp > 1 else 0.0
+    return {"compute": compute, "backward": backward, "tensor parallel": tensor, "pipeline sends": pipeline}
+
+
+def _data_parallel(st: _Step, params: float, per_mb: dict[str, float]) -> tuple[float, float, float, float]:
+    """Seconds of data-parallel communication per step, on the largest stage's parameters: (reduce once per
+    step, gather once per step, every micro-batch, what is left exposed after overlap)."""
+    dp, zero, m = st.layout.dp, st.layout.zero, st.micro_batches
+    grads, weights = st.grad_bytes * params, 2 * params
     if zero == 0:
         reduce_step, gather_step, every_mb = ring(dp, "all-reduce") * grads, 0.0, 0.0
     elif zero == 1:
@@ -315,16 +337,39 @@ def predict(layout: Layout, work: Workload, cluster: Cluster) -> Prediction:
         reduce_step, gather_step, every_mb = 0.0, ring(dp, "all-gather") * weights, ring(dp, "reduce-scatter") * grads
     else:  # weights gathered for the forward, the backward and a recomputed forward; gradients reduce-scattered
         reduce_step, gather_step = 0.0, 0.0
-        every_mb = ring(dp, "all-gather") * weights * (3 if full else 2) + ring(dp, "reduce-scatter") * grads
-    reduce_step, gather_step, every_mb = reduce_step / dp_link, gather_step / dp_link, every_mb / dp_link
-    if pp > 1:  # the pipeline engine reduces after its last micro-batch: nothing overlaps
-        dp_exposed = reduce_step + gather_step
+        every_mb = (ring(dp, "all-gather") * weights * (3 if st.layout.recompute == "full" else 2)
+                    + ring(dp, "reduce-scatter") * grads)
+    reduce_step, gather_step, every_mb = reduce_step / st.dp_link, gather_step / st.dp_link, every_mb / st.dp_link
+    if st.layout.pp > 1:  # the pipeline engine reduces after its last micro-batch: nothing overlaps
+        exposed = reduce_step + gather_step
     elif zero == 3:  # prefetched gathers and reduce-scatters beside each micro-batch's compute
-        dp_exposed = m * max(0.0, every_mb - OVERLAP * per_mb["compute"])
+        exposed = m * max(0.0, every_mb - OVERLAP * per_mb["compute"])
     else:  # gradient reduction beside the backward in which it happens; ZeRO 1-2's gather after the step
-        dp_exposed = (m * max(0.0, every_mb - OVERLAP * per_mb["backward"])
-                      + max(0.0, reduce_step - OVERLAP * per_mb["backward"]) + gather_step)
+        exposed = (m * max(0.0, every_mb - OVERLAP * per_mb["backward"])
+                   + max(0.0, reduce_step - OVERLAP * per_mb["backward"]) + gather_step)
+    return reduce_step, gather_step, every_mb, exposed
 
+
+def _why_not_fits(memory: dict[str, float], capacity: float) -> str | None:
+    total = sum(memory.values())
+    if total <= capacity:
+        return None
+    name = max((k for k in memory if k != "allocator margin"), key=memory.get)
+    return f"needs {total / 1e9:.1f} GB of the GPU's {capacity / 1e9:.1f} GB; {name}: {memory[name] / 1e9:.1f} GB"
+
+
+def predict(layout: Layout, work: Workload, cluster: Cluster) -> Prediction:
+    reason = problem(layout, work, cluster)
+    if reason:
+        raise LayoutError(f"{layout}: {reason}")
+    st = _step(layout, work, cluster)
+    gpu, pp, dp, zero, m = cluster.gpu, layout.pp, layout.dp, layout.zero, st.micro_batches
+    memory = max((_memory_of(st, i) for i in st.stages), key=lambda t: sum(t.values()))
+    per_mb = max((_micro_batch_times(st, i) for i in st.stages),
+                 key=lambda t: t["compute"] + t["tensor parallel"] + t["pipeline sends"])
+    slot = per_mb["compute"] + per_mb["tensor parallel"] + per_mb["pipeline sends"]
+    params = max(_params_on(st, i) for i in st.stages)
+    reduce_step, gather_step, every_mb, dp_exposed = _data_parallel(st, params, per_mb)
     owned = params / (dp if zero >= 1 else 1)
     time = {
         "compute": m * per_mb["compute"],
@@ -337,13 +382,7 @@ def predict(layout: Layout, work: Workload, cluster: Cluster) -> Prediction:
     step = sum(time.values())
     traffic = {"tensor parallel": time["tensor parallel"], "pipeline sends": time["pipeline sends"],
                "data parallel": reduce_step + gather_step + m * every_mb}
-    tflops = flops_per_token(cfg, s) * work.batch_tokens / step / cluster.gpus / 1e12
-    capacity = gpu.memory_bytes
-    total = sum(memory.values())
-    why = None
-    if total > capacity:
-        name = max((k for k in memory if k != "allocator margin"), key=memory.get)
-        why = f"needs {total / 1e9:.1f} GB of the GPU's {capacity / 1e9:.1f} GB; {name}: {memory[name] / 1e9:.1f} GB"
+    tflops = flops_per_token(work.model, work.seq_len) * work.batch_tokens / step / cluster.gpus / 1e12
     return Prediction(layout, memory, time, traffic, m, (pp - 1) / (m + pp - 1), step, tflops,
                       tflops / gpu.peak_tflops(work.precision), work.total_tokens / work.batch_tokens * step / 86400,
-                      capacity, why)
+                      gpu.memory_bytes, _why_not_fits(memory, gpu.memory_bytes))

@@ -11,8 +11,8 @@ import logging
 import os
 import sys
 
-from pipelines.config import PipelineConfig, RayConfig
-from pipelines.console import route_ray_logging
+from core.config import PipelineConfig, RayConfig
+from core.console import route_ray_logging
 
 PARTITION_BYTES = 256 << 20  # of shuffled data per hash-shuffle partition, when the caller names no count
 
@@ -35,12 +35,12 @@ def quiet_worker_logs() -> None:
 def init_ray(num_cpus: int | None = None, verbose: bool = False) -> None:
     """`ray.init`: the cluster named by RAY_ADDRESS, else a Ray inside this process with `num_cpus`
     (None: every core). The workers', raylet's and GCS's output stays in Ray's session logs unless
-    `verbose`; the driver's Ray loggers show only errors (pipelines/console.py)."""
+    `verbose`; the driver's Ray loggers show only errors (core/console.py)."""
     import ray
     import ray.data  # its loggers exist from here on
 
     route_ray_logging(verbose)  # before ray.init, which logs notices of its own
-    runtime_env = {"worker_process_setup_hook": "pipelines.engines.quiet_worker_logs"}
+    runtime_env = {"worker_process_setup_hook": "core.engines.quiet_worker_logs"}
     if os.environ.get("RAY_ADDRESS"):
         ray.init(runtime_env=runtime_env, logging_level=logging.INFO, log_to_driver=verbose)
     else:

@@ -16,11 +16,11 @@ import types
 import typing
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Callable, Literal, Sequence
 
 import yaml
 
-from pipelines import storage
+from core import storage
 
 
 class ConfigError(ValueError):
@@ -51,16 +51,35 @@ def _positive(section: object, key: str, *names: str) -> None:
 
 
 def _check_engine(section: object, key: str) -> None:
-    """A training section's DeepSpeed settings (train, screen.proxy): a ZeRO stage, a precision its devices have."""
+    """A training section's DeepSpeed settings (train, screen.proxy): a ZeRO stage, a precision its devices have,
+    a layout the training stage takes (layout_rule)."""
     if section.zero_stage not in (0, 1, 2, 3):
         raise ConfigError(f"{key}.zero_stage", f"expected 0, 1, 2 or 3, got {section.zero_stage}")
     if section.precision == "fp16" and section.gpus_per_worker == 0:
         raise ConfigError(f"{key}.precision", "fp16 needs GPUs (DeepSpeed has no fp16 on CPU): use fp32 or bf16 "
                           "with gpus_per_worker: 0")
-    if section.precision == "fp16" and section.zero_stage == 0:
+    broken = layout_rule(section.parallel.tensor, section.parallel.pipeline, section.zero_stage, section.precision)
+    if broken:
+        raise ConfigError(f"{key}.{broken[0]}", broken[1])
+
+
+def layout_rule(tensor: int, pipeline: int, zero_stage: int, precision: str) -> tuple[str, str] | None:
+    """The first rule of this project's training stage that a layout breaks, as (its key within a training
+    section, the message), or None. One source for the config (train, screen.proxy) and the layout planner
+    (train/plan/layout.py: refused_here); they need neither the model's sizes nor the GPU tables."""
+    if precision == "fp16" and zero_stage == 0:
         # DeepSpeed's ZeRO-0 fp16 wrapper around a client torch optimizer applies updates loss-scale times
         # too small (platform notes), and has no loss scaler for the autopilot to reset.
-        raise ConfigError(f"{key}.zero_stage", "fp16 needs zero_stage 1, 2 or 3")
+        return "zero_stage", "fp16 needs zero_stage 1, 2 or 3"
+    if pipeline > 1 and zero_stage != 1:
+        return "parallel.pipeline", (f"pipeline parallelism takes zero_stage 1, got {zero_stage}: DeepSpeed's pipeline "
+                                     "engine refuses ZeRO-2 and ZeRO-3 (deepspeed/runtime/pipe/engine.py: \"ZeRO-2 and "
+                                     "ZeRO-3 are incompatible with pipeline parallelism\"), and under ZeRO-0 it reports "
+                                     "no gradient norm, which the autopilot watches")
+    if tensor > 1 and zero_stage == 3:
+        return "parallel.tensor", ("tensor parallelism takes ZeRO 0-2 here: the model is built whole and then split "
+                                   "(train/parallel/groups.py), which ZeRO-3's partitioned build cannot follow")
+    return None
 
 
 # DeepSpeed's dynamic loss scale never goes under this (its `min_loss_scale`: an integer, at least 1); an overflow
@@ -119,7 +138,7 @@ class RayConfig:
 
     num_cpus: int | None = None  # None: all cores of this machine
     # A groupby moving less than this many MB shuffles in Ray Data tasks (a sort); more, on Ray Data's
-    # hash-shuffle actors with partitions sized for the data (pipelines/engines.py: groupby). 0: always hash.
+    # hash-shuffle actors with partitions sized for the data (core/engines.py: groupby). 0: always hash.
     small_shuffle_mb: int = 256
 
     def validate(self, key: str) -> None:
@@ -199,7 +218,7 @@ class TokenizerConfig:
 
 @dataclass
 class ParallelConfig:
-    """How the training workers split the model (train/parallel.py, train/pipeline.py); data parallelism is
+    """How the training workers split the model (train/parallel/groups.py, train/parallel/pipeline.py); data parallelism is
     what is left: num_workers / (tensor x pipeline). `python -m train.plan` says which layout is fastest."""
 
     tensor: int = 1  # Megatron-style tensor parallelism: each layer split over this many neighbouring workers
@@ -213,35 +232,13 @@ class ParallelConfig:
         return self.tensor * self.pipeline
 
     def check(self, key: str, train: "TrainConfig") -> None:
-        """What depends on the rest of the training section."""
-        from model.configs import CONFIGS
-        from train.hardware import NODES
-
+        """What depends on the rest of the training section (what needs the model's sizes or the GPU tables
+        is train/rules.py's, run by load_config's `checks`)."""
         t, p = self.tensor, self.pipeline
         if train.num_workers % t:
             raise ConfigError(f"{key}.tensor", f"{t} does not divide num_workers={train.num_workers}")
         if train.num_workers % (t * p):
             raise ConfigError(f"{key}.pipeline", f"tensor {t} x pipeline {p} does not divide num_workers={train.num_workers}")
-        model = CONFIGS.get(train.model)
-        if model is not None and p > model.n_layer:
-            raise ConfigError(f"{key}.pipeline", f"{p} stages for the {train.model} model's {model.n_layer} layers: "
-                              "every stage needs at least one")
-        if p > 1 and train.zero_stage != 1:
-            raise ConfigError(f"{key}.pipeline", f"pipeline parallelism takes zero_stage 1, got {train.zero_stage}: "
-                              "DeepSpeed's pipeline engine refuses ZeRO-2 and ZeRO-3 (deepspeed/runtime/pipe/engine.py: "
-                              "\"ZeRO-2 and ZeRO-3 are incompatible with pipeline parallelism\"), and under ZeRO-0 it "
-                              "reports no gradient norm, which the autopilot watches")
-        for what in ("n_head", "ffn_dim", "vocab_size"):
-            if model is not None and getattr(model, what) % t:
-                raise ConfigError(f"{key}.tensor", f"{t} does not divide the {train.model} model's {what} "
-                                  f"({getattr(model, what)})")
-        per_node = max(node.gpus for node in NODES.values())
-        if train.gpus_per_worker and t * train.gpus_per_worker > per_node:
-            raise ConfigError(f"{key}.tensor", f"a tensor group of {t} workers x {train.gpus_per_worker:g} GPUs would "
-                              f"span nodes of {per_node} GPUs: its all-reduces, two per layer, would cross the network")
-        if t > 1 and train.zero_stage == 3:
-            raise ConfigError(f"{key}.tensor", "tensor parallelism takes ZeRO 0-2 here: the model is built whole and "
-                              "then split (train/parallel.py), which ZeRO-3's partitioned build cannot follow")
 
 
 @dataclass
@@ -267,8 +264,6 @@ class ProxyConfig:
         _positive(self, key, "cpus_per_worker", "lr")
         _check_engine(self, key)
         self.parallel.check(f"{key}.parallel", self)
-        check_batch(key, self.model, self.global_batch_tokens, self.seq_len, self.micro_batch_size,
-                    self.num_workers // self.parallel.model_parallel)
 
 
 @dataclass
@@ -490,34 +485,20 @@ class PipelineConfig:
         for i, source in enumerate(self.screen.sources or []):
             if source not in names:
                 raise ConfigError(f"screen.sources[{i}]", f"expected the name of a source ({', '.join(names)}), got {source!r}")
-        train = self.train
-        check_batch("train", train.model, train.global_batch_tokens, self.tokenize.seq_len, train.micro_batch_size,
-                    train.data_parallel, seq_len_key="tokenize.seq_len")
-
-
-def check_batch(key: str, model: str, batch_tokens: int | None, seq_len: int, micro: int, workers: int,
-                seq_len_key: str | None = None) -> None:
-    """The model exists, and its global batch splits into micro-batches on every worker."""
-    from model.configs import CONFIGS
-
-    if model not in CONFIGS:
-        raise ConfigError(f"{key}.model", f"expected one of {', '.join(CONFIGS)}, got {model!r}")
-    batch_tokens = batch_tokens or CONFIGS[model].batch_tokens
-    sequences = batch_tokens // seq_len
-    if sequences == 0 or sequences % (micro * workers):
-        raise ConfigError(f"{key}.global_batch_tokens", f"{batch_tokens} tokens are {sequences} sequences of "
-                          f"{seq_len_key or key + '.seq_len'}={seq_len}: not a multiple of micro_batch_size x num_workers"
-                          f" / (parallel.tensor x parallel.pipeline) = {micro * workers}")
 
 
 # --------------------------------------------------------------------------- loading
 
 
-def load_config(path: str | os.PathLike | None, overrides: list[str] = (), workdir: str | None = None) -> PipelineConfig:
-    """Read YAML, apply `--set key=value` overrides and `--workdir`, validate, resolve paths.
+def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = (), workdir: str | None = None,
+                checks: Sequence[Callable[[PipelineConfig], None]] = ()) -> PipelineConfig:
+    """Read YAML, apply `--set key=value` overrides and `--workdir`, validate, run `checks`, resolve paths.
 
-    Relative paths (workdir, sample_corpus, source globs) are resolved against the current
-    directory, which is the job's working directory under `ray job submit`.
+    `checks` are the rules this package cannot know: each takes the validated config and raises
+    ConfigError (train/rules.py's check_config: what needs the model's sizes or the GPU tables;
+    pipelines/stages.py's CHECKS is what a run loads with). Relative paths (workdir, sample_corpus,
+    source globs) are resolved against the current directory, which is the job's working directory
+    under `ray job submit`.
     """
     path = Path(path) if path is not None else default_config_path()
     if not path.is_file():
@@ -534,6 +515,8 @@ def load_config(path: str | os.PathLike | None, overrides: list[str] = (), workd
     if workdir is not None:
         raw["workdir"] = workdir
     config = from_dict(PipelineConfig, raw, "")
+    for check in checks:
+        check(config)
     return _resolve_paths(config)
 
 
@@ -707,7 +690,7 @@ def _describe(value: Any) -> str:
 
 def _resolve_paths(config: PipelineConfig) -> PipelineConfig:
     """Relative paths made absolute; `file://` URIs of folders made paths; the sources' URIs kept
-    (pipelines/storage.py says which path may be which)."""
+    (core/storage.py says which path may be which)."""
     config.workdir = _local(config.workdir, "workdir")
     if config.mlflow.tracking_uri is None:
         config.mlflow.tracking_uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{os.path.join(config.workdir, 'mlflow.db')}"

@@ -37,8 +37,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol
 
-from pipelines import console
-from pipelines.config import PipelineConfig, section_dict
+from core import console
+from core.config import PipelineConfig, section_dict
 
 log = logging.getLogger("pipelines")
 
@@ -116,7 +116,7 @@ class Stage:
 
 
 class Tracker(Protocol):
-    """What the runner needs from experiment tracking (pipelines.tracking.MlflowTracker)."""
+    """What the runner needs from experiment tracking (core.tracking.MlflowTracker)."""
 
     def stage(self, name: str, params: dict, tags: dict, resume_run_id: str | None = None) -> Any: ...
     def log_metrics(self, metrics: dict[str, float]) -> None: ...
@@ -138,13 +138,18 @@ class StageOutcome:
 
 
 def code_version(modules: tuple[str, ...]) -> str:
-    """Hash of the source of the modules a stage names: editing the stage's code reruns it."""
+    """Hash of the source of the modules a stage names (a package: every module in it): editing the stage's
+    code reruns it."""
     digest = hashlib.sha256()
     for name in sorted(modules):
         spec = importlib.util.find_spec(name)
         if spec is None or spec.origin is None:
             raise RuntimeError(f"stage code module {name!r} cannot be found")
-        digest.update(name.encode() + b"\0" + Path(spec.origin).read_bytes() + b"\0")
+        origin = Path(spec.origin)
+        files = sorted(origin.parent.rglob("*.py")) if spec.submodule_search_locations else [origin]
+        for path in files:
+            digest.update(name.encode() + b"\0" + str(path.relative_to(origin.parent)).encode() + b"\0" +
+                          path.read_bytes() + b"\0")
     return digest.hexdigest()[:16]
 
 

@@ -1,11 +1,11 @@
 """Where Ray Train puts a training layout's workers, asked of the cluster before a long run.
 
-    python -m train.placement --config configs/opt-175b.yaml [--set train.num_workers=16 ...]
+    python -m train.parallel.placement --config configs/opt-175b.yaml [--set train.num_workers=16 ...]
 
 starts the training stage's worker group (train/stage.py's `fit`, the same resources) with a loop that
 only reports each worker's world rank, local rank, node and (pipeline stage, data replica, tensor rank),
 and prints them with every tensor group that spans nodes. Exit 1 when one does: the training stage's
-workers would refuse to start (train/parallel.py's `tensor_group_problem`).
+workers would refuse to start (train/parallel/groups.py's `tensor_group_problem`).
 
 Ray Train numbers its workers node by node: the worker group is sorted by Ray node, then by GPU id
 (ray/train/v2/_internal/execution/worker_group/worker_group.py), world ranks are handed out in that
@@ -25,18 +25,20 @@ import tempfile
 import time
 from pathlib import Path
 
+from core.config import ParallelConfig
 
-def report(config: dict) -> None:
-    """The probe's worker loop: this worker's place, gathered on rank 0 and reported to the driver."""
+
+def report(parallel: ParallelConfig) -> None:
+    """The probe's worker loop (handed train.parallel): this worker's place, gathered on rank 0 and reported to the driver."""
     import ray
     import ray.train
     import torch.distributed as dist
 
-    from train.parallel import ParallelDims, tensor_group_problem
+    from train.parallel.groups import ParallelDims, tensor_group_problem
 
     ctx = ray.train.get_context()
     rank, local, local_world = ctx.get_world_rank(), ctx.get_local_rank(), ctx.get_local_world_size()
-    dims = ParallelDims.for_world(ctx.get_world_size(), tp=config["tensor"], pp=config["pipeline"])
+    dims = ParallelDims.for_world(ctx.get_world_size(), tp=parallel.tensor, pp=parallel.pipeline)
     stage, data, tensor = dims.coords(rank)
     mine = {"rank": rank, "local_rank": local, "local_world": local_world, "node": ray.get_runtime_context().get_node_id(),
             "ip": ray.util.get_node_ip_address(),
@@ -62,7 +64,7 @@ def probe(config) -> list[dict]:
     train = config.train
     folder = Path(train.storage or Path(config.workdir) / "train" / "runs") / f"placement-{int(time.time())}"
     try:
-        result = fit(train, {"tensor": train.parallel.tensor, "pipeline": train.parallel.pipeline}, folder, loop=report)
+        result = fit(train, train.parallel, folder, loop=report)
         with result.checkpoint.as_directory() as found:
             return json.loads((Path(found) / "placement.json").read_text())
     finally:
@@ -78,15 +80,16 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from pipelines.config import ConfigError, load_config
-    from pipelines.engines import start_ray
+    from core.config import ConfigError, load_config
+    from core.engines import start_ray
+    from train.rules import check_config
 
-    parser = argparse.ArgumentParser(prog="python -m train.placement", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m train.parallel.placement", description=__doc__.split("\n")[0])
     parser.add_argument("--config", help="the pipeline config whose train section is placed (default: configs/local.yaml)")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override, as full.py's")
     args = parser.parse_args(argv)
     try:
-        config = load_config(args.config, args.set, None)
+        config = load_config(args.config, args.set, None, checks=(check_config,))
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -8,7 +8,7 @@
 By default the model, batch, GPU count and configured layout come from the config
 (configs/opt-175b.yaml unless --config), and the node type from cluster.yaml's GPU workers; a flag
 overrides each. `--layout` prices one layout, term by term; without it every layout is ranked, best
-first, with a line on why the configured one is not the best. The cost model is train/layout.py.
+first, with a line on why the configured one is not the best. The cost model is train/plan/layout.py.
 pipelines/full.py runs `startup_check` before training on GPUs: a warning when the configured layout
 is predicted more than 1.5x slower than the best, a refusal when it is predicted not to fit.
 """
@@ -25,11 +25,12 @@ from typing import Iterator
 import yaml
 
 from model.configs import get, param_count
-from pipelines.config import ConfigError, PipelineConfig, load_config
-from train.hardware import GPUS, NODES
-from train.layout import RECOMPUTE, Cluster, Layout, LayoutError, Prediction, Workload, parse_layout, predict, problem, refused_here
+from core.config import ConfigError, PipelineConfig, load_config
+from train.plan.hardware import GPUS, NODES
+from train.rules import check_config
+from train.plan.layout import RECOMPUTE, Cluster, Layout, LayoutError, Prediction, Workload, parse_layout, predict, problem, refused_here
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = ROOT / "configs" / "opt-175b.yaml"
 DEFAULT_CLUSTER = ROOT / "cluster.yaml"
 TENSOR = (1, 2, 4, 8)
@@ -83,7 +84,7 @@ def configured_layout(config: PipelineConfig, gpus: int) -> Layout:
 
 def inputs(args: argparse.Namespace, config: PipelineConfig | None = None) -> tuple[Workload, Cluster, str | None, Layout | None]:
     """The workload, the cluster and the configured layout from the config, cluster.yaml and the flags."""
-    config = config or load_config(args.config or DEFAULT_CONFIG, [], None)
+    config = config or load_config(args.config or DEFAULT_CONFIG, [], None, checks=(check_config,))
     t = config.train
     model = get(args.model or t.model)
     seq = args.seq_len or config.tokenize.seq_len
@@ -363,7 +364,3 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -34,7 +34,7 @@ from torch.utils.checkpoint import checkpoint
 
 from model.configs import OPTConfig
 from model.opt import OPT, POSITION_OFFSET, Block, TokenEmbedding, init_seeded
-from train.parallel import Groups, check_split, split_block, split_embedding, unsplit
+from train.parallel.groups import Groups, check_split, split_block, split_embedding, unsplit
 
 
 class Embedding(nn.Module):

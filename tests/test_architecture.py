@@ -1,0 +1,92 @@
+"""The floors of the code (docs/architecture.md), read from the source with `ast`: nothing is imported.
+
+core/ is the ground: it imports no stage package and nothing of model/ or pipelines/. model/ is a library
+that imports nothing of ours but itself. The stage packages (corpus, dedup, screen, train) never import
+pipelines/, the top. And no function in train/ runs past MAX_FUNCTION_LINES.
+"""
+
+from __future__ import annotations
+
+import ast
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+OURS = {"core", "pipelines", "corpus", "dedup", "screen", "train", "model"}
+STAGES = ("corpus", "dedup", "screen", "train")
+MAX_FUNCTION_LINES = 80
+
+
+def sources(package: str) -> list[Path]:
+    return sorted((ROOT / package).rglob("*.py"))
+
+
+def imports(path: Path) -> list[tuple[int, str]]:
+    """(line, the top-level package) of every import in the file, at any depth (inside functions too)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0:
+            found.append((node.lineno, node.module))
+        elif isinstance(node, ast.ImportFrom):  # relative: resolved against the file's own package
+            package = path.relative_to(ROOT).parent.parts
+            base = package[:len(package) - (node.level - 1)]
+            found.append((node.lineno, ".".join([*base, *([node.module] if node.module else [])])))
+    return found
+
+
+def broken(packages: tuple[str, ...], refused: set[str]) -> list[str]:
+    """'file:line imports name' for every import of a refused package from the given packages."""
+    return [f"{path.relative_to(ROOT)}:{line} imports {name}"
+            for package in packages for path in sources(package)
+            for line, name in imports(path) if name.split(".")[0] in refused]
+
+
+def test_the_packages_are_where_the_rules_look():
+    for package in OURS:
+        assert sources(package), f"{package}/ has no Python files: has it moved?"
+
+
+def test_core_imports_no_stage_model_or_pipelines():
+    assert broken(("core",), set(STAGES) | {"model", "pipelines"}) == []
+
+
+def test_model_imports_nothing_of_ours_but_itself():
+    assert broken(("model",), OURS - {"model"}) == []
+
+
+def test_stage_packages_never_import_pipelines():
+    assert broken(STAGES, {"pipelines"}) == []
+
+
+def test_the_rules_see_imports_inside_functions(tmp_path):
+    path = tmp_path / "x.py"
+    path.write_text("import os\n\ndef f():\n    from train.rules import check_config\n    import pipelines.full\n")
+    assert sorted(imports(path)) == [(1, "os"), (4, "train.rules"), (5, "pipelines.full")]
+
+
+def long_functions(package: str, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """'file:line name is N lines' for every def (methods and nested ones too) longer than `limit`."""
+    found = []
+    for path in sources(package):
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                lines = node.end_lineno - node.lineno + 1  # the def line to the last line
+                if lines > limit:
+                    found.append(f"{path.relative_to(ROOT)}:{node.lineno} {node.name} is {lines} lines (at most {limit})")
+    return found
+
+
+def test_no_function_in_train_is_longer_than_80_lines():
+    assert long_functions("train") == []
+
+
+@pytest.mark.parametrize("limit, expected", [(3, []), (2, ["f is 3 lines"])])
+def test_the_length_rule_counts_from_def_to_last_line(tmp_path, monkeypatch, limit, expected):
+    (tmp_path / "pkg").mkdir()
+    (tmp_path / "pkg" / "m.py").write_text("def f():\n    x = 1\n    return x\n")
+    monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
+    assert [line.split(" ", 1)[1].rsplit(" (", 1)[0] for line in long_functions("pkg", limit)] == expected

@@ -1,0 +1,252 @@
+"""The training loop's parts, each on its own, in this process (rank 0 of 1 of a gloo group, DeepSpeed for
+real, no Ray): the typed config, the feed, the step, the checkpointer, the autopilot's actions, metrics,
+faults; then `Trainer.fit()` putting them together through an injected spike. The loop under Ray Train,
+with restarts, hangs and split layouts: tests/test_train.py."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pickle
+import re
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from core.config import AutopilotConfig, InjectConfig, TrainConfig
+from corpus.tokenize import FORMAT, INDEX, write_rows
+from train.loader import Loader
+from train.loop.checkpointer import Checkpointer
+from train.loop.config import loop_config
+from train.loop.context import Context
+from train.loop.engine import build_engine
+from train.loop.faults import Effects, Faults
+from train.loop.metrics import Metrics
+from train.loop.pilot import Pilot
+from train.loop.step import Feed, StepResult, TrainStep, gradient_norm
+from train.optim import Schedule
+
+SEQ = 16
+
+
+@pytest.fixture(scope="module")
+def shards(tmp_path_factory):
+    """64 training and 8 validation sequences of SEQ + 1 random tokens under the tiny model's vocabulary."""
+    folder = tmp_path_factory.mktemp("shards")
+    rng = np.random.default_rng(0)
+    index = {"format": FORMAT, "seq_len": SEQ, "block": SEQ + 1, "dtype": "uint16", "vocab_size": 512, "eos_id": 2,
+             "sequences": 64}
+    for name, count in (("train", 64), ("valid/web", 8)):
+        write_rows(folder / name / "00000.arrow", rng.integers(4, 512, (count, SEQ + 1), dtype=np.uint16))
+        split = {"sequences": count, "shards": [{"file": f"{name}/00000.arrow", "sequences": count}]}
+        index["train" if name == "train" else "validation"] = split if name == "train" else {"web": split}
+    (folder / INDEX).write_text(json.dumps(index))
+    return folder
+
+
+def section(**changes) -> TrainConfig:
+    """A one-worker tiny-model run: 4 sequences a step in micro-batches of 2, no dropout."""
+    autopilot = AutopilotConfig(warmup=3, window=10, rollback_steps=0, grad_ratio=100)
+    return dataclasses.replace(TrainConfig(
+        model="tiny", num_workers=1, zero_stage=1, micro_batch_size=2, global_batch_tokens=4 * SEQ,
+        warmup_tokens=2 * 4 * SEQ, total_tokens=100 * 4 * SEQ, max_steps=6, checkpoint_every=0, eval_every=3,
+        eval_batches=1, dropout=0.0, autopilot=autopilot), **changes)
+
+
+def context(tmp_path, rank: int = 0) -> Context:
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    return Context(rank=rank, world=1, run_dir=tmp_path, device=torch.device("cpu"))
+
+
+def test_the_loop_config_is_typed_derived_from_the_shards_and_travels(shards, tmp_path):
+    cfg = loop_config(section(global_batch_tokens=8 * SEQ), shards, tmp_path, export_dir=None, tracking_uri=None,
+                      mlflow_run_id=None)
+    assert (cfg.seq_len, cfg.global_batch, cfg.accumulation, cfg.max_steps, cfg.total_steps) == (SEQ, 8, 4, 6, 50)
+    assert cfg.warmup_steps == 1 and cfg.lr == 1e-3 and cfg.eval_micro_batch == 8  # the tiny model's LR; 4 x micro
+    assert cfg.model.vocab_size == 512 and cfg.model.dropout == 0.0 and cfg.validation_sources == ("web",)
+    assert pickle.loads(pickle.dumps(cfg)) == cfg  # what Ray Train ships to the workers
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.max_steps = 7
+    cfg.write(tmp_path / "loop_config.json")
+    written = json.loads((tmp_path / "loop_config.json").read_text())
+    assert written["accumulation"] == 4 and written["train"]["parallel"]["pipeline"] == 1
+    with pytest.raises(ValueError, match="does not split into micro-batches of 3 on 1 data-parallel ranks"):
+        loop_config(section(micro_batch_size=3), shards, tmp_path, export_dir=None, tracking_uri=None, mlflow_run_id=None)
+    with pytest.raises(ValueError, match="fewer than one global batch of 128"):
+        loop_config(section(global_batch_tokens=128 * SEQ), shards, tmp_path, export_dir=None, tracking_uri=None,
+                    mlflow_run_id=None)
+
+
+def test_the_feed_gives_micro_batches_in_order_and_restarts_from_the_loaders_state(shards, tmp_path):
+    loader = Loader(shards, 4, seed=0)
+    feed = Feed(loader, context(tmp_path), micro_batch=2)
+    g, micro = feed.next()
+    tokens = torch.from_numpy(loader.batch(g).astype(np.int64))
+    assert g == 0 and [tuple(i.shape) + tuple(t.shape) for i, t in micro] == [(2, SEQ, 2, SEQ)] * 2
+    assert torch.equal(torch.cat([i for i, _ in micro]), tokens[:, :-1])
+    assert torch.equal(torch.cat([t for _, t in micro]), tokens[:, 1:])
+    state = loader.state_dict()
+    second = feed.next()
+    feed.next()
+    loader.load_state_dict(state)  # what a rollback does, then the feed follows the loader
+    feed.restart()
+    again = feed.next()
+    assert again[0] == second[0] == 1 and all(torch.equal(a, b) for x, y in zip(again[1], second[1]) for a, b in zip(x, y))
+
+
+@pytest.fixture(scope="module")
+def engines(deepspeed_rank, shards, tmp_path_factory):
+    """The same tiny model under ZeRO-0 (the loop measures the grad norm itself) and ZeRO-1 (DeepSpeed does)."""
+    made = {}
+    for zero in (0, 1):
+        cfg = loop_config(section(zero_stage=zero), shards, tmp_path_factory.mktemp(f"zero{zero}"), export_dir=None,
+                          tracking_uri=None, mlflow_run_id=None)
+        made[zero] = cfg, build_engine(cfg, context(tmp_path_factory.mktemp(f"ctx{zero}")), spans_nodes=False)
+    yield made
+    for _, built in made.values():
+        built.engine.destroy()
+
+
+def test_a_step_trains_the_next_batch_and_measures_loss_and_norms_alike_under_zero_0_and_1(engines, shards, tmp_path):
+    assert [engines[z][1].own_grad_norm for z in (0, 1)] == [True, False]
+    results = {}
+    for zero, (cfg, built) in engines.items():
+        loader = Loader(shards, cfg.global_batch, seed=0)
+        step = TrainStep(built.engine, built.model, Feed(loader, context(tmp_path), 2), context(tmp_path),
+                         built.own_grad_norm)
+        tokens = torch.from_numpy(loader.batch(0).astype(np.int64))
+        with torch.no_grad():  # the loss the step should report: its batch's, before the update
+            expected = built.model(tokens[:, :-1], tokens[:, 1:]).item()
+        before = [p.detach().clone() for p in built.model.parameters()]
+        results[zero] = step(lr=1e-3)
+        assert results[zero].batch == 0 and results[zero].lr == 1e-3 and not results[zero].overflow
+        assert results[zero].loss == pytest.approx(expected, rel=1e-6) and results[zero].seconds > 0
+        assert any(not torch.equal(a, b) for a, b in zip(before, built.model.parameters()))  # the optimizer stepped
+    own, deepspeeds = results[0], results[1]
+    assert own.grad_norm == pytest.approx(deepspeeds.grad_norm, rel=1e-4) and own.grad_norm > 0
+    assert own.activation_norm == pytest.approx(deepspeeds.activation_norm, rel=1e-6)
+    assert gradient_norm(torch.nn.Linear(2, 2)) == 0.0  # no gradients yet
+
+
+def train_once(engine, seed: int) -> None:
+    ids = torch.randint(4, 512, (2, SEQ + 1), generator=torch.Generator().manual_seed(seed))
+    engine.backward(engine(ids[:, :-1], ids[:, 1:]))
+    engine.step()
+
+
+def test_the_checkpointer_saves_prunes_rolls_back_and_resumes(engines, tmp_path):
+    cfg, built = engines[1]
+    ctx = context(tmp_path)
+    ckpt = Checkpointer(built.engine, ctx, every=2, keep=1, keep_healthy=1, max_steps=5)
+    assert [s for s in range(1, 6) if ckpt.due(s)] == [2, 4, 5]
+    assert not Checkpointer(built.engine, ctx, every=0, keep=1, keep_healthy=1, max_steps=5).due(5)
+    weights = {}
+    for step, healthy in ((0, True), (2, True), (4, False)):
+        train_once(built.engine, step)  # a different model at each save
+        weights[step] = [p.detach().clone() for p in built.model.parameters()]
+        ckpt.save(step, {"loader": {"epoch": 0, "step": step}, "health": {"healthy": healthy}})
+    assert ckpt.healthy_before(4)["step"] == 2
+    assert ckpt.healthy_before(2) is None  # step 0 was pruned: the newest one and the newest healthy one are kept
+    meta = ckpt.roll_back(2, time.time())
+    assert meta["step"] == 2 and all(torch.equal(a, b) for a, b in zip(weights[2], built.model.parameters()))
+    names = sorted(p.name for p in ctx.ckpt_dir.iterdir())
+    assert len(names) == 2 and re.fullmatch(r"abandoned-step-00000004-\d+", names[0]) and names[1] == "step-00000002"
+    train_once(built.engine, 9)
+    assert Checkpointer(built.engine, ctx, every=2, keep=1, keep_healthy=1, max_steps=5).resume()["step"] == 2
+    assert all(torch.equal(a, b) for a, b in zip(weights[2], built.model.parameters()))
+    assert "resumed from step-00000002" in (tmp_path / "incidents.jsonl").read_text()
+
+
+def test_the_pilot_rolls_back_and_skips_on_a_spike_writing_it_down_first_and_stops_past_its_budget(engines, shards,
+                                                                                                     tmp_path):
+    cfg, built = engines[1]
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, autopilot=dataclasses.replace(
+        cfg.train.autopilot, budget=1)))
+    ctx = context(tmp_path)
+    ckpt = Checkpointer(built.engine, ctx, every=2, keep=3, keep_healthy=3, max_steps=10)
+    pilot = Pilot(cfg, ctx, built.engine, Schedule(cfg.lr, 1, 100, 0.1), ckpt, simulate_overflow=False)
+    pilot.resume(None)
+    loader = Loader(shards, cfg.global_batch, seed=0)
+
+    def result(step: int, loss: float) -> StepResult:
+        return StepResult(batch=step - 1, lr=1e-3, loss=loss, grad_norm=1.0, activation_norm=1.0, overflow=False,
+                          seconds=0.1)
+
+    ckpt.save(0, {"loader": loader.state_dict(), "health": {"healthy": True}})
+    for step in range(1, 7):
+        assert pilot.observe(step, result(step, 6.0 - 0.01 * step)) is None
+        if step == 4:
+            assert pilot.healthy(4)  # four clean steps of four
+            ckpt.save(4, {"loader": {"epoch": 0, "step": 4}, "health": {"healthy": True}})
+    assert pilot.after_step(False) == 1.0  # fp32: no loss scale
+    decision = pilot.observe(7, result(7, 60.0))
+    assert decision.actions == ("rollback", "skip") and not pilot.healthy(7)
+    meta = pilot.intervene(decision, batch=6, loader=loader)
+    assert meta["step"] == 4 and loader.position == 4 and loader.skip_ranges == [(4, 17)]  # to the incident + margin
+    book = [json.loads(line) for line in (tmp_path / "logbook.jsonl").read_text().splitlines()]
+    assert [(e["step"], e["kind"], e["actions"], e["rolled_back_to"], e["skipped_batches"]) for e in book] == [
+        (7, "loss_spike", ["rollback", "skip"], 4, [4, 17])]
+    assert json.loads((tmp_path / "autopilot.json").read_text())["rolled_back_to"] == 4
+    assert "autopilot: loss_spike: rollback, skip (back to step 4)" in (tmp_path / "incidents.jsonl").read_text()
+    for step in range(5, 9):
+        pilot.observe(step, result(step, 6.0))
+    again = pilot.observe(9, result(9, 60.0))
+    assert again.stop and "budget of 1 interventions is spent" in pilot.stop(9, again)
+    assert json.loads((tmp_path / "logbook.jsonl").read_text().splitlines()[-1])["actions"] == ["stop"]
+
+
+def test_metrics_are_rank_0s_a_line_per_step_validation_and_a_summary(shards, tmp_path):
+    cfg = loop_config(section(), shards, tmp_path, export_dir=None, tracking_uri=None, mlflow_run_id=None)
+    step = StepResult(batch=3, lr=2e-4, loss=5.5, grad_norm=None, activation_norm=2.0, overflow=True, seconds=0.5)
+    for rank, folder in ((0, tmp_path / "leader"), (1, tmp_path / "other")):
+        metrics = Metrics(cfg, context(folder, rank), flops_per_step=1e12)
+        metrics.step(4, step, loss_scale=2.0, skipped_steps=1)
+        metrics.validation(4, {"web": 5.0, "news": 6.0})
+        metrics.close(4, 5.5, None)
+    rows = [json.loads(line) for line in (tmp_path / "leader" / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0] == {"step": 4, "loss": 5.5, "lr": 2e-4, "grad_norm": None, "loss_scale": 2.0, "overflow": 1,
+                       "skipped_steps": 1, "activation_norm": 2.0, "tokens_per_second": 4 * SEQ / 0.5, "batch": 3,
+                       "tflops_per_device": 2.0}
+    assert rows[1] == {"step": 4, "val_loss.web": 5.0, "val_loss.news": 6.0, "val_loss": 5.5}
+    assert json.loads((tmp_path / "leader" / "summary.json").read_text()) == {"steps": 4, "final_loss": 5.5,
+                                                                             "stopped": None}
+    assert list((tmp_path / "other").iterdir()) == []
+
+
+def test_injected_faults_fire_once_even_across_restarts(tmp_path):
+    inject = [InjectConfig("spike", 2, factor=5.0), InjectConfig("nan", 3), InjectConfig("overflow", 4, count=2)]
+    faults = Faults(inject, context(tmp_path))
+    effects = [faults.before_step(s, hang_seconds=1.0) for s in range(1, 8)]
+    assert [e.lr_factor for e in effects] == [1, 5, 1, 1, 1, 1, 1]
+    assert [e.overflow for e in effects] == [False, False, False, True, True, False, False]
+    assert effects[1].poison == 1.0 and np.isnan(effects[2].poison) and effects[3].poison == 1e38
+    restarted = Faults(inject, context(tmp_path))  # a restart replays steps 2-4: nothing fires twice
+    assert all(restarted.before_step(s, 1.0) == Effects() for s in range(1, 8))
+    assert faults.simulates_overflow and not Faults(inject[:2], context(tmp_path)).simulates_overflow
+    said = [json.loads(line)["what"] for line in (tmp_path / "incidents.jsonl").read_text().splitlines()]
+    assert said == ["injected spike (LR x 5)", "injected nan", "injected overflow (2 steps)"]
+
+
+def test_a_trainer_fits_through_a_spike_rolled_back_and_skipped(deepspeed_rank, shards, tmp_path):
+    """The parts together, as a worker runs them (without Ray Train, so without its checkpoint reports):
+    a spike at step 4 seen at step 5, rolled back to the initial weights and skipped, then 6 steps."""
+    from train.loop.trainer import Trainer
+
+    train = section(inject=[InjectConfig("spike", 4, factor=300.0)])
+    cfg = loop_config(train, shards, tmp_path, export_dir=None, tracking_uri=None, mlflow_run_id=None)
+    trainer = Trainer(cfg, context(tmp_path), local_rank=0, local_world=1)
+    done = trainer.fit()
+    trainer.engine.destroy()
+    assert done.step == 6 and done.stopped is None
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    steps = [r["step"] for r in rows if "loss" in r]
+    assert steps == [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 6]
+    assert [r["batch"] for r in rows if "loss" in r][5:] == [15, 16, 17, 18, 19, 20]  # [0, 15) skipped
+    assert [r["step"] for r in rows if "val_loss" in r] == [3, 3, 6] and "val_loss.web" in rows[-1]
+    book = [json.loads(line) for line in (tmp_path / "logbook.jsonl").read_text().splitlines()]
+    assert [(e["step"], e["kind"], e["rolled_back_to"], e["skipped_batches"]) for e in book] == [
+        (5, "loss_spike", 0, [0, 15])]  # step 5 trained batch 4: skipped up to it and 10 more
+    assert json.loads((tmp_path / "summary.json").read_text()) == {"steps": 6, "final_loss": rows[-2]["loss"],
+                                                                  "stopped": None}

@@ -1,0 +1,82 @@
+"""Who this worker is, where its run lives, and the run's incident log."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from train.parallel.groups import Groups
+
+log = logging.getLogger("train")
+
+
+@dataclass
+class Context:
+    rank: int
+    world: int
+    run_dir: Path
+    device: torch.device
+    groups: Groups | None = None  # the tensor x pipeline x data process groups when the model is split (train.parallel)
+
+    @property
+    def data_rank(self) -> int:
+        """Which share of each batch this rank trains on: the ranks of a tensor group and of a pipeline share theirs."""
+        return self.groups.data_rank if self.groups else self.rank
+
+    @property
+    def data_world(self) -> int:
+        return self.groups.dims.dp if self.groups else self.world
+
+    @property
+    def leader(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def pipelined(self) -> bool:
+        return self.groups is not None and self.groups.dims.pp > 1
+
+    @property
+    def feeds_data(self) -> bool:
+        """Whether this rank's engine takes the batches: a pipeline's first stage (inputs) and last (targets)."""
+        return not self.pipelined or self.groups.stage in (0, self.groups.dims.pp - 1)
+
+    @property
+    def ckpt_dir(self) -> Path:
+        return self.run_dir / "checkpoints"
+
+
+def incident(ctx: Context, step: int, what: str) -> None:
+    """One line in the run's incidents.jsonl (and the worker's log): what happened to the run, and when."""
+    log.warning("step %d: %s", step, what)
+    with open(ctx.run_dir / "incidents.jsonl", "a") as f:
+        f.write(json.dumps({"time": time.time(), "step": step, "rank": ctx.rank, "what": what}) + "\n")
+
+
+def seed_everything(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def quiet() -> None:
+    """Ray Train's line per report and per checkpoint, DeepSpeed's accelerator notice and torch's
+    deprecation warnings from inside DeepSpeed: out of the console (our progress line says it)."""
+    try:  # private modules: if they move, the lines come back, nothing else changes
+        from ray.train.v2._internal.execution import context, storage
+
+        for module in (context, storage):
+            module.logger.setLevel(logging.WARNING)
+    except (ImportError, AttributeError):
+        pass
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    warnings.filterwarnings("ignore", category=FutureWarning, module="torch.distributed")

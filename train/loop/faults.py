@@ -1,0 +1,165 @@
+"""What keeps a run from hanging or looping forever, and the faults the tests inject.
+
+- `Watchdog`: a hang becomes a restart (the worker process exits; Ray Train restarts the group).
+- `restarts_without_progress`: a fault that comes back before the next checkpoint every time stops the run.
+- `Faults`: `train.inject`, each fault fired once, even across restarts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import threading
+import time
+
+from core.config import InjectConfig
+from train.loop.context import Context, incident
+from train.parallel.collectives import barrier
+
+
+class Watchdog:
+    """Ends this worker process when what is under way runs past its limit: a hang becomes a restart.
+
+    It starts with the worker, so start-up (building the model, DeepSpeed's initialize, the
+    checkpoint load, where OPT-175B's runs hung on storage) has a limit of its own; `beat` then
+    starts each step's clock, with the step limit from the first step on."""
+
+    def __init__(self, seconds: float, on_hang):
+        self.seconds, self.on_hang = seconds, on_hang
+        self.beat_at, self.step, self.started = time.monotonic(), 0, False
+        self._stop = threading.Event()
+        threading.Thread(target=self._watch, daemon=True, name="watchdog").start()
+
+    def beat(self, step: int, seconds: float | None = None) -> None:
+        """Step `step` is done (0: start-up is); `seconds`: the limit from now on."""
+        self.beat_at, self.step, self.started = time.monotonic(), step, True
+        if seconds is not None:
+            self.seconds = seconds
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        while not self._stop.wait(min(1.0, self.seconds / 4)):  # at most a second late, whatever the limit was
+            stalled = time.monotonic() - self.beat_at
+            if stalled > self.seconds:
+                self.on_hang(self.step, stalled, self.started)
+                os._exit(3)
+
+
+def watchdog_for(ctx: Context, hang_seconds: float, startup_seconds: float) -> Watchdog:
+    """A watchdog whose last word is an incident naming what ran too long and the setting it outlasted."""
+
+    def on_hang(done: int, stalled: float, started: bool) -> None:
+        if started:
+            incident(ctx, done + 1, f"step {done + 1} has run {stalled:.0f} s "
+                                    f"(train.hang_seconds={hang_seconds}): ending this worker")
+        else:
+            incident(ctx, done, f"start-up (model build, DeepSpeed initialize, checkpoint load) has run {stalled:.0f} s "
+                                f"(train.startup_seconds={startup_seconds}): ending this worker")
+
+    return Watchdog(startup_seconds, on_hang)
+
+
+def restarts_without_progress(ctx: Context, resumed_step: int | None, limit: int) -> str | None:
+    """Why to stop instead of training, when this start-up is the (limit + 1)-th in a row from the same
+    checkpoint: a fault that comes back before the next checkpoint every time is not bad luck, and
+    restarting forever would burn the cluster. Every start-up is appended to the run's `starts.json`
+    (the step it resumed from, 0 for a fresh start); every rank reads it before rank 0 appends, so all
+    reach the same answer. 0: never stop."""
+    path = ctx.run_dir / "starts.json"
+    starts = json.loads(path.read_text()) if path.exists() else []
+    barrier()
+    starts.append(resumed_step or 0)
+    if ctx.leader:
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(starts))
+        os.replace(tmp, path)
+    in_a_row = next((i for i, s in enumerate(reversed(starts)) if s != starts[-1]), len(starts))
+    if limit and in_a_row - 1 > limit:
+        why = (f"{in_a_row - 1} restarts in a row from step {starts[-1]} without reaching another checkpoint "
+               f"(train.max_stalled_restarts={limit}): see incidents.jsonl for the faults")
+        if ctx.leader:
+            incident(ctx, starts[-1], why)
+        return why
+    return None
+
+
+@dataclasses.dataclass
+class Effects:
+    """What this step's injected faults do to it."""
+
+    lr_factor: float = 1.0
+    nan: bool = False
+    overflow: bool = False
+
+    @property
+    def poison(self) -> float:
+        """The factor on the step's gradients: an injected nan or overflow poisons them; the loss reported is the true one."""
+        return float("nan") if self.nan else 1e38 if self.overflow else 1.0
+
+
+class Faults:
+    """`train.inject`: each fault fires once; fired ones are recorded in the run folder first."""
+
+    def __init__(self, faults: list[InjectConfig], ctx: Context):
+        self.ctx, self.path = ctx, ctx.run_dir / "injected.json"
+        self.faults = [dict(dataclasses.asdict(f), index=i) for i, f in enumerate(faults)]
+        self.overflow_until = 0  # the last step of an overflow burst under way
+
+    @property
+    def simulates_overflow(self) -> bool:
+        return any(f["kind"] == "overflow" for f in self.faults)
+
+    def _fired(self) -> set[int]:
+        try:
+            return set(json.loads(self.path.read_text()))
+        except (FileNotFoundError, json.JSONDecodeError):
+            return set()
+
+    def _record(self, index: int) -> None:
+        fired = sorted(self._fired() | {index})
+        tmp = self.path.with_suffix(f".{self.ctx.rank}.tmp")
+        tmp.write_text(json.dumps(fired))
+        os.replace(tmp, self.path)
+
+    def before_step(self, step: int, hang_seconds: float) -> Effects:
+        """Fire this step's faults (step 0: start-up, before the checkpoint load); returns their effects on the step."""
+        due = [f for f in self.faults if f["step"] == step]
+        if not due:
+            return Effects(overflow=step <= self.overflow_until)
+        fired = self._fired()
+        barrier()  # every rank has read the same record before rank 0 adds to it
+        effects = Effects()
+        for fault in due:
+            if fault["index"] in fired:
+                continue
+            if fault["kind"] in ("spike", "nan", "overflow"):  # on every rank alike
+                self._on_every_rank(fault, step, effects)
+                continue
+            rank = self.ctx.world - 1 if fault["rank"] is None else fault["rank"]
+            if rank != self.ctx.rank:
+                continue
+            self._record(fault["index"])
+            incident(self.ctx, step, f"injected {fault['kind']} on rank {rank}")
+            if fault["kind"] == "kill":
+                os._exit(1)  # the worker process dies, as on a lost GPU or an ECC error
+            if fault["kind"] == "hang":
+                time.sleep(10 * hang_seconds)  # stalls until the watchdog ends the process
+        barrier()
+        return effects
+
+    def _on_every_rank(self, fault: dict, step: int, effects: Effects) -> None:
+        if self.ctx.leader:
+            self._record(fault["index"])
+            incident(self.ctx, step, f"injected {fault['kind']}" +
+                     {"spike": f" (LR x {fault['factor']:g})", "nan": "",
+                      "overflow": f" ({fault['count']} steps)"}[fault["kind"]])
+        if fault["kind"] == "spike":
+            effects.lr_factor = fault["factor"]
+        elif fault["kind"] == "nan":
+            effects.nan = True
+        else:
+            self.overflow_until = step + fault["count"] - 1
+            effects.overflow = True

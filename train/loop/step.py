@@ -1,0 +1,114 @@
+"""One training step: this rank's share of the global batch, forward and backward over its micro-batches,
+the optimizer's step, and what the step measured (loss, gradient and activation norms, overflow)."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from train.loader import Loader
+from train.loop.context import Context
+from train.parallel import pipeline
+from train.parallel.collectives import all_mean
+from train.parallel.groups import Groups
+
+
+class Feed:
+    """The loader's global batches in training order, as this rank's micro-batches (a pipeline's middle
+    stages advance the same positions without reading)."""
+
+    def __init__(self, loader: Loader, ctx: Context, micro_batch: int):
+        self.loader, self.ctx, self.micro_batch = loader, ctx, micro_batch
+        self.positions = loader.positions()
+
+    def restart(self) -> None:
+        """Continue from the loader's state (after a rollback reloaded it)."""
+        self.positions = self.loader.positions()
+
+    def next(self) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """The next global batch's number and this rank's (inputs, targets) micro-batches."""
+        g = next(self.positions)
+        if not self.ctx.feeds_data:
+            return g, []
+        tokens = torch.from_numpy(self.loader.batch(g).astype(np.int64)).to(self.ctx.device)
+        return g, [(m[:, :-1], m[:, 1:]) for m in tokens.split(self.micro_batch)]
+
+
+@dataclass
+class StepResult:
+    batch: int  # the global batch trained on
+    lr: float
+    loss: float  # mean over the micro-batches and the data-parallel ranks
+    grad_norm: float | None  # before clipping; None when the scaler skipped the update
+    activation_norm: float
+    overflow: bool  # the (real or simulated) loss scaler skipped this update
+    seconds: float
+
+
+def set_lr(engine, lr: float) -> None:
+    for group in engine.optimizer.param_groups:
+        group["lr"] = lr
+
+
+def gradient_norm(model: torch.nn.Module, groups: Groups | None = None) -> float:
+    """The L2 norm of all gradients (what DeepSpeed's ZeRO optimizers report as the global grad norm); with
+    the model split over a tensor group, the shards' squares summed over the group and the replicated
+    parameters' counted once."""
+    grads = [p for p in model.parameters() if p.grad is not None]
+    if not grads:
+        return 0.0
+    split = [p.grad.detach().float().pow(2).sum() for p in grads if getattr(p, "tensor_model_parallel", False)]
+    whole = [p.grad.detach().float().pow(2).sum() for p in grads if not getattr(p, "tensor_model_parallel", False)]
+    total = sum(whole) + (groups.sum_over_tensor(sum(split)) if split else 0.0)  # split only after parallelize()
+    return float(torch.as_tensor(total).sqrt())
+
+
+class TrainStep:
+    """Runs a step on the engine: 1F1B through a pipeline's engine, or forward/backward per micro-batch."""
+
+    def __init__(self, engine, model: torch.nn.Module, feed: Feed, ctx: Context, own_grad_norm: bool):
+        self.engine, self.model, self.feed, self.ctx, self.own_grad_norm = engine, model, feed, ctx, own_grad_norm
+
+    def __call__(self, lr: float, poison: float = 1.0) -> StepResult:
+        """The next batch at `lr`. `poison` scales the gradients only (an injected nan or overflow); the loss
+        reported is the true one. The seconds include reading the batch."""
+        t0 = time.perf_counter()
+        batch, micro_batches = self.feed.next()
+        engine = self.engine
+        set_lr(engine, lr)
+        skipped_before = engine.skipped_steps
+        if self.ctx.pipelined:
+            losses, activations, grad_norm = self._pipelined(micro_batches, poison)
+        else:
+            losses, activations, grad_norm = self._whole(micro_batches, poison)
+        if not self.own_grad_norm:
+            grad_norm = engine.get_global_grad_norm()
+            grad_norm = None if grad_norm is None else float(grad_norm)
+        loss, act_norm = all_mean([torch.stack(losses).mean(), activations])
+        seconds = time.perf_counter() - t0
+        overflow = engine.skipped_steps > skipped_before
+        if overflow:  # the scaler skipped the update: DeepSpeed reports inf, which is no measurement of the run
+            grad_norm = None
+        return StepResult(batch, lr, loss, grad_norm, act_norm, overflow, seconds)
+
+    def _pipelined(self, micro_batches: list, poison: float):
+        """1F1B over the micro-batches, the optimizer step at the end; the mean loss on every stage."""
+        engine = self.engine
+        engine.module.loss_fn.gradient_factor = poison
+        losses = [engine.train_batch(iter(micro_batches))]
+        engine.module.loss_fn.gradient_factor = 1.0
+        return losses, pipeline.activation_norm(engine.module, self.ctx.groups), None
+
+    def _whole(self, micro_batches: list, poison: float):
+        engine, grad_norm, losses = self.engine, None, []
+        for inputs, targets in micro_batches:
+            micro_loss = engine(inputs, targets)
+            losses.append(micro_loss.detach())  # on the device: one reduction per step, no sync per micro-batch
+            engine.backward(pipeline.scale_gradient(micro_loss, poison))
+            if self.own_grad_norm and engine.is_gradient_accumulation_boundary():
+                grad_norm = gradient_norm(self.model, self.ctx.groups)  # all-reduced by backward, before the clip
+            engine.step()  # the optimizer steps at the last micro-batch (gradient_accumulation_steps)
+        return losses, self.model.last_activation_norm, grad_norm

@@ -1,0 +1,109 @@
+"""The training run on one worker: its parts put together, and `fit()`, the loop itself.
+
+Each part has one job, in its own module of this package:
+- `engine.build_engine`: the model and DeepSpeed's engine for the configured layout;
+- `step.Feed`, `step.TrainStep`: this rank's micro-batches, forward, backward, the optimizer, the norms;
+- `checkpointer.Checkpointer`: save, prune, resume, roll back, tell Ray Train;
+- `pilot.Pilot`: the autopilot's decisions applied to the engine, the loader and the checkpoints;
+- `metrics.Metrics`: metrics.jsonl, MLflow and the progress line (rank 0);
+- `validation.Validation`, `export.export`;
+- `faults`: the watchdog, the stalled-restart limit, injected faults.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from model.configs import flops_per_token
+from train.loader import Loader
+from train.loop.checkpointer import Checkpointer
+from train.loop.config import LoopConfig
+from train.loop.context import Context, seed_everything
+from train.loop.engine import build_engine, groups_for
+from train.loop.export import export
+from train.loop.faults import Faults, restarts_without_progress, watchdog_for
+from train.loop.metrics import Metrics
+from train.loop.pilot import Pilot
+from train.loop.step import Feed, TrainStep
+from train.loop.validation import Validation
+from train.optim import Schedule
+from train.parallel.collectives import barrier
+
+
+@dataclass
+class Progress:
+    step: int = 0  # the last step done
+    loss: float = float("nan")  # its loss
+    stopped: str | None = None  # why the run stopped before max_steps
+
+
+class Trainer:
+    def __init__(self, cfg: LoopConfig, ctx: Context, *, local_rank: int, local_world: int):
+        """Start-up: everything up to the first step, under the watchdog's start-up limit."""
+        t = cfg.train
+        self.cfg, self.ctx = cfg, ctx
+        self.faults = Faults(t.inject, ctx)
+        self.watchdog = watchdog_for(ctx, t.hang_seconds, t.startup_seconds)
+        seed_everything(t.seed)  # the same on every rank: a tensor group draws the same dropout masks
+        ctx.groups = groups_for(cfg, ctx, local_rank, local_world)
+        built = build_engine(cfg, ctx, spans_nodes=ctx.world > local_world)
+        self.engine, self.model = built.engine, built.model
+        self.schedule = Schedule(cfg.lr, cfg.warmup_steps, cfg.total_steps, t.final_lr_ratio)
+        self.checkpointer = Checkpointer(self.engine, ctx, every=t.checkpoint_every, keep=t.keep_checkpoints,
+                                         keep_healthy=t.keep_healthy, max_steps=cfg.max_steps)
+        self.pilot = Pilot(cfg, ctx, self.engine, self.schedule, self.checkpointer,
+                           simulate_overflow=self.faults.simulates_overflow)
+        barrier()
+        self.faults.before_step(0, t.startup_seconds)
+        resumed = self.checkpointer.resume()
+        self.pilot.resume(resumed)
+        self.loader = Loader(cfg.shards, cfg.global_batch, rank=ctx.data_rank, world_size=ctx.data_world, seed=t.seed,
+                             skip_ranges=self.pilot.state.skip_ranges, state=resumed and resumed["loader"])
+        self.step = TrainStep(self.engine, self.model, Feed(self.loader, ctx, t.micro_batch_size), ctx,
+                              built.own_grad_norm)
+        self.validation = Validation(self.engine, cfg, ctx)
+        self.metrics = Metrics(cfg, ctx, flops_per_token(cfg.model, cfg.seq_len) * cfg.tokens_per_step)
+        self.progress = Progress(step=resumed["step"] if resumed else 0)
+        self.progress.stopped = restarts_without_progress(ctx, self.progress.step if resumed else None,
+                                                          t.max_stalled_restarts)
+        self.watchdog.beat(self.progress.step, t.hang_seconds)  # start-up is done: each step has hang_seconds
+        if resumed is None and self.pilot.enabled:
+            self.save(healthy=True)  # the initial weights: a rollback target before the first checkpoint
+
+    def fit(self) -> Progress:
+        run, cfg = self.progress, self.cfg
+        while run.stopped is None and run.step < cfg.max_steps:
+            effects = self.faults.before_step(run.step + 1, cfg.train.hang_seconds)
+            result = self.step(self.schedule.lr(run.step + 1) * effects.lr_factor, effects.poison)
+            run.step, run.loss = run.step + 1, result.loss
+            self.watchdog.beat(run.step)
+            self.metrics.step(run.step, result, self.pilot.after_step(result.overflow), self.engine.skipped_steps)
+            decision = self.pilot.observe(run.step, result)
+            if decision is not None and decision.stop:
+                run.stopped = self.pilot.stop(run.step, decision)
+                break
+            if decision is not None:
+                run.step = self.pilot.intervene(decision, result.batch, self.loader)["step"]
+                self.faults.overflow_until = 0  # an injected overflow burst belongs to the steps that were undone
+                self.step.feed.restart()
+                self.watchdog.beat(run.step)
+                continue
+            if self.validation.due(run.step):
+                self.metrics.validation(run.step, self.validation())
+                self.watchdog.beat(run.step)
+            if self.checkpointer.due(run.step):
+                path = self.save(healthy=self.pilot.healthy(run.step))
+                self.watchdog.beat(run.step)
+                self.checkpointer.report(run.step, run.loss, path)
+        self.watchdog.stop()
+        if run.stopped is None and cfg.export_dir:
+            export(self.engine, self.model, cfg, self.ctx)
+        self.metrics.close(run.step, run.loss, run.stopped)
+        return run
+
+    def save(self, healthy: bool):
+        """A checkpoint of this step, with what a restart or a rollback needs beside the weights."""
+        meta = {"loader": self.loader.state_dict(), "schedule": {"factor": self.schedule.factor},
+                "loss_scale": self.pilot.loss_scale(), "metrics": {"loss": self.progress.loss},
+                "health": {"healthy": healthy}, "autopilot": self.pilot.state.to_dict()}
+        return self.checkpointer.save(self.progress.step, meta)
