@@ -11,6 +11,7 @@ switching an ablation back and forth is a cache hit, not a recompute):
 
     WORKDIR/<stage>/manifest.json             the current completed output (a copy of one below)
     WORKDIR/<stage>/<fp16>/manifest.json      a completed output
+    WORKDIR/<stage>/<fp16>/files.json         every file it holds, with sizes and rows (core/outputs.py)
     WORKDIR/<stage>/<fp16>/output/            its data
     WORKDIR/<stage>/<fp16>/<reason>/          rows set aside (rejects/, dropped/, duplicates/...)
     WORKDIR/<stage>/<fp16>/stage.log          what the stage logged
@@ -20,6 +21,13 @@ A stage writes into `.partial-*`; its manifest is written last and the folder is
 place only then, and the current manifest is replaced atomically after that. A crash at any
 point leaves either the previous current output or the new complete one, never a half output
 that looks done.
+
+A cache hit is checked before it is used: its files against files.json (a stat each; `--verify`
+reads them). A damaged output of a stage that is to run is rebuilt, saying which file and why; one
+that a stage needs but that is not selected stops the run (exit 1). Outputs are found by their place
+in the workdir, not by the absolute path recorded when they were made, so a workdir can be copied,
+moved or synced and used where it lands. A stage that reads no rows while its input committed some
+fails: a missing input is never an empty one.
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol
 
-from core import console
+from core import console, outputs
 from core.config import PipelineConfig, section_dict
 
 log = logging.getLogger("pipelines")
@@ -45,6 +53,11 @@ log = logging.getLogger("pipelines")
 
 class UsageError(ValueError):
     """A stage selection that cannot be run as asked (exit code 2)."""
+
+
+class DamagedOutput(RuntimeError):
+    """A completed output that a stage needs does not match what was committed, and is not to be rebuilt
+    in this run (exit code 1)."""
 
 
 class StageFailed(RuntimeError):
@@ -127,6 +140,7 @@ class Tracker(Protocol):
 class Plan:
     actions: dict[str, str]  # stage -> run | cached | not selected
     fingerprints: dict[str, str]
+    damaged: dict[str, str] = field(default_factory=dict)  # stage -> why its cached output is rebuilt
 
 
 @dataclass
@@ -210,13 +224,22 @@ class Workdir:
             manifest = json.loads(path.read_text())
         except (FileNotFoundError, json.JSONDecodeError):
             return None
-        return manifest if manifest.get("fingerprint") == fingerprint else None
+        return self._here(manifest) if manifest.get("fingerprint") == fingerprint else None
 
     def current(self, stage: str) -> dict | None:
         try:
-            return json.loads((self.stage_dir(stage) / "manifest.json").read_text())
+            return self._here(json.loads((self.stage_dir(stage) / "manifest.json").read_text()))
         except FileNotFoundError:
             return None
+
+    def _here(self, manifest: dict) -> dict:
+        """The manifest with its output in this workdir, wherever the workdir was when it was written."""
+        relative = manifest.get("output_in_workdir") or f"{manifest['stage']}/{manifest['fingerprint'][:16]}/output"
+        return {**manifest, "output": str(self.root.absolute() / relative)}
+
+    def damage(self, manifest: dict, full: bool = False) -> str | None:
+        """Why a completed output does not match what was committed (naming the file), or None."""
+        return outputs.damage(Path(manifest["output"]).parent, full)
 
     def make_current(self, manifest: dict) -> None:
         _write_json_atomic(self.stage_dir(manifest["stage"]) / "manifest.json", manifest)
@@ -235,7 +258,9 @@ class Workdir:
     def commit(self, partial: Path, manifest: dict) -> dict:
         """Manifest last, then the rename into place, then the switch of the current manifest."""
         final = self.stage_dir(manifest["stage"]) / manifest["fingerprint"][:16]
-        manifest = {**manifest, "output": str(final / "output")}
+        manifest = {**manifest, "output": str(final / "output"),
+                    "output_in_workdir": str(final.relative_to(self.root) / "output"),
+                    "files": outputs.write_list(partial)}
         _write_json_atomic(partial / "manifest.json", manifest)
         if final.exists():  # --force over a completed output with the same fingerprint
             doomed = final.with_name(f".replaced-{final.name}-{time.time_ns()}")
@@ -258,7 +283,7 @@ def _write_json_atomic(path: Path, data: dict) -> None:
 
 
 _MANIFEST_KEYS = ("stage", "fingerprint", "inputs", "config", "code_version", "counts", "metrics", "started",
-                  "finished", "mlflow_run_id", "output")
+                  "finished", "mlflow_run_id", "output", "output_in_workdir", "files")
 
 
 def _now() -> str:
@@ -282,29 +307,40 @@ class Runner:
         self.say = say
         self.workdir = Workdir(config.workdir)
 
-    def plan(self, only: list[str] | None = None, from_: str | None = None, force: bool = False) -> Plan:
-        """What each stage will do; raises UsageError for a selection that cannot run. No side effects."""
+    def plan(self, only: list[str] | None = None, from_: str | None = None, force: bool = False,
+             verify: bool = False) -> Plan:
+        """What each stage will do, every cached output it uses checked (`verify`: read in full). Raises
+        UsageError for a selection that cannot run, DamagedOutput for a damaged input that is not selected.
+        Writes nothing."""
         selected = select(self.stages, only, from_)
         prints = fingerprints(self.config, self.stages)
         actions: dict[str, str] = {}
+        damaged: dict[str, str] = {}
         for stage in self.stages:
+            cached = self.workdir.completed(stage.name, prints[stage.name])
             if stage.name not in selected:
                 actions[stage.name] = "not selected"
-            elif not force and self.workdir.completed(stage.name, prints[stage.name]) is not None:
-                actions[stage.name] = "cached"
+            elif not force and cached is not None and (problem := self.workdir.damage(cached, verify)) is not None:
+                actions[stage.name], damaged[stage.name] = "run", problem
             else:
-                actions[stage.name] = "run"
-        # A selected stage whose input is neither selected nor already built cannot run.
+                actions[stage.name] = "cached" if not force and cached is not None else "run"
+        # A selected stage whose input is neither selected nor already built (and intact) cannot run.
         for stage in self.stages:
             if actions[stage.name] in ("run", "cached"):
                 for name in stage.inputs:
-                    if actions[name] == "not selected" and self.workdir.completed(name, prints[name]) is None:
+                    if actions[name] != "not selected":
+                        continue
+                    built = self.workdir.completed(name, prints[name])
+                    if built is None:
                         raise UsageError(
                             f"stage '{stage.name}' needs the output of '{name}' for the current config "
                             f"(fingerprint {prints[name][:12]}), which has not been built; "
                             f"run without --only, or with --from {name}"
                         )
-        return Plan(actions, prints)
+                    if (problem := self.workdir.damage(built, verify)) is not None:
+                        raise DamagedOutput(f"stage '{stage.name}' needs the output of '{name}', which is damaged: "
+                                            f"{problem}; rebuild it with --from {name}")
+        return Plan(actions, prints, damaged)
 
     def execute(self, plan: Plan, tracker: Tracker) -> list[StageOutcome]:
         outcomes: list[StageOutcome] = []
@@ -325,6 +361,8 @@ class Runner:
                 self.say(f"[{stage.name}] cache hit ({fp[:12]}): {manifest['output']}")
                 outcomes.append(StageOutcome(stage.name, "cached", fp, manifest))
             else:
+                if stage.name in plan.damaged:
+                    self.say(f"[{stage.name}] its cached output is damaged, rebuilding it: {plan.damaged[stage.name]}")
                 manifest = self._execute(tracker, stage, fp, inputs)
                 outcomes.append(StageOutcome(stage.name, "ran", fp, manifest))
             available[stage.name] = manifest
@@ -359,6 +397,7 @@ class Runner:
                 ctx = StageContext(stage.name, self.config, section, inputs, folder, stage_log, run_id, fp, bool(resume))
                 result = stage.run(ctx)
                 _check_result(stage.name, result)
+                _check_read_something(result, inputs)
             except BaseException as exc:
                 stage_log.error("stage failed:\n%s", traceback.format_exc())
                 reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
@@ -389,6 +428,7 @@ class Runner:
         self.say(
             f"[{stage.name}] done in {seconds:.1f}s: rows_in={result.rows_in} rows_out={result.rows_out}"
             + (f" {aside}" if aside else "")
+            + (" (its input was empty)" if result.rows_in == 0 else "")
             + f" -> {manifest['output']}"
         )
         return manifest
@@ -420,6 +460,46 @@ def _check_result(stage: str, result: Any) -> None:
         raise ValueError(
             f"counts do not add up: rows_in={result.rows_in} but rows_out + set aside = {accounted} ({counts})"
         )
+
+
+def _check_read_something(result: StageResult, inputs: dict[str, dict]) -> None:
+    """No rows read from an input that committed some: the input went missing or unreadable, it is not empty."""
+    if result.rows_in:
+        return
+    for name, manifest in inputs.items():
+        committed = manifest["counts"].get("rows_out", 0)
+        if committed:
+            raise ValueError(f"read 0 rows, but {name} committed {committed} in {manifest['output']}: that output is "
+                             "missing or unreadable, not empty")
+
+
+def audit(workdir: Workdir, stages: list[Stage], prints: dict[str, str], full: bool = False) -> tuple[list[str], bool]:
+    """`full.py --check`: every stage's current output and every completed one, present and intact or not,
+    and which of them this config would use; nothing is run or written. Returns the report's lines and
+    whether everything found is intact."""
+    lines, intact = [], True
+    for stage in stages:
+        entries = sorted(workdir.stage_dir(stage.name).glob("*/manifest.json"))
+        current = workdir.current(stage.name)
+        lines.append(f"{stage.name}: " + (f"current {current['fingerprint'][:12]}" if current else "no current output")
+                     + f", {len(entries)} completed output(s)")
+        for path in entries:
+            try:
+                manifest = workdir._here(json.loads(path.read_text()))
+            except (json.JSONDecodeError, KeyError) as exc:
+                lines.append(f"  {path}: unreadable manifest ({exc})")
+                intact = False
+                continue
+            problem = workdir.damage(manifest, full)
+            intact = intact and problem is None
+            marks = [m for m, on in (("current", current and current["fingerprint"] == manifest["fingerprint"]),
+                                     ("this config's", manifest["fingerprint"] == prints[stage.name])) if on]
+            rows = manifest.get("counts", {}).get("rows_out")
+            lines.append(f"  {manifest['fingerprint'][:12]} {'/'.join(marks) or '-':<21} "
+                         + (f"ok ({rows} rows out)" if problem is None else f"DAMAGED: {problem}"))
+        if workdir.completed(stage.name, prints[stage.name]) is None:
+            lines.append(f"  {prints[stage.name][:12]} this config's         not built")
+    return lines, intact
 
 
 def iter_outcomes_table(outcomes: list[StageOutcome]) -> Iterator[str]:

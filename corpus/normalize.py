@@ -25,8 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import ftfy
-from corpus.parts import (DOCUMENT_SCHEMA, DROPPED_SCHEMA, Parts, check_read, check_written, iter_rows, parquet_bytes,
-                          parquet_files, row_group_ranges, run_tasks, task_bytes)
+from corpus.parts import (DOCUMENT_SCHEMA, DROPPED_SCHEMA, Parts, check_read, check_written, input_parts, iter_rows,
+                          parquet_bytes, row_group_ranges, run_tasks, task_bytes)
 from core.config import NormalizeConfig
 from core.dag import StageContext, StageResult
 
@@ -149,7 +149,7 @@ def run(ctx: StageContext) -> StageResult:
     """Ingest's parts in runs of row groups, one Ray Data task each; part names carry over."""
     folders = {"output": str(ctx.output), "dropped": str(ctx.aside("dropped"))}
     config = dataclasses.asdict(ctx.section)
-    parts = parquet_files(ctx.input_output("ingest"))
+    parts = input_parts(ctx.inputs, "ingest")
     target = task_bytes(parquet_bytes(parts), TASK_BYTES)
     tasks = [{"path": p, "row_groups": groups, "stem": f"{Path(p).stem}-{groups[0]:05d}", "config": config, **folders}
              for p, groups in row_group_ranges(parts, target)]

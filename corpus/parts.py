@@ -82,6 +82,25 @@ def parquet_files(folder: str | os.PathLike) -> list[str]:
     return sorted(str(p) for p in folder.glob("*.parquet")) if folder.is_dir() else []
 
 
+def input_parts(inputs: dict[str, dict], upstream: str) -> list[str]:
+    """The Parquet parts of an input stage's committed output. A missing folder, an unreadable part or fewer
+    rows than the stage committed is an error naming the path and the counts: never an empty input."""
+    manifest = inputs[upstream]
+    folder, committed = Path(manifest["output"]), manifest["counts"]["rows_out"]
+    if not folder.is_dir():
+        raise FileNotFoundError(f"{folder}: {upstream}'s output is missing ({committed} rows committed there)")
+    parts = parquet_files(folder)
+    found = 0
+    for part in parts:
+        try:
+            found += pq.ParquetFile(part).metadata.num_rows
+        except (OSError, pa.ArrowException) as exc:
+            raise RuntimeError(f"{part}: {upstream}'s output cannot be read ({type(exc).__name__}: {exc})") from None
+    if found != committed:
+        raise RuntimeError(f"{folder}: {found} rows in {len(parts)} part(s), but {upstream} committed {committed}")
+    return parts
+
+
 def rows_in_folder(folder: str | os.PathLike) -> int:
     """Rows in a folder's parts, from their footers (nothing is read)."""
     return sum(pq.ParquetFile(p).metadata.num_rows for p in parquet_files(folder))

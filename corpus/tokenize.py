@@ -42,7 +42,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from corpus import tokenizer as tokenizers
-from corpus.parts import check_read, parquet_bytes, parquet_files, row_group_ranges, run_tasks, task_bytes
+from corpus.parts import check_read, input_parts, parquet_bytes, row_group_ranges, run_tasks, task_bytes
 from core.config import TokenizeConfig
 from core.dag import StageContext, StageResult
 from core.engines import groupby
@@ -261,7 +261,7 @@ def run(ctx: StageContext) -> StageResult:
 
     config: TokenizeConfig = ctx.section
     (upstream,) = ctx.inputs  # the kept documents: screen's once it is built, dedup's until then
-    parts = parquet_files(ctx.input_output(upstream))
+    parts = input_parts(ctx.inputs, upstream)
     sources = [s.name for s in ctx.config.sources]
     block = config.seq_len + 1
     output = ctx.output

@@ -47,8 +47,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from corpus.parts import (DOCUMENT_SCHEMA, Parts, check_read, check_written, parquet_bytes, parquet_files, rows_in_folder,
-                          run_tasks)
+from corpus.parts import (DOCUMENT_SCHEMA, Parts, check_read, check_written, input_parts, parquet_bytes, parquet_files,
+                          rows_in_folder, run_tasks)
 from dedup.lsh import band_keys, choose_banding
 from dedup.minhash import MinHasher, jaccard_of_sets
 from core.config import DedupConfig
@@ -549,7 +549,7 @@ def run(ctx: StageContext) -> StageResult:
     cfg: DedupConfig = ctx.section
     config = dataclasses.asdict(cfg)
     bands, rows = (cfg.bands, cfg.rows) if cfg.bands else choose_banding(cfg.num_perm, cfg.threshold)
-    parts = parquet_files(ctx.input_output("normalize"))
+    parts = input_parts(ctx.inputs, "normalize")
     if not parts:  # normalize kept nothing
         return StageResult(0, 0, {"duplicate": 0})
     nbytes = parquet_bytes(parts)

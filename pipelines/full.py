@@ -4,7 +4,8 @@ With no arguments: the embedded default (configs/local.yaml): local in-process R
 generated sample corpus, a tiny model, MLflow in a sqlite file under the workdir. Under
 `ray job submit` (RAY_ADDRESS set) the same code runs on the cluster.
 
-Exit codes: 0 done; 2 bad config or arguments (one line naming the key); 1 a stage failed.
+Exit codes: 0 done; 2 bad config or arguments (one line naming the key); 1 a stage failed, or a cached
+output that a stage needs is damaged and not selected to be rebuilt (`--check` names every damaged file).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ if __package__ in (None, ""):  # run as a script: make the project importable wi
 
 from core.config import ConfigError, PipelineConfig, check_inputs_exist, load_config
 from pipelines import summary
-from core.dag import Runner, Stage, StageFailed, UsageError, iter_outcomes_table
+from core.dag import DamagedOutput, Runner, Stage, StageFailed, UsageError, audit, fingerprints, iter_outcomes_table
 from pipelines.stages import CHECKS, STAGES
 from core.tracking import flatten
 
@@ -48,6 +49,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    "raylet's and GCS's) on the terminal instead of only in the stage logs and Ray's session logs")
     p.add_argument("--force-layout", action="store_true", help="train with the configured GPU layout even when the "
                    "layout planner (python -m train.plan) predicts it will not fit in GPU memory")
+    p.add_argument("--check", action="store_true", help="run nothing: audit the workdir, every stage's current and "
+                   "completed outputs against the files they were committed with, and say which this config would "
+                   "use (exit 1 if any is damaged)")
+    p.add_argument("--verify", action="store_true", help="check cached outputs in full (read every Parquet and Arrow "
+                   "file) instead of by file list and sizes, before using them or with --check")
     p.add_argument("--ablation", metavar="NAME", help="name this run's data ablation: its MLflow runs are tagged with the "
                    "name and its differences from the config file (default: 'base' without --set, else the --set list); "
                    "compare ablations with pipelines/compare.py")
@@ -62,6 +68,8 @@ def main(argv: list[str] | None = None, stages: tuple[Stage, ...] = STAGES) -> i
     only = [s.strip() for s in args.only.split(",") if s.strip()] if args.only else None
     try:
         config = load_config(args.config, args.overrides, args.workdir, checks=CHECKS)
+        if args.check:
+            return check(config, list(stages), args.verify)
         ablation = ablation_tags(args, config)
         if config.sample_corpus and not os.path.isdir(config.sample_corpus):
             from corpus.sample import SPIKY_EVERY, write_sample
@@ -75,9 +83,21 @@ def main(argv: list[str] | None = None, stages: tuple[Stage, ...] = STAGES) -> i
     except (ConfigError, UsageError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    except StageFailed as exc:
+    except (StageFailed, DamagedOutput) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
+
+
+def check(config: PipelineConfig, stages: list[Stage], verify: bool) -> int:
+    """`--check`: the workdir's outputs audited, nothing run (core/dag.py's audit). 0: all intact."""
+    runner = Runner(config, stages)
+    lines, intact = audit(runner.workdir, stages, fingerprints(config, stages), full=verify)
+    print(f"workdir {config.workdir} ({'full check' if verify else 'files and sizes'}):")
+    for line in lines:
+        print(line)
+    print("every output found is intact" if intact else "damaged outputs found: a run rebuilds those it selects; "
+          "one it needs but does not select stops it")
+    return 0 if intact else 1
 
 
 def ablation_tags(args: argparse.Namespace, config: PipelineConfig) -> dict[str, str]:
@@ -97,7 +117,7 @@ def run(config: PipelineConfig, args: argparse.Namespace, only: list[str] | None
 
     ray_started: list[bool] = []
     runner = Runner(config, stages, start_engines=lambda: ray_started or ray_started.append(start_ray(config, args.verbose)))
-    plan = runner.plan(only, args.from_, args.force)  # a bad selection fails here, before any run
+    plan = runner.plan(only, args.from_, args.force, args.verify)  # a bad selection or input fails here, before any run
     os.makedirs(config.workdir, exist_ok=True)
     layout_files = []
     if plan.actions.get("train") == "run":  # GPU training: its layout priced against the best (train/plan/planner.py)

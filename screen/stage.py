@@ -31,8 +31,8 @@ import time
 from pathlib import Path
 
 
-from corpus.parts import DOCUMENT_SCHEMA, DROPPED_SCHEMA, Parts, check_read, check_written, iter_rows, parquet_bytes, \
-    parquet_files, row_group_ranges, run_tasks, task_bytes
+from corpus.parts import DOCUMENT_SCHEMA, DROPPED_SCHEMA, Parts, check_read, check_written, input_parts, iter_rows, \
+    parquet_bytes, parquet_files, row_group_ranges, run_tasks, task_bytes
 from corpus.tokenize import tokenizer_task
 from corpus import tokenizer as tokenizers
 from core.config import AutopilotConfig, PipelineConfig, ScreenConfig, TrainConfig
@@ -67,7 +67,7 @@ def slug(name: str) -> str:
 
 def run(ctx: StageContext) -> StageResult:
     cfg: ScreenConfig = ctx.section
-    parts = parquet_files(ctx.input_output("dedup"))
+    parts = input_parts(ctx.inputs, "dedup")
     ranges = row_group_ranges(parts, task_bytes(parquet_bytes(parts), TASK_BYTES))
     census: dict[tuple[str, str], list[int]] = {}
     for result in run_tasks(mixture.census_task, [{"path": p, "row_groups": g} for p, g in ranges]):

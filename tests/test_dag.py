@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -177,6 +178,62 @@ def test_failing_stage_keeps_previous_output_and_exits_1(project, capsys):
     assert "Traceback" in (partial / "stage.log").read_text()
     failed = [r for r in stage_runs(project.workdir) if r.info.status == "FAILED"]
     assert {r.data.tags.get("stage", r.data.tags.get("kind")) for r in failed} == {"normalize", "pipeline"}
+
+
+def test_a_copied_workdir_runs_from_its_own_outputs_after_the_original_moved_away(project, capsys):
+    """`cp -r work work2`, `mv work work_old`, an ablation in work2: ingest's and normalize's cache hits are work2's
+    own outputs (not the absolute paths recorded when they were made), so dedup reads every row normalize
+    committed; before, it read the moved-away folder as empty and committed zero rows."""
+    assert project() == 0
+    work2, old = project.workdir.parent / "work2", project.workdir.parent / "work_old"
+    shutil.copytree(project.workdir, work2)
+    project.workdir.rename(old)
+    capsys.readouterr()
+    assert project("--workdir", str(work2), "--set", "dedup.threshold=0.9") == 0
+    out = capsys.readouterr().out
+    assert "[ingest] cache hit" in out and "[normalize] cache hit" in out and "[dedup] running" in out, out
+    assert all(manifest(work2, s)["output"].startswith(f"{work2}/{s}/") for s in STAGES)
+    dedup = manifest(work2, "dedup")
+    assert dedup["counts"]["rows_in"] == manifest(work2, "normalize")["counts"]["rows_out"] > 0
+    assert dedup["counts"]["rows_out"] == len(rows(dedup["output"])) == project.expected["kept"]
+    # Only MLflow's artifact folder is back where the workdir was: the store keeps an experiment's artifact
+    # root as an absolute path (README, "The workdir").
+    assert sorted(os.listdir(project.workdir)) == ["mlartifacts"]
+    assert project("--workdir", str(work2), "--check") == 0
+    assert "every output found is intact" in capsys.readouterr().out
+
+
+def test_a_damaged_cache_is_named_rebuilt_when_selected_and_stops_a_run_that_needs_it_unselected(project, capsys):
+    """A part of dedup's output truncated, normalize's output deleted to free disk, and a stage that reads
+    nothing from an input that committed rows: each named by file, never taken as an empty input."""
+    assert project() == 0
+    before = manifest_bytes(project.workdir)
+    stages = list(mini_stages())
+    stages[2] = Stage("dedup", ("normalize",), "dedup", lambda ctx: StageResult(0, 0, {"duplicate": 0}),
+                      code=("minipipeline",))  # what dedup did with a missing input: zero rows, exit 0
+    capsys.readouterr()
+    assert project("--only", "dedup", "--force", stages=tuple(stages)) == 1
+    err = capsys.readouterr().err
+    assert "read 0 rows, but normalize committed 6" in err and manifest_bytes(project.workdir) == before
+    dedup_dir = Path(manifest(project.workdir, "dedup")["output"]).parent
+    normalize_dir = Path(manifest(project.workdir, "normalize")["output"]).parent
+    part = sorted((dedup_dir / "output").glob("*.parquet"))[0]
+    part.write_bytes(part.read_bytes()[:-40])
+    shutil.rmtree(normalize_dir / "output")
+    assert project("--check") == 1
+    out = capsys.readouterr().out
+    assert f"{part}: {part.stat().st_size} bytes" in out and "(truncated or replaced)" in out, out
+    assert f"DAMAGED: {normalize_dir / 'output'}/" in out and ": missing (" in out
+    assert project("--only", "dedup") == 1  # normalize is needed but not selected: stop, naming it
+    err = capsys.readouterr().err
+    assert "needs the output of 'normalize', which is damaged: " in err and str(normalize_dir / "output") in err
+    assert "rebuild it with --from normalize" in err and manifest_bytes(project.workdir) == before
+    assert project() == 0  # a whole run rebuilds both, saying why, to the same rows
+    out = capsys.readouterr().out
+    assert "[normalize] its cached output is damaged, rebuilding it: " in out and "[normalize] running" in out
+    assert "[dedup] its cached output is damaged, rebuilding it: " in out and "[report] cache hit" in out
+    assert len(rows(manifest(project.workdir, "dedup")["output"])) == project.expected["kept"]
+    assert project("--check", "--verify") == 0
 
 
 def test_counts_that_do_not_add_up_fail_the_stage(project, capsys):

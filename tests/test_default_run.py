@@ -1,16 +1,20 @@
 """The README's first command, `python pipelines/full.py` with no arguments, run once from a fresh
 directory (and once more for the cache; conftest's default_run): what it builds, what its console
-shows a person, and what it leaves in MLflow. The last test makes a stage fail there."""
+shows a person, what it leaves in MLflow, and its workdir moved elsewhere. The last test makes a stage
+fail there."""
 
 from __future__ import annotations
 
 import json
 import re
+import shutil
 from pathlib import Path
+
+import pyarrow as pa
 
 from mlflow import MlflowClient
 
-from conftest import SPIKY, STAGES
+from conftest import SPIKY, STAGES, manifest
 
 # What must not reach the terminal when nothing failed: error-level lines (Python's, and Ray's C++
 # "[date time E pid tid]" lines), and Ray's internals that a newcomer reads as failures or noise.
@@ -73,6 +77,36 @@ def test_mlflow_opens_on_training_runs_and_the_parent_run_has_the_summary(defaul
     png = Path(client.download_artifacts(parent_id, "funnel.png", str(tmp_path))).read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
     assert all(f"| {stage} | cached | " in default_run.summary for stage in STAGES)  # the rerun's, beside the stages
+
+
+def test_a_moved_workdir_runs_from_cache_and_its_check_names_each_damaged_file(default_run, tmp_path, monkeypatch,
+                                                                              capsys):
+    """The README run's workdir copied and moved (`mv`), then the README command on it: every stage a cache hit
+    on the outputs where they now are, with the same final loss. Then a part of dedup's output truncated and a
+    tokenize shard rewritten without its last rows: `--check` names both files and exits 1."""
+    from pipelines.full import main
+
+    moved = tmp_path / "moved"
+    shutil.copytree(default_run.where / "work", tmp_path / "copy", ignore=shutil.ignore_patterns("mlartifacts"))
+    (tmp_path / "copy").rename(moved)
+    monkeypatch.chdir(default_run.where)  # the README command's relative paths (its sample corpus)
+    capsys.readouterr()
+    assert main(["--workdir", str(moved)]) == 0
+    out = capsys.readouterr().out
+    assert all(f"[{s}] cache hit" in out for s in STAGES) and "running" not in out, out
+    assert all(manifest(moved, s)["output"].startswith(f"{moved}/{s}/") for s in STAGES)
+    final_loss = default_run.manifests["train"]["metrics"]["final_loss"]
+    assert manifest(moved, "train")["metrics"]["final_loss"] == final_loss
+    part = sorted(Path(manifest(moved, "dedup")["output"]).glob("*.parquet"))[0]
+    part.write_bytes(part.read_bytes()[: part.stat().st_size // 2])
+    shard = sorted(Path(manifest(moved, "tokenize")["output"]).rglob("*.arrow"))[0]
+    with pa.OSFile(str(shard)) as source:  # read into memory: the file is rewritten next
+        table = pa.ipc.open_file(source).read_all()
+    with pa.OSFile(str(shard), "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table.slice(0, table.num_rows - 1))  # one packed sequence fewer
+    assert main(["--workdir", str(moved), "--check"]) == 1
+    out = capsys.readouterr().out
+    assert f"DAMAGED: {part}: " in out and f"DAMAGED: {shard}: " in out, out
 
 
 def test_a_failing_stage_still_prints_its_error_and_where_its_log_is(default_run, ray_session, capsys, monkeypatch):

@@ -51,3 +51,29 @@ def test_row_group_ranges_cover_every_group_once(tmp_path):
     assert groups == list(range(len(groups))) and len(groups) == 5  # 10,000 rows in groups of 2,048
     assert [r["id"] for f, run in ranges for r in iter_rows(f, ["id"], run)] == [str(i) for i in range(10_000)]
     assert len(row_group_ranges(files, 1 << 40)) == 1
+
+
+def test_an_input_stages_output_that_is_missing_short_or_unreadable_is_an_error_never_empty(tmp_path):
+    """What each stage reads its input with (corpus.parts.input_parts): the committed rows or an error naming the
+    path and the counts. Before it, a missing folder was read as no parts, and a stage as zero rows, exit 0."""
+    import pytest
+
+    from corpus.parts import input_parts
+
+    parts = Parts(tmp_path / "out", "part", pa.schema([("a", pa.int64())]), part_bytes=10)
+    for i in range(3):
+        parts.add({"a": i}, 8)
+    parts.close()
+    inputs = {"dedup": {"output": str(tmp_path / "out"), "counts": {"rows_out": 3}}}
+    assert input_parts(inputs, "dedup") == parquet_files(tmp_path / "out") and len(input_parts(inputs, "dedup")) == 2
+    inputs["dedup"]["counts"]["rows_out"] = 4
+    with pytest.raises(RuntimeError, match=r"out: 3 rows in 2 part\(s\), but dedup committed 4"):
+        input_parts(inputs, "dedup")
+    first = parquet_files(tmp_path / "out")[0]
+    with open(first, "r+b") as f:
+        f.truncate(20)
+    with pytest.raises(RuntimeError, match=f"{first}: dedup's output cannot be read"):
+        input_parts(inputs, "dedup")
+    inputs["dedup"]["output"] = str(tmp_path / "moved-away")
+    with pytest.raises(FileNotFoundError, match=r"moved-away: dedup's output is missing \(4 rows committed there\)"):
+        input_parts(inputs, "dedup")
