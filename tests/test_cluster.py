@@ -91,6 +91,10 @@ def test_the_training_start_fails_when_nccl_is_not_on_efa(tmp_path):
     env = {"FI_PROVIDER": "efa", "NCCL_DEBUG": "INFO", "NCCL_DEBUG_FILE": pattern}
     debug_file(pattern).write_text(EFA_LOG)
     assert efa_problem(env) is None
+    debug_file(pattern).write_text(EFA_LOG.replace("Selected Provider is efa,", "Selected Provider is efa-direct"))
+    assert nccl_choice(debug_file(pattern).read_text())[0] == "efa-direct" and efa_problem(env) is None
+    debug_file(pattern).write_text(EFA_LOG.replace("Selected Provider is efa,", "Selected Provider is tcp,"))
+    assert "libfabric provider tcp" in efa_problem(env)
     debug_file(pattern).write_text(SOCKET_LOG)
     problem = efa_problem(env)
     assert problem.startswith("NCCL is not using EFA") and "provider none, network Socket" in problem

@@ -168,11 +168,39 @@ def _logits(rank, world):
     return True
 
 
+def _dropout_masks(block, groups) -> list[torch.Tensor]:
+    """The first dropout mask `block` draws on a fixed input, twice, each time right after the training loop's
+    seeding of this rank (train.loop.context.rank_seed), with dropout 0.5."""
+    import torch.nn.functional as F
+
+    from train.loop.context import rank_seed, seed_everything
+
+    real, drawn, masks = F.dropout, [], []
+
+    def recording(x, p=0.5, training=True, inplace=False):
+        out = real(x, p, training, inplace)
+        drawn.append((out == 0) & (x != 0))
+        return out
+
+    x = torch.randn(2, 8, block.final_layer_norm.normalized_shape[0], generator=torch.Generator().manual_seed(5))
+    block.dropout, F.dropout = 0.5, recording
+    try:
+        for _ in range(2):
+            drawn.clear()
+            seed_everything(rank_seed(0, groups))
+            block(x)
+            masks.append(drawn[0])
+    finally:
+        block.dropout, F.dropout = 0.0, real
+    return masks
+
+
 def _deepspeed_run(rank, world, tp, pp, export_to=None):
     """Losses and gradient norms per step under DeepSpeed ZeRO-1 (clipping at 0.1, below every step's norm), no
     dropout: the whole model (split over the tensor group when tp > 1), or with pp > 1 this rank's stage of it
     through the pipeline engine (1F1B, `train_batch`), each parameter drawn from its own stream of seed 0 either
-    way. `export_to`: the stages' initial weights exported there first (gathered on rank 0)."""
+    way. `export_to`: the stages' initial weights exported there first (gathered on rank 0). With pp > 1 also
+    the dropout masks of the stage's first block, seeded as the training loop seeds this rank."""
     from functools import partial
 
     import deepspeed
@@ -194,6 +222,7 @@ def _deepspeed_run(rank, world, tp, pp, export_to=None):
         model = pipeline_module(cfg, groups, seed=0, activation_checkpointing=True)
         held = {type(layer).__name__ for layer in local_layers(model)}  # this stage's layers, and only those
         assert held == ({"Embedding", "Positions", "PipeBlock"} if groups.stage == 0 else {"Embedding", "PipeBlock", "FinalNorm"})
+        masks = _dropout_masks(next(m for m in local_layers(model) if type(m).__name__ == "PipeBlock"), groups)
         if export_to:
             export_model(model, groups, cfg, partial(save_pretrained, out_dir=export_to))
     else:  # built whole, then split over the tensor group (the groups as DeepSpeed's mpu)
@@ -215,7 +244,7 @@ def _deepspeed_run(rank, world, tp, pp, export_to=None):
             loss = total.item() / groups.dims.dp
         losses.append(loss)
         norms.append(float(engine.get_global_grad_norm()))
-    return losses, norms
+    return losses, norms, (groups.stage, groups.tensor_rank, masks) if pp > 1 else None
 
 
 @pytest.fixture(scope="module")
@@ -234,14 +263,21 @@ def test_split_models_under_deepspeed_train_as_the_whole_model(whole_under_deeps
     from model.hf import from_pretrained
     from model.opt import OPT
 
-    losses, norms = whole_under_deepspeed
+    losses, norms, _ = whole_under_deepspeed
     assert losses[-1] < losses[0] - 0.5
     results = run_ranks(world, _deepspeed_run, tp, pp, str(tmp_path / "initial") if pp > 1 else None)
-    for split_losses, split_norms in results:  # every rank reports the same step losses
+    for split_losses, split_norms, _ in results:  # every rank reports the same step losses
         assert _close(split_losses, losses), (split_losses, losses)
         assert _close(split_norms, norms, rel=1e-4), (split_norms, norms)
     if pp == 1:
         return
+    # Dropout: each stage its own masks (block 0 on stage 0, block 1 on stage 1), the same again on a rerun,
+    # and the same on the tensor ranks of a stage (the residual stream they mask is replicated over them).
+    masks = {(stage, tensor_rank): m for _, _, (stage, tensor_rank, m) in results}
+    for (stage, tensor_rank), (first, again) in masks.items():
+        assert (first == again).all() and 0.3 < first.mean() < 0.7, (stage, tensor_rank)
+        assert (first != masks[(1 - stage, tensor_rank)][0]).any(), (stage, tensor_rank)
+        assert (first == masks[(stage, 0)][0]).all(), (stage, tensor_rank)
     exported = from_pretrained(tmp_path / "initial").state_dict()
     whole = OPT(get("tiny").replace(dropout=0.0), seed=0).state_dict()
     assert exported.keys() == whole.keys()

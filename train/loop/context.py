@@ -61,6 +61,19 @@ def incident(ctx: Context, step: int, what: str) -> None:
         f.write(json.dumps({"time": time.time(), "step": step, "rank": ctx.rank, "what": what}) + "\n")
 
 
+PIPELINE_SEED_STRIDE = 100  # Megatron's offset per pipeline rank (megatron/training/initialize.py, _set_random_seed)
+
+
+def rank_seed(seed: int, groups: Groups | None) -> int:
+    """The seed of this rank's global RNGs, which draw the dropout masks. Every pipeline stage gets its own:
+    seeded alike, blocks i, i + L/P, i + 2L/P ... of the stages would draw the same masks on every micro-batch
+    (DeepSpeed's own per-stage offset is commented out in deepspeed/runtime/pipe/module.py, and seed_layers
+    reseeds every layer alike). The ranks of a tensor group share theirs: the residual stream a mask falls on
+    is replicated over the group and must stay so. Data-parallel replicas share theirs too (Megatron's
+    default), on other data. Without a pipeline, the configured seed itself."""
+    return seed + PIPELINE_SEED_STRIDE * (groups.stage if groups is not None else 0)
+
+
 def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % 2**32)

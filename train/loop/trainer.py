@@ -18,7 +18,7 @@ from model.configs import flops_per_token
 from train.loader import Loader
 from train.loop.checkpointer import Checkpointer
 from train.loop.config import LoopConfig
-from train.loop.context import Context, seed_everything
+from train.loop.context import Context, rank_seed, seed_everything
 from train.loop.engine import build_engine, groups_for
 from train.loop.export import export
 from train.loop.faults import Faults, restarts_without_progress, watchdog_for
@@ -44,8 +44,8 @@ class Trainer:
         self.cfg, self.ctx = cfg, ctx
         self.faults = Faults(t.inject, ctx)
         self.watchdog = watchdog_for(ctx, t.hang_seconds, t.startup_seconds)
-        seed_everything(t.seed)  # the same on every rank: a tensor group draws the same dropout masks
         ctx.groups = groups_for(cfg, ctx, local_rank, local_world)
+        seed_everything(rank_seed(t.seed, ctx.groups))  # dropout: one stream per pipeline stage
         built = build_engine(cfg, ctx, spans_nodes=ctx.world > local_world)
         self.engine, self.model = built.engine, built.model
         self.schedule = Schedule(cfg.lr, cfg.warmup_steps, cfg.total_steps, t.final_lr_ratio)

@@ -17,6 +17,9 @@ import socket
 from pathlib import Path
 
 PROVIDER = re.compile(r"selected provider is ([\w-]+)", re.IGNORECASE)
+# libfabric's EFA provider: "efa", or "efa-direct" where the plugin names the direct-path fabric it took
+# (libfabric 2.x has both; aws-ofi-nccl logs the selected one's name).
+EFA_PROVIDERS = ("efa", "efa-direct")
 NETWORK = re.compile(r"Using network ([\w ]+?)\s*$", re.MULTILINE)
 
 
@@ -43,7 +46,7 @@ def efa_problem(environ=os.environ, spans_nodes: bool = True) -> str | None:
     path = debug_file(pattern)
     log = path.read_text(errors="replace") if path.is_file() else ""
     provider, network = nccl_choice(log)
-    if provider == "efa":
+    if provider in EFA_PROVIDERS:
         return None
     return (f"NCCL is not using EFA on {socket.gethostname()}: libfabric provider {provider or 'none'}, network "
             f"{network or 'not logged'} (NCCL's log: {path}). Check the EFA devices in the container "
