@@ -414,7 +414,7 @@ class TrainConfig:
     # A collective waits this long for the slowest rank before it fails (NCCL/gloo's timeout). Longer than
     # hang_seconds and startup_seconds: a hung rank is then ended by its own watchdog, which says why,
     # instead of every rank failing with a bare collective timeout.
-    collective_timeout_seconds: float = 4200.0
+    collective_timeout_seconds: float = 4200.0  # every process group: the world group and all made after it
     storage: str | None = None  # checkpoints; None: WORKDIR/train/runs (use shared storage on a cluster)
     seed: int = 0
     inject: list[InjectConfig] = field(default_factory=list)

@@ -232,13 +232,23 @@ def test_injected_faults_fire_once_even_across_restarts(tmp_path):
 def test_a_trainer_fits_through_a_spike_rolled_back_and_skipped(deepspeed_rank, shards, tmp_path):
     """The parts together, as a worker runs them (without Ray Train, so without its checkpoint reports):
     a spike at step 4 seen at step 5, rolled back to the initial weights and skipped, then 6 steps."""
+    from datetime import timedelta
+
+    from torch.distributed import distributed_c10d
+
     from train.loop.trainer import Trainer
 
-    train = section(inject=[InjectConfig("spike", 4, factor=300.0)])
+    train = section(inject=[InjectConfig("spike", 4, factor=300.0)], collective_timeout_seconds=4321.0)
     cfg = loop_config(train, shards, tmp_path, export_dir=None, tracking_uri=None, mlflow_run_id=None)
-    trainer = Trainer(cfg, context(tmp_path), local_rank=0, local_world=1)
-    done = trainer.fit()
-    trainer.engine.destroy()
+    before = distributed_c10d.default_pg_timeout
+    try:
+        trainer = Trainer(cfg, context(tmp_path), local_rank=0, local_world=1)
+        # every process group made from start-up on waits the configured time (tests/test_parallel.py: DeepSpeed's)
+        assert distributed_c10d._get_default_timeout("gloo") == timedelta(seconds=4321)
+        done = trainer.fit()
+        trainer.engine.destroy()
+    finally:
+        distributed_c10d.default_pg_timeout = before
     assert done.step == 6 and done.stopped is None
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [r["step"] for r in rows if "loss" in r]

@@ -16,6 +16,7 @@ from model.configs import get
 from train.parallel.groups import ParallelDims
 
 STEPS, MICRO = 10, 2  # optimizer steps, micro-batches accumulated per step
+GROUP_TIMEOUT = 1234.0  # train.collective_timeout_seconds in the DeepSpeed runs: every group they make waits this long
 
 
 def _free_port() -> int:
@@ -212,7 +213,17 @@ def _deepspeed_run(rank, world, tp, pp, export_to=None):
     from train.parallel.groups import Groups, parallelize
     from train.parallel.pipeline import export_model, local_layers, pipeline_module
 
+    from train.parallel.collectives import set_default_timeout
+
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    set_default_timeout(GROUP_TIMEOUT)  # as the training loop does, before any group
+    made, new_group = [], dist.new_group
+
+    def recording(*args, **kwargs):  # every group made from here on, ours and DeepSpeed's
+        made.append(new_group(*args, **kwargs))
+        return made[-1]
+
+    dist.new_group = recording
     deepspeed.init_distributed(dist_backend="gloo")
     cfg = get("tiny").replace(dropout=0.0)
     groups = Groups(ParallelDims.for_world(world, tp=tp, pp=pp), rank)
@@ -244,7 +255,10 @@ def _deepspeed_run(rank, world, tp, pp, export_to=None):
             loss = total.item() / groups.dims.dp
         losses.append(loss)
         norms.append(float(engine.get_global_grad_norm()))
-    return losses, norms, (groups.stage, groups.tensor_rank, masks) if pp > 1 else None
+    dist.new_group = new_group
+    timeouts = [g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in made
+                if isinstance(g, dist.ProcessGroup)]  # the groups this rank is in
+    return losses, norms, (groups.stage, groups.tensor_rank, masks) if pp > 1 else None, timeouts
 
 
 @pytest.fixture(scope="module")
@@ -263,17 +277,20 @@ def test_split_models_under_deepspeed_train_as_the_whole_model(whole_under_deeps
     from model.hf import from_pretrained
     from model.opt import OPT
 
-    losses, norms, _ = whole_under_deepspeed
+    losses, norms, _, _ = whole_under_deepspeed
     assert losses[-1] < losses[0] - 0.5
     results = run_ranks(world, _deepspeed_run, tp, pp, str(tmp_path / "initial") if pp > 1 else None)
-    for split_losses, split_norms, _ in results:  # every rank reports the same step losses
+    for split_losses, split_norms, _, timeouts in results:  # every rank reports the same step losses
         assert _close(split_losses, losses), (split_losses, losses)
         assert _close(split_norms, norms, rel=1e-4), (split_norms, norms)
+        # Every group made, ours (tensor, data, pipeline) and DeepSpeed's (its grid's, the tied embedding's),
+        # waits the configured time, not torch's default for groups made without one (10 min on NCCL).
+        assert len(timeouts) >= 3 and set(timeouts) == {GROUP_TIMEOUT}, timeouts
     if pp == 1:
         return
     # Dropout: each stage its own masks (block 0 on stage 0, block 1 on stage 1), the same again on a rerun,
     # and the same on the tensor ranks of a stage (the residual stream they mask is replicated over them).
-    masks = {(stage, tensor_rank): m for _, _, (stage, tensor_rank, m) in results}
+    masks = {(stage, tensor_rank): m for _, _, (stage, tensor_rank, m), _ in results}
     for (stage, tensor_rank), (first, again) in masks.items():
         assert (first == again).all() and 0.3 < first.mean() < 0.7, (stage, tensor_rank)
         assert (first != masks[(1 - stage, tensor_rank)][0]).any(), (stage, tensor_rank)

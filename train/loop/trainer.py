@@ -27,7 +27,7 @@ from train.loop.pilot import Pilot
 from train.loop.step import Feed, TrainStep
 from train.loop.validation import Validation
 from train.optim import Schedule
-from train.parallel.collectives import barrier
+from train.parallel.collectives import barrier, set_default_timeout
 
 
 @dataclass
@@ -44,6 +44,7 @@ class Trainer:
         self.cfg, self.ctx = cfg, ctx
         self.faults = Faults(t.inject, ctx)
         self.watchdog = watchdog_for(ctx, t.hang_seconds, t.startup_seconds)
+        set_default_timeout(t.collective_timeout_seconds)  # every group from here on: ours, DeepSpeed's
         ctx.groups = groups_for(cfg, ctx, local_rank, local_world)
         seed_everything(rank_seed(t.seed, ctx.groups))  # dropout: one stream per pipeline stage
         built = build_engine(cfg, ctx, spans_nodes=ctx.world > local_world)

@@ -11,6 +11,8 @@ code runs in one process and on every rank of a Ray Train job.
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch
 import torch.distributed as dist
 
@@ -59,3 +61,19 @@ def all_ok(ok: bool) -> bool:
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device())
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
+
+
+def set_default_timeout(seconds: float) -> None:
+    """Every process group this process creates from now on, ours or DeepSpeed's, waits `seconds` in a
+    collective before failing. Ray Train's `TorchConfig(timeout_s)` reaches the world group only; torch gives
+    a group created without a timeout `_get_default_timeout(backend)`, 10 minutes for NCCL (both in
+    torch/distributed/distributed_c10d.py), and DeepSpeed creates its pipeline and tied groups so
+    (deepspeed/comm/torch.py: `new_group(ranks)`). Left there, a peer's NCCL timeout would end a step
+    before a hung rank's watchdog (train.hang_seconds) says why, and a long write on one rank (the export's)
+    would abort the run. Set before any group is made."""
+    from torch.distributed import distributed_c10d
+
+    value = timedelta(seconds=seconds)
+    distributed_c10d.default_pg_timeout = value
+    if isinstance(distributed_c10d.default_pg_nccl_timeout, timedelta):  # None where torch has no NCCL
+        distributed_c10d.default_pg_nccl_timeout = value
