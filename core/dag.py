@@ -224,15 +224,15 @@ class Workdir:
             manifest = json.loads(path.read_text())
         except (FileNotFoundError, json.JSONDecodeError):
             return None
-        return self._here(manifest) if manifest.get("fingerprint") == fingerprint else None
+        return self.located(manifest) if manifest.get("fingerprint") == fingerprint else None
 
     def current(self, stage: str) -> dict | None:
         try:
-            return self._here(json.loads((self.stage_dir(stage) / "manifest.json").read_text()))
+            return self.located(json.loads((self.stage_dir(stage) / "manifest.json").read_text()))
         except FileNotFoundError:
             return None
 
-    def _here(self, manifest: dict) -> dict:
+    def located(self, manifest: dict) -> dict:
         """The manifest with its output in this workdir, wherever the workdir was when it was written."""
         relative = manifest.get("output_in_workdir") or f"{manifest['stage']}/{manifest['fingerprint'][:16]}/output"
         return {**manifest, "output": str(self.root.absolute() / relative)}
@@ -314,10 +314,11 @@ class Runner:
         Writes nothing."""
         selected = select(self.stages, only, from_)
         prints = fingerprints(self.config, self.stages)
+        built = {stage.name: self.workdir.completed(stage.name, prints[stage.name]) for stage in self.stages}
         actions: dict[str, str] = {}
         damaged: dict[str, str] = {}
         for stage in self.stages:
-            cached = self.workdir.completed(stage.name, prints[stage.name])
+            cached = built[stage.name]
             if stage.name not in selected:
                 actions[stage.name] = "not selected"
             elif not force and cached is not None and (problem := self.workdir.damage(cached, verify)) is not None:
@@ -330,14 +331,13 @@ class Runner:
                 for name in stage.inputs:
                     if actions[name] != "not selected":
                         continue
-                    built = self.workdir.completed(name, prints[name])
-                    if built is None:
+                    if built[name] is None:
                         raise UsageError(
                             f"stage '{stage.name}' needs the output of '{name}' for the current config "
                             f"(fingerprint {prints[name][:12]}), which has not been built; "
                             f"run without --only, or with --from {name}"
                         )
-                    if (problem := self.workdir.damage(built, verify)) is not None:
+                    if (problem := self.workdir.damage(built[name], verify)) is not None:
                         raise DamagedOutput(f"stage '{stage.name}' needs the output of '{name}', which is damaged: "
                                             f"{problem}; rebuild it with --from {name}")
         return Plan(actions, prints, damaged)
@@ -479,25 +479,27 @@ def audit(workdir: Workdir, stages: list[Stage], prints: dict[str, str], full: b
     whether everything found is intact."""
     lines, intact = [], True
     for stage in stages:
+        this_built = False
         entries = sorted(workdir.stage_dir(stage.name).glob("*/manifest.json"))
         current = workdir.current(stage.name)
         lines.append(f"{stage.name}: " + (f"current {current['fingerprint'][:12]}" if current else "no current output")
                      + f", {len(entries)} completed output(s)")
         for path in entries:
             try:
-                manifest = workdir._here(json.loads(path.read_text()))
+                manifest = workdir.located(json.loads(path.read_text()))
             except (json.JSONDecodeError, KeyError) as exc:
                 lines.append(f"  {path}: unreadable manifest ({exc})")
                 intact = False
                 continue
             problem = workdir.damage(manifest, full)
             intact = intact and problem is None
+            this_built = this_built or manifest["fingerprint"] == prints[stage.name]
             marks = [m for m, on in (("current", current and current["fingerprint"] == manifest["fingerprint"]),
                                      ("this config's", manifest["fingerprint"] == prints[stage.name])) if on]
             rows = manifest.get("counts", {}).get("rows_out")
             lines.append(f"  {manifest['fingerprint'][:12]} {'/'.join(marks) or '-':<21} "
                          + (f"ok ({rows} rows out)" if problem is None else f"DAMAGED: {problem}"))
-        if workdir.completed(stage.name, prints[stage.name]) is None:
+        if not this_built:
             lines.append(f"  {prints[stage.name][:12]} this config's         not built")
     return lines, intact
 

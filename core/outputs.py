@@ -42,14 +42,22 @@ def rows_of(path: Path, full: bool = False) -> int | None:
     return None
 
 
-def list_files(folder: Path) -> list[dict]:
-    """Every file of a stage folder (but its manifest, this list and its log): path, bytes, rows."""
+def listed_files(folder: Path, under: Path | None = None) -> list[Path]:
+    """The files of a stage folder (or of its subfolder `under`) that its list holds: all but its manifest, the
+    list itself, its log and hidden files; sorted."""
     out = []
-    for path in sorted(p for p in folder.rglob("*") if p.is_file()):
-        name = str(path.relative_to(folder))
-        if name in NOT_LISTED or any(part.startswith(".") for part in path.relative_to(folder).parts):
-            continue
-        entry = {"path": name, "bytes": path.stat().st_size}
+    for path in sorted(p for p in (under or folder).rglob("*") if p.is_file()):
+        relative = path.relative_to(folder)
+        if str(relative) not in NOT_LISTED and not any(part.startswith(".") for part in relative.parts):
+            out.append(path)
+    return out
+
+
+def list_files(folder: Path) -> list[dict]:
+    """Every listed file of a stage folder: path, bytes, rows."""
+    out = []
+    for path in listed_files(folder):
+        entry = {"path": str(path.relative_to(folder)), "bytes": path.stat().st_size}
         try:
             rows = rows_of(path)
         except (OSError, pa.ArrowException):  # not ours to judge at commit: its size is still listed
@@ -96,7 +104,7 @@ def damage(folder: Path, full: bool = False) -> str | None:
                 return f"{path}: {rows} rows, {entry['rows']} listed in {FILES}"
     listed = {entry["path"] for entry in files}
     output = folder / "output"
-    for path in sorted(p for p in output.rglob("*") if p.is_file()) if output.is_dir() else []:
-        if str(path.relative_to(folder)) not in listed and not path.name.startswith("."):
+    for path in listed_files(folder, output) if output.is_dir() else []:
+        if str(path.relative_to(folder)) not in listed:
             return f"{path}: not listed in {FILES} (a later stage would read it as part of the output)"
     return None
