@@ -363,18 +363,19 @@ class AutopilotConfig:
 class InjectConfig:
     """A fault to inject, for tests and demos; each fires once, even across restarts."""
 
-    kind: Literal["kill", "hang", "spike", "nan", "overflow"]
-    # kill: a worker process dies; hang: a step stalls until the watchdog ends it (kill and hang at step 0:
-    # during start-up, before the checkpoint load);
+    kind: Literal["kill", "hang", "error", "spike", "nan", "overflow"]
+    # kill: a worker process dies; hang: a step stalls until the watchdog ends it; error: the worker raises
+    # an exception, on every attempt (a bug) (kill, hang and error at step 0: during start-up, before the
+    # checkpoint load);
     # spike: the LR is multiplied by `factor` for that step; nan: that step's gradients are NaN;
     # overflow: `count` steps from `step` overflow (fp16's scaler skips them; on fp32/bf16 a simulated scaler)
     step: int
-    rank: int | None = None  # kill, hang: the worker it happens on (None: the last rank)
+    rank: int | None = None  # kill, hang, error: the worker it happens on (None: the last rank)
     factor: float = 50.0  # spike
     count: int = 1  # overflow
 
     def validate(self, key: str) -> None:
-        _at_least(self, key, 0 if self.kind in ("kill", "hang") else 1, "step")
+        _at_least(self, key, 0 if self.kind in ("kill", "hang", "error") else 1, "step")
         _at_least(self, key, 1, "count")
         _at_least(self, key, 0, "rank")
 

@@ -206,6 +206,7 @@ def test_metrics_are_rank_0s_a_line_per_step_validation_and_a_summary(shards, tm
         metrics.validation(4, {"web": 5.0, "news": 6.0})
         metrics.close(4, 5.5, None)
     rows = [json.loads(line) for line in (tmp_path / "leader" / "metrics.jsonl").read_text().splitlines()]
+    assert all(time.time() - row.pop("time") < 60 for row in rows)
     assert rows[0] == {"step": 4, "loss": 5.5, "lr": 2e-4, "grad_norm": None, "loss_scale": 2.0, "overflow": 1,
                        "skipped_steps": 1, "activation_norm": 2.0, "tokens_per_second": 4 * SEQ / 0.5, "batch": 3,
                        "tflops_per_device": 2.0}
@@ -260,3 +261,32 @@ def test_a_trainer_fits_through_a_spike_rolled_back_and_skipped(deepspeed_rank, 
         (5, "loss_spike", 0, [0, 15])]  # step 5 trained batch 4: skipped up to it and 10 more
     assert json.loads((tmp_path / "summary.json").read_text()) == {"steps": 6, "final_loss": rows[-2]["loss"],
                                                                   "stopped": None}
+
+
+def test_a_step_error_is_described_where_it_happened_and_two_alike_in_a_row_stop_the_run(deepspeed_rank, shards,
+                                                                                         tmp_path):
+    """What a worker attaches to an exception that leaves its loop (train/loop/__init__.py), and the policy on
+    the records the controller makes of it: the same software error at the same step on two attempts in a
+    row stops the run; a different step, or a hardware failure, does not. Start-up: tests/test_train.py."""
+    from train.failures import Failure, describe_exception, failure_of, repeated_error
+    from train.loop.trainer import Trainer
+
+    cfg = loop_config(section(inject=[InjectConfig("error", 3, rank=0)]), shards, tmp_path, export_dir=None,
+                      tracking_uri=None, mlflow_run_id=None)
+    trainer = Trainer(cfg, context(tmp_path), local_rank=0, local_world=1)
+    with pytest.raises(RuntimeError, match="injected error at step 3") as raised:
+        trainer.fit()
+    trainer.engine.destroy()
+    assert trainer.progress.where() == (3, "step")
+    error = raised.value
+    error.train_failure = describe_exception(error, *trainer.progress.where(), rank=0, node="n1")
+    first, second = (failure_of(0, error, attempt, tmp_path) for attempt in (1, 2))
+    assert (first.kind, first.step, first.phase, first.node) == ("software", 3, "step", "n1")
+    assert first.where.startswith("faults.py:") and "raise RuntimeError" in first.traceback
+    assert repeated_error([first]) is None
+    why = repeated_error([first, second])
+    assert why.startswith("the same error at step 3 (step) on attempts 1 and 2, rank 0") and first.traceback in why
+    moved = dataclasses.replace(second, step=4)
+    lost = Failure(attempt=2, rank=1, kind="hardware", type="ActorDiedError", message="died", step=3, phase="step")
+    assert repeated_error([first, moved]) is None and repeated_error([first, lost]) is None
+    assert repeated_error([first, moved, dataclasses.replace(second, attempt=3)]) is None  # not in a row

@@ -160,6 +160,12 @@ def test_autopilot_rolls_back_skips_escalates_and_survives_a_kill_during_recover
     assert book[0]["skipped_batches"] == [10, 25]
     incidents = [json.loads(line)["what"] for line in (out / "incidents.jsonl").read_text().splitlines()]
     assert "injected kill on rank 1" in incidents and "resumed from step-00000010" in incidents
+    from train.failures import history
+
+    # The kill: rank 1's process died at step 17 without an exception; rank 0's barrier broke because of it.
+    failed = history(Path(train["run_dir"]))
+    assert [(f.attempt, f.rank, f.kind, f.step, f.primary) for f in failed] == [
+        (1, 0, "hardware", 17, False), (1, 1, "hardware", 17, True)] and failed[1].node
     # A person at the terminal saw each intervention and the restart as they happened (train/follow.py).
     err = capsys.readouterr().err
     for e in book:
@@ -194,6 +200,30 @@ time.sleep(30)
         proc = subprocess.run([sys.executable, "-c", script, "0.4", mode], capture_output=True, text=True, timeout=60,
                               cwd=ROOT)
         assert proc.returncode == 3 and proc.stdout.startswith(expected), (mode, proc.stdout, proc.stderr)
+
+
+def test_the_same_error_in_start_up_on_two_attempts_in_a_row_stops_the_run_with_its_traceback(baseline, capsys):
+    """A bug raises at the same place every time: Ray Train would restart it forever (max_failures: -1).
+    Two failed attempts with the same exception in start-up (step 0: after the model is built, before the
+    checkpoint load) stop the run, saying where and why, on the console and in the logbook. The same at a
+    later step: tests/test_loop_parts.py."""
+    cfg, wd, _, _ = baseline
+    capsys.readouterr()
+    step = 0
+    assert main(["--config", str(cfg), "--only", "train", "--set", f"train.inject=[{{kind: error, step: {step}, rank: 0}}]",
+                 "--set", "train.max_steps=6", "--set", "train.checkpoint_every=2"]) == 1
+    err = capsys.readouterr().err
+    at = "in start-up" if step == 0 else f"at step {step} (step)"
+    assert f"the same error {at} on attempts 1 and 2, rank 0" in err, err
+    assert f"RuntimeError: injected error at step {step} (faults.py:" in err and "Traceback (most recent call last)" in err
+    run_dir = max((wd / "train" / "runs").iterdir(), key=lambda p: p.stat().st_mtime)
+    from train.failures import history
+
+    failed = [(f.attempt, f.rank, f.kind, f.step, f.phase, f.type) for f in history(run_dir) if f.rank == 0]
+    assert failed == [(a, 0, "software", step or None, "step" if step else "start-up", "RuntimeError") for a in (1, 2)]
+    assert all(f.node and f.host for f in history(run_dir))
+    book = [json.loads(line) for line in (run_dir / "logbook.jsonl").read_text().splitlines()]
+    assert book[-1]["kind"] == "repeated-error" and "injected error" in book[-1]["detail"]
 
 
 def test_restarts_from_the_same_checkpoint_stop_after_the_limit(tmp_path):

@@ -7,7 +7,8 @@ and the workers resume from its newest checkpoint; the runner resumes the same M
 (the stage is `resumable`). A dead or hung worker (a watchdog ends a step or a start-up
 that runs too long) is restarted by Ray Train (`FailureConfig(max_failures)`, no limit by default)
 from the newest checkpoint that verifies, until the same checkpoint has been restarted from
-`max_stalled_restarts` times in a row.
+`max_stalled_restarts` times in a row, or the same error has ended two attempts in a row
+(train/failures.py: each failure is recorded, with its node, rank, step and class, in failures.jsonl).
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ def fit(cfg: TrainConfig, config, folder: Path, loop=None):
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
+    from train.failures import FailureRecorder
     from train.loop import train_loop
 
     resources = {"CPU": cfg.cpus_per_worker}
@@ -47,7 +49,8 @@ def fit(cfg: TrainConfig, config, folder: Path, loop=None):
         torch_config=TorchConfig(timeout_s=int(cfg.collective_timeout_seconds)),
         scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.gpus_per_worker > 0,
                                      resources_per_worker=resources),
-        run_config=RunConfig(name="ray", storage_path=str(folder), failure_config=FailureConfig(max_failures=cfg.max_failures)),
+        run_config=RunConfig(name="ray", storage_path=str(folder), failure_config=FailureConfig(max_failures=cfg.max_failures),
+                             callbacks=[FailureRecorder(str(folder))]),
     )
     return trainer.fit()
 
@@ -64,12 +67,13 @@ def run(ctx: StageContext) -> StageResult:
     with Bar("train", "steps", config.max_steps) as bar, Follower("train", {"": folder}, bar):
         fit(cfg, config, folder)
     summary = json.loads((folder / "summary.json").read_text())
-    for name in ("metrics.jsonl", "incidents.jsonl", "loop_config.json", "logbook.jsonl", "LOGBOOK.md", "train.log"):
+    for name in ("metrics.jsonl", "incidents.jsonl", "failures.jsonl", "loop_config.json", "logbook.jsonl", "LOGBOOK.md", "train.log"):
         if (folder / name).exists():
             (ctx.output / name).write_bytes((folder / name).read_bytes())
     logbook = autopilot.Logbook(folder).entries()
-    chart = plot_run(folder / "metrics.jsonl", logbook, ctx.output / "training.png")
-    track_logbook(ctx, logbook, [chart] + [ctx.output / n for n in ("LOGBOOK.md", "logbook.jsonl") if (ctx.output / n).exists()])
+    charts = [plot_run(folder / "metrics.jsonl", logbook, ctx.output / "training.png")] if (folder / "metrics.jsonl").exists() else []
+    track_logbook(ctx, logbook, charts + [ctx.output / n for n in ("LOGBOOK.md", "logbook.jsonl", "failures.jsonl")
+                                          if (ctx.output / n).exists()])
     if summary.get("stopped"):
         raise RuntimeError(f"{summary['stopped']} (logbook: {folder / 'LOGBOOK.md'})")
     index = read_index(config.shards)

@@ -7,9 +7,11 @@ screen's proxy jobs and in tests.
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 
+from train import failures
 from train.loop.config import LoopConfig
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -31,13 +33,37 @@ def train_loop(config: LoopConfig) -> None:
         handler = logging.FileHandler(Path(config.run_dir) / "train.log")
         handler.setFormatter(logging.Formatter(FORMAT))
         logging.getLogger().addHandler(handler)
+    rank, node, trainer = train_ctx.get_world_rank(), ray.get_runtime_context().get_node_id(), None
     try:
         quiet()
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        ctx = Context(train_ctx.get_world_rank(), train_ctx.get_world_size(), Path(config.run_dir), device)
-        Trainer(config, ctx, local_rank=train_ctx.get_local_rank(),
-                local_world=train_ctx.get_local_world_size()).fit()
+        ctx = Context(rank, train_ctx.get_world_size(), Path(config.run_dir), device, node=node)
+        failures.write_identity(ctx.run_dir, rank, node)
+        stop = failures.repeated_error([f for f in failures.history(ctx.run_dir) if f.time >= config.launched_at])
+        if stop is not None:
+            return stop_before_starting(ctx, stop)
+        trainer = Trainer(config, ctx, local_rank=train_ctx.get_local_rank(), local_world=train_ctx.get_local_world_size())
+        trainer.fit()
+    except Exception as error:  # where this rank was, for the controller's record (train/failures.py)
+        step, phase = (None, "start-up") if trainer is None else trainer.progress.where()
+        error.train_failure = failures.describe_exception(error, step, phase, rank, node)
+        raise
     finally:
         if handler is not None:
             logging.getLogger().removeHandler(handler)
             handler.close()
+
+
+def stop_before_starting(ctx, why: str) -> None:
+    """A deterministic failure: no third attempt. Rank 0 writes it down where the stage and a reader look
+    (summary.json's `stopped`, incidents.jsonl, the logbook); every rank returns, so Ray Train ends the run."""
+    import time
+
+    from train.autopilot import Logbook
+    from train.loop.context import incident
+
+    if ctx.leader:
+        incident(ctx, 0, why.splitlines()[0])
+        Logbook(ctx.run_dir).append({"time": time.time(), "step": 0, "kind": "repeated-error", "detail": why,
+                                     "actions": ["stop the run"], "why": "a restart would fail the same way"})
+        (ctx.run_dir / "summary.json").write_text(json.dumps({"steps": 0, "final_loss": None, "stopped": why}))

@@ -26,6 +26,7 @@ class Context:
     run_dir: Path
     device: torch.device
     groups: Groups | None = None  # the tensor x pipeline x data process groups when the model is split (train.parallel)
+    node: str | None = None  # Ray's id of the node this rank runs on
 
     @property
     def data_rank(self) -> int:

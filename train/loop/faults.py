@@ -14,6 +14,7 @@ import threading
 import time
 
 from core.config import InjectConfig
+from train.failures import write_exit
 from train.loop.context import Context, incident
 from train.parallel.collectives import barrier
 
@@ -53,11 +54,12 @@ def watchdog_for(ctx: Context, hang_seconds: float, startup_seconds: float) -> W
 
     def on_hang(done: int, stalled: float, started: bool) -> None:
         if started:
-            incident(ctx, done + 1, f"step {done + 1} has run {stalled:.0f} s "
-                                    f"(train.hang_seconds={hang_seconds}): ending this worker")
+            what = f"step {done + 1} has run {stalled:.0f} s (train.hang_seconds={hang_seconds})"
         else:
-            incident(ctx, done, f"start-up (model build, DeepSpeed initialize, checkpoint load) has run {stalled:.0f} s "
-                                f"(train.startup_seconds={startup_seconds}): ending this worker")
+            what = (f"start-up (model build, DeepSpeed initialize, checkpoint load) has run {stalled:.0f} s "
+                    f"(train.startup_seconds={startup_seconds})")
+        incident(ctx, done + started, f"{what}: ending this worker")
+        write_exit(ctx.run_dir, ctx.rank, "hang", done + 1 if started else None, what)
 
     return Watchdog(startup_seconds, on_hang)
 
@@ -141,6 +143,9 @@ class Faults:
             rank = self.ctx.world - 1 if fault["rank"] is None else fault["rank"]
             if rank != self.ctx.rank:
                 continue
+            if fault["kind"] == "error":  # a bug: on every attempt, never recorded as fired
+                incident(self.ctx, step, f"injected error on rank {rank}")
+                raise RuntimeError(f"injected error at step {step}")
             self._record(fault["index"])
             incident(self.ctx, step, f"injected {fault['kind']} on rank {rank}")
             if fault["kind"] == "kill":

@@ -42,7 +42,7 @@ class MetricSink:
             self.thread.start()
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
-        self.file.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.file.write(json.dumps({"step": step, **metrics, "time": round(time.time(), 3)}) + "\n")
         self.file.flush()
         if self.thread is not None:
             self.queue.put((step, metrics))

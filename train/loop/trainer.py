@@ -35,6 +35,13 @@ class Progress:
     step: int = 0  # the last step done
     loss: float = float("nan")  # its loss
     stopped: str | None = None  # why the run stopped before max_steps
+    phase: str = "start-up"  # what the loop is doing: start-up, step, validation, checkpoint, export
+
+    def where(self) -> tuple[int | None, str]:
+        """The step and phase a failure happens in (a step's failure belongs to the step under way)."""
+        if self.phase == "start-up":
+            return None, self.phase
+        return (self.step + 1 if self.phase == "step" else self.step), self.phase
 
 
 class Trainer:
@@ -74,6 +81,7 @@ class Trainer:
     def fit(self) -> Progress:
         run, cfg = self.progress, self.cfg
         while run.stopped is None and run.step < cfg.max_steps:
+            run.phase = "step"
             effects = self.faults.before_step(run.step + 1, cfg.train.hang_seconds)
             result = self.step(self.schedule.lr(run.step + 1) * effects.lr_factor, effects.poison)
             run.step, run.loss = run.step + 1, result.loss
@@ -90,14 +98,17 @@ class Trainer:
                 self.watchdog.beat(run.step)
                 continue
             if self.validation.due(run.step):
+                run.phase = "validation"
                 self.metrics.validation(run.step, self.validation())
                 self.watchdog.beat(run.step)
             if self.checkpointer.due(run.step):
+                run.phase = "checkpoint"
                 path = self.save(healthy=self.pilot.healthy(run.step))
                 self.watchdog.beat(run.step)
                 self.checkpointer.report(run.step, run.loss, path)
         self.watchdog.stop()
         if run.stopped is None and cfg.export_dir:
+            run.phase = "export"
             export(self.engine, self.model, cfg, self.ctx)
         self.metrics.close(run.step, run.loss, run.stopped)
         return run

@@ -1,0 +1,178 @@
+"""Every failed attempt of a training run, recorded with where and why it failed, and the policy that stops
+a run whose failure is deterministic.
+
+Ray Train restarts the worker group after any failure (`train.max_failures`, no limit by default). That
+is right for a lost GPU and wrong for a bug: OPT-175B's team stopped by hand when the same error came back.
+Here:
+
+- each worker says who it is (`ranks/rank-R.json`: node, host, pid) when it starts, and a worker whose
+  training function raises attaches where it was (step, phase, node) and its traceback to the exception
+  (`describe_exception`); a worker its own watchdog ends says so in `exits/rank-R.json` first;
+- `FailureRecorder`, a Ray Train callback on the controller, turns each failed attempt's exceptions into
+  `Failure` rows in `failures.jsonl` (attempt, rank, node, step, phase, class, the exception), before Ray
+  Train restarts the group;
+- at start-up every rank reads that history (`repeated_error`): the same software exception at the same
+  step (or in start-up) on two attempts in a row stops the run with that traceback, instead of a third try.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+import socket
+import time
+import traceback
+from pathlib import Path
+
+from ray.train import UserCallback
+
+FAILURES = "failures.jsonl"
+
+# What a failure was, judged from the exception: a restart on other hardware may help (hardware, hang,
+# preemption), fewer sequences per GPU may (oom), or nothing will but a fix (software).
+HARDWARE = re.compile(r"CUDA error|NCCL|ECC|uncorrectable|Xid|illegal memory access|device-side assert|"
+                      r"timed out|timeout|Connection (reset|closed)|Broken pipe|gloo", re.IGNORECASE)
+OOM = re.compile(r"out of memory|OutOfMemoryError|MemoryError", re.IGNORECASE)
+# A collective that broke because a peer went away: a consequence, not a cause, when a peer failed itself.
+PEER_LOST = re.compile(r"closed by peer|reset by peer|remote worker crash|Broken pipe", re.IGNORECASE)
+PROCESS_LOST = ("ActorDiedError", "RayActorError", "NodeDiedError", "WorkerCrashedError", "WorkerHealthCheckFailedError")
+
+
+@dataclasses.dataclass
+class Failure:
+    attempt: int  # 1 for the run's first failed attempt; every attempt but the last running one ends in one
+    rank: int
+    kind: str  # hardware, software, oom, preemption, hang
+    type: str  # the exception's class ("ActorDiedError": the process died without one)
+    message: str
+    step: int | None = None  # the step under way; None: during start-up
+    phase: str = "start-up"  # start-up, step, validation, checkpoint, export
+    node: str | None = None  # Ray's node id
+    host: str | None = None
+    where: str | None = None  # the innermost frame: file:line in function
+    traceback: str = ""
+    primary: bool = True  # False: a collective broken by a peer that failed in the same attempt
+    time: float = dataclasses.field(default_factory=time.time)
+
+    def signature(self) -> tuple:
+        """What makes two failures the same error: the exception, where it was raised, and the step."""
+        return (self.type, self.message, self.where, self.step, self.phase)
+
+    def line(self) -> str:
+        at = "start-up" if self.step is None else f"step {self.step} ({self.phase})"
+        return f"rank {self.rank} on {self.host or self.node or 'an unknown node'}, {at}: {self.kind}: {self.type}: {self.message}"
+
+
+def classify(type_name: str, message: str) -> str:
+    if "Preemption" in type_name:
+        return "preemption"
+    if OOM.search(type_name) or OOM.search(message):
+        return "oom"
+    if type_name in PROCESS_LOST or HARDWARE.search(message):
+        return "hardware"  # a process or node lost, or an error of the device or the network
+    return "software"
+
+
+def describe_exception(error: BaseException, step: int | None, phase: str, rank: int, node: str | None) -> dict:
+    """Where a worker was when `error` left its training function; attached to the exception (its attributes
+    travel with it to Ray Train's controller)."""
+    frames = traceback.extract_tb(error.__traceback__)
+    where = f"{Path(frames[-1].filename).name}:{frames[-1].lineno} in {frames[-1].name}" if frames else None
+    return {"rank": rank, "step": step, "phase": phase, "node": node, "host": socket.gethostname(), "where": where,
+            "traceback": "".join(traceback.format_exception(error))[-8000:]}
+
+
+def write_identity(run_dir: Path, rank: int, node: str | None) -> None:
+    """ranks/rank-R.json: the node this rank runs on, for failures that leave no exception behind."""
+    folder = run_dir / "ranks"
+    folder.mkdir(exist_ok=True)
+    (folder / f"rank-{rank}.json").write_text(json.dumps({"node": node, "host": socket.gethostname()}))
+
+
+def write_exit(run_dir: Path, rank: int, kind: str, step: int | None, message: str) -> None:
+    """exits/rank-R.json: why this process is about to end itself (its watchdog: a hang)."""
+    folder = run_dir / "exits"
+    folder.mkdir(exist_ok=True)
+    (folder / f"rank-{rank}.json").write_text(json.dumps({"kind": kind, "step": step, "message": message}))
+
+
+def history(run_dir: Path) -> list[Failure]:
+    path = Path(run_dir) / FAILURES
+    if not path.exists():
+        return []
+    return [Failure(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+
+
+def failure_of(rank: int, error: Exception, attempt: int, run_dir: Path) -> Failure:
+    """One rank's failure, from its exception and what it wrote before it ended."""
+    said = getattr(error, "train_failure", None) or {}
+    exit_file, identity = run_dir / "exits" / f"rank-{rank}.json", run_dir / "ranks" / f"rank-{rank}.json"
+    exited = json.loads(exit_file.read_text()) if exit_file.exists() else None
+    who = json.loads(identity.read_text()) if identity.exists() else {}
+    type_name, message = type(error).__name__, str(error).strip().splitlines()[0][:500] if str(error).strip() else ""
+    kind = classify(type_name, message)
+    if exited is not None:
+        exit_file.unlink()
+        kind, message = exited["kind"], exited["message"]
+    step, phase = (said["step"], said["phase"]) if said else (exited["step"], "step") if exited else \
+        last_step_since(run_dir, identity.stat().st_mtime if identity.exists() else time.time())
+    return Failure(attempt=attempt, rank=rank, kind=kind, type=type_name, message=message, step=step, phase=phase,
+                   node=said.get("node") or who.get("node"), host=said.get("host") or who.get("host"),
+                   where=said.get("where"), traceback=said.get("traceback", ""))
+
+
+def last_step_since(run_dir: Path, since: float) -> tuple[int | None, str]:
+    """The step under way on a process that died without a word: the one after the last step rank 0 logged in
+    this attempt (since the rank started), or start-up if it logged none."""
+    path = run_dir / "metrics.jsonl"
+    if not path.exists():
+        return None, "start-up"
+    with open(path, "rb") as f:
+        start = max(0, path.stat().st_size - 65536)  # the tail: the file has a line per step of the whole run
+        f.seek(start)
+        lines = f.read().decode(errors="replace").splitlines()[1 if start else 0:]
+    rows = [json.loads(line) for line in lines if line.strip()]
+    steps = [r["step"] for r in rows if "loss" in r and r.get("time", 0) >= since]
+    return (steps[-1] + 1, "step") if steps else (None, "start-up")
+
+
+class FailureRecorder(UserCallback):
+    """On Ray Train's controller: each failed attempt's failures into failures.jsonl and incidents.jsonl,
+    before the controller decides to restart."""
+
+    def __init__(self, run_dir: str):
+        self.run_dir = run_dir
+
+    def after_exception(self, run_context, worker_exceptions: dict[int, Exception]) -> None:
+        run_dir = Path(self.run_dir)
+        attempt = max((f.attempt for f in history(run_dir)), default=0) + 1
+        failures = [failure_of(rank, error, attempt, run_dir) for rank, error in sorted(worker_exceptions.items())]
+        if any(not PEER_LOST.search(f.message) for f in failures):
+            for f in failures:
+                f.primary = not PEER_LOST.search(f.message)
+        with open(run_dir / FAILURES, "a") as f:
+            for failure in failures:
+                f.write(json.dumps(dataclasses.asdict(failure)) + "\n")
+        with open(run_dir / "incidents.jsonl", "a") as f:
+            for failure in failures:
+                f.write(json.dumps({"time": failure.time, "step": failure.step or 0, "rank": failure.rank,
+                                    "what": f"attempt {attempt} failed: {failure.line()}"}) + "\n")
+
+
+def repeated_error(failures: list[Failure]) -> str | None:
+    """Why to stop: the same software exception at the same step on the last two failed attempts (a bug, which
+    a restart repeats), with its traceback; None otherwise."""
+    attempts = sorted({f.attempt for f in failures})
+    if len(attempts) < 2:
+        return None
+    last, before = ([f for f in failures if f.attempt == a and f.kind == "software" and f.primary]
+                    for a in attempts[-1:-3:-1])
+    same = [f for f in last if f.signature() in {b.signature() for b in before}]
+    if not same:
+        return None
+    f = same[0]
+    at = "in start-up" if f.step is None else f"at step {f.step} ({f.phase})"
+    return (f"the same error {at} on attempts {attempts[-2]} and {attempts[-1]}, rank {f.rank} on "
+            f"{f.host or f.node}: {f.type}: {f.message} ({f.where}); a restart would repeat it, so the run "
+            f"stops here.\n{f.traceback}")
