@@ -402,6 +402,9 @@ class TrainConfig:
     checkpoint_every: int = 100  # steps (0: never, for throwaway runs such as the screen's proxies)
     keep_checkpoints: int = 3  # the last K ...
     keep_healthy: int = 5  # ... plus the newest H marked healthy (the autopilot's rollback targets)
+    # A save blocks training only while the state is copied to host memory; a thread writes, hashes and
+    # publishes it (false: every rank waits for the whole write, as OPT-175B's did: about 100 s at 175B).
+    background_checkpoints: bool = True
     eval_every: int = 100  # steps between validation losses per source (0: only at the end)
     eval_batches: int = 10  # validation batches (of micro_batch_size sequences per worker) per source, at most
     eval_micro_batch_size: int | None = None  # sequences per validation forward; None: 4 x micro_batch_size

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 
 import pytest
 import torch
@@ -49,7 +50,7 @@ def test_save_verify_fall_back_and_prune(engine_factory, tmp_path, caplog):
     saved = {}
     for step in (1, 2, 3):
         train_step(engine, step)
-        path = checkpoint.save(engine, tmp_path, step, {"loader": {"epoch": 0, "step": step}, "health": {"healthy": step == 1}})
+        path = checkpoint.save(engine, tmp_path, step, {"loader": {"epoch": 0, "step": step}, "health": {"healthy": step == 1}}).wait()
         saved[step] = weights(engine)
         assert path.name == f"step-{step:08d}" and checkpoint.verify(path) is None
     meta = checkpoint.read_meta(tmp_path / "step-00000003")
@@ -102,6 +103,55 @@ def test_resume_continues_rng_and_optimizer_exactly(engine_factory, tmp_path):
     checkpoint.load_latest(b, tmp_path)
     train_step(b, 2)  # dropout masks and Adam moments as in a's second step
     assert torch.equal(weights(b), after)
+
+
+def test_a_background_save_holds_the_state_at_the_call_and_a_failed_write_leaves_the_previous(
+        engine_factory, tmp_path, monkeypatch):
+    """Training goes on while a background save is written: what is written is the state when save() was
+    called (copied to host memory then), and it resumes exactly. A write that fails half-way (as on a crash)
+    publishes nothing: the previous checkpoint stays the newest, and wait() says why."""
+    a = engine_factory()
+    a.train()
+    train_step(a, 1)
+    checkpoint.save(a, tmp_path, 1, {}).wait()
+    train_step(a, 2)
+    at_save = weights(a)
+    gate, real_save = threading.Event(), torch.save
+
+    def held_save(obj, path, *args, **kwargs):
+        assert gate.wait(60)
+        real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", held_save)
+    write = checkpoint.save(a, tmp_path, 2, {"loader": {"step": 2}}, background=True)
+    train_step(a, 3)  # the thread has written nothing yet: the tensors it holds are copies
+    after_3 = weights(a)
+    assert [p.name for p in checkpoint.published(tmp_path)] == ["step-00000001"]
+    gate.set()
+    assert write.wait().name == "step-00000002" and write.seconds > 0
+    b = engine_factory(seed=9)
+    b.train()
+    assert checkpoint.load_latest(b, tmp_path)["loader"] == {"step": 2}
+    assert torch.equal(weights(b), at_save)
+    train_step(b, 3)  # Adam's moments and the RNG as they were at the call
+    assert torch.equal(weights(b), after_3)
+
+    written = []
+
+    def failing_save(obj, path, *args, **kwargs):
+        if written:
+            raise OSError("No space left on device")
+        written.append(path)
+        real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "save", failing_save)
+    write = checkpoint.save(a, tmp_path, 3, {}, background=True)
+    with pytest.raises(RuntimeError, match="checkpoint step-00000003 was not written: OSError"):
+        write.wait()
+    monkeypatch.setattr(torch, "save", real_save)
+    assert [p.name for p in checkpoint.published(tmp_path)] == ["step-00000002", "step-00000001"]
+    assert (tmp_path / ".tmp-step-00000003").is_dir() and written
+    assert checkpoint.load_latest(engine_factory(seed=5), tmp_path)["step"] == 2
 
 
 def test_schedule_is_opt_s():

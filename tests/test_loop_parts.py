@@ -203,14 +203,14 @@ def test_metrics_are_rank_0s_a_line_per_step_validation_and_a_summary(shards, tm
     for rank, folder in ((0, tmp_path / "leader"), (1, tmp_path / "other")):
         metrics = Metrics(cfg, context(folder, rank), flops_per_step=1e12)
         metrics.step(4, step, loss_scale=2.0, skipped_steps=1)
-        metrics.validation(4, {"web": 5.0, "news": 6.0})
+        metrics.validation(4, {"web": 5.0, "news": 6.0}, seconds=1.5)
         metrics.close(4, 5.5, None)
     rows = [json.loads(line) for line in (tmp_path / "leader" / "metrics.jsonl").read_text().splitlines()]
     assert all(time.time() - row.pop("time") < 60 for row in rows)
     assert rows[0] == {"step": 4, "loss": 5.5, "lr": 2e-4, "grad_norm": None, "loss_scale": 2.0, "overflow": 1,
-                       "skipped_steps": 1, "activation_norm": 2.0, "tokens_per_second": 4 * SEQ / 0.5, "batch": 3,
+                       "skipped_steps": 1, "activation_norm": 2.0, "tokens_per_second": 4 * SEQ / 0.5, "batch": 3, "seconds": 0.5,
                        "tflops_per_device": 2.0}
-    assert rows[1] == {"step": 4, "val_loss.web": 5.0, "val_loss.news": 6.0, "val_loss": 5.5}
+    assert rows[1] == {"step": 4, "val_loss.web": 5.0, "val_loss.news": 6.0, "val_loss": 5.5, "validation_seconds": 1.5}
     assert json.loads((tmp_path / "leader" / "summary.json").read_text()) == {"steps": 4, "final_loss": 5.5,
                                                                              "stopped": None}
     assert list((tmp_path / "other").iterdir()) == []
@@ -256,6 +256,9 @@ def test_a_trainer_fits_through_a_spike_rolled_back_and_skipped(deepspeed_rank, 
     assert steps == [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 6]
     assert [r["batch"] for r in rows if "loss" in r][5:] == [15, 16, 17, 18, 19, 20]  # [0, 15) skipped
     assert [r["step"] for r in rows if "val_loss" in r] == [3, 3, 6] and "val_loss.web" in rows[-1]
+    # The initial weights' save (the first rollback target), written in the background, measured when published.
+    saves = [r for r in rows if "checkpoint.write_seconds" in r]
+    assert [r["step"] for r in saves] == [0] and saves[0]["checkpoint.blocked_seconds"] >= 0
     book = [json.loads(line) for line in (tmp_path / "logbook.jsonl").read_text().splitlines()]
     assert [(e["step"], e["kind"], e["rolled_back_to"], e["skipped_batches"]) for e in book] == [
         (5, "loss_spike", 0, [0, 15])]  # step 5 trained batch 4: skipped up to it and 10 more

@@ -65,6 +65,18 @@ def test_loss_falls_and_the_curves_reach_mlflow(baseline):
     assert owners["rng-rank00001.pt"] == 1 and owners["rng-rank00000.pt"] == 0
     assert {owners[n] for n in owners if "zero_pp_rank_1_" in n} == {1} and {owners[n] for n in owners if "zero_pp_rank_0_" in n} == {0}
     assert set(owners.values()) == {0, 1}
+    # Saves in the background, each measured; where the run's wall time went (train/goodput.py).
+    saves = [r for r in rows if "checkpoint.write_seconds" in r]
+    assert [r["step"] for r in saves] == [10, 20, 30] and all(r["checkpoint.blocked_seconds"] >= 0 for r in saves)
+    parts = {k: v for k, v in run.data.metrics.items() if k.startswith("goodput.")}
+    assert 0 < parts["goodput.ettr"] < 1 and parts["goodput.lost_seconds"] == 0 and parts["goodput.restart_seconds"] == 0
+    assert parts["goodput.kept_seconds"] == pytest.approx(sum(r["seconds"] for r in rows if "loss" in r), abs=0.01)
+    named = sum(v for k, v in parts.items() if k.endswith("_seconds") and k != "goodput.wall_seconds")
+    assert named == pytest.approx(parts["goodput.wall_seconds"], abs=0.05)  # every second is somewhere
+    assert parts["goodput.startup_build_seconds"] > 0 and parts["goodput.evaluation_seconds"] > 0
+    assert {"checkpoint.blocked_seconds", "checkpoint.write_seconds"} <= set(run.data.metrics)
+    assert "## Goodput" in (Path(train["output"]) / "LOGBOOK.md").read_text()
+    assert (Path(train["output"]) / "goodput.png").stat().st_size > 5_000
 
 
 def test_export_loads_in_transformers_with_the_same_loss(baseline):

@@ -23,12 +23,14 @@ device, so the same code runs in one process (tests) and on every rank of a Ray 
 from __future__ import annotations
 
 import contextlib
+import copy
 import hashlib
 import json
 import logging
 import os
 import random
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Iterator
@@ -76,60 +78,132 @@ def set_rng_state(state: dict) -> None:
 
 
 @contextlib.contextmanager
-def recording_writes(engine) -> Iterator[list[Path]]:
-    """The files this rank's `engine.save_checkpoint` writes, as it writes them: DeepSpeed writes every
-    data file through its checkpoint engine's `save` (each rank its own shards); only the small
-    `latest` and `zero_to_fp32.py` are written past it, by rank 0."""
-    written: list[Path] = []
+def taking_writes(engine, copy: bool) -> Iterator[list[tuple[object, Path]]]:
+    """What this rank's `engine.save_checkpoint` would write, taken instead of written: (state, path) pairs,
+    written later by `Write`. DeepSpeed writes every data file through its checkpoint engine's `save` (each
+    rank its own shards); only the small `latest` and `zero_to_fp32.py` are written past it, by rank 0, at
+    once. With `copy`, each state is copied to host memory first (`host_copy`): training may change the
+    tensors as soon as this returns."""
+    taken: list[tuple[object, Path]] = []
     ckpt_engine = engine.checkpoint_engine
     original = ckpt_engine.save
 
     def save(state_dict, path, *args, **kwargs):
-        result = original(state_dict, path, *args, **kwargs)
-        written.append(Path(path))
-        return result
+        taken.append((host_copy(state_dict, {}) if copy else state_dict, Path(path)))
 
     ckpt_engine.save = save
     try:
-        yield written
+        yield taken
     finally:
         ckpt_engine.save = original
 
 
-def save(engine, root: Path, step: int, meta: dict) -> Path:
-    """Every rank calls this at the same step; returns the published folder."""
+def host_copy(obj, memo: dict):
+    """A copy of a state dict whose tensors are copies in host memory (one copy per tensor, however often it is
+    referenced); other values deep-copied, since some (a loss scaler) change as training goes on."""
+    if isinstance(obj, torch.Tensor):
+        if id(obj) not in memo:
+            memo[id(obj)] = obj.detach().to("cpu", copy=True)
+        return memo[id(obj)]
+    if isinstance(obj, dict):
+        return type(obj)((k, host_copy(v, memo)) for k, v in obj.items())
+    if isinstance(obj, (list, tuple)) and type(obj) in (list, tuple):
+        return type(obj)(host_copy(v, memo) for v in obj)
+    return copy.deepcopy(obj, memo)
+
+
+def save(engine, root: Path, step: int, meta: dict, background: bool = False) -> "Write":
+    """Every rank calls this at the same step. DeepSpeed's state is taken in this call; with `background`, it
+    is taken as a copy in host memory and written, hashed and published by a thread while training goes on.
+    `Write.wait()` returns the published folder (or raises what the write raised); until it is published,
+    the checkpoint does not exist for `load_latest`, so a crash mid-write leaves the previous one current."""
     rank, world = rank_world()
-    tmp, final = root / f".tmp-{step_name(step)}", root / step_name(step)
+    tmp = root / f".tmp-{step_name(step)}"
     if rank == 0:
         shutil.rmtree(tmp, ignore_errors=True)  # a save of this step that died before its publish
         tmp.mkdir(parents=True)
     barrier()
-    with recording_writes(engine) as written:
-        engine.save_checkpoint(str(tmp), tag=TAG)  # collective: each rank writes its shard
-    rng = tmp / f"rng-rank{rank:05d}.pt"
-    torch.save(rng_state(), rng)
-    # Each rank hashes what it wrote (still in its page cache), not a slice of everyone's files.
-    mine = {str(p.relative_to(tmp)): [_sha256(p), p.stat().st_size, rank] for p in [*written, rng]}
-    (tmp / f".sha256-rank{rank:05d}.json").write_text(json.dumps(mine))
-    barrier()
-    if rank == 0:
+    with taking_writes(engine, copy=background) as taken:
+        engine.save_checkpoint(str(tmp), tag=TAG)  # collective: each rank hands over its shard
+    taken.append((rng_state(), tmp / f"rng-rank{rank:05d}.pt"))
+    write = Write(root, step, meta, taken, rank, world)
+    if not background:
+        write.run()
+        barrier()  # rank 0 has published
+    else:
+        write.start()
+    return write
+
+
+class Write:
+    """One rank's part of a checkpoint: its files written and hashed, `.sha256-rank<R>.json` last (the mark
+    that this rank is done); rank 0 then waits for every rank's mark, writes meta.json and renames the folder
+    to publish it. The marks go through the file system, not a collective, so a background write never
+    issues a collective beside the training's own."""
+
+    def __init__(self, root: Path, step: int, meta: dict, taken: list, rank: int, world: int):
+        self.root, self.step, self.meta, self.taken, self.rank, self.world = root, step, meta, taken, rank, world
+        self.tmp, self.final = root / f".tmp-{step_name(step)}", root / step_name(step)
+        self.error: BaseException | None = None
+        self.seconds = 0.0  # how long the write took, from the hand-over to the publish
+        self.thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        self.thread = threading.Thread(target=self._guarded, daemon=True, name=f"checkpoint-{self.step}")
+        self.thread.start()
+
+    def _guarded(self) -> None:
+        try:
+            self.run()
+        except BaseException as error:  # raised on the training thread by wait()
+            self.error = error
+
+    def run(self) -> None:
+        started = time.monotonic()
+        written = []
+        for state, path in self.taken:
+            torch.save(state, path)
+            written.append(path)
+        self.taken = []  # the host copy goes as soon as it is on disk
+        # Each rank hashes what it wrote (still in its page cache), not a slice of everyone's files.
+        mine = {str(p.relative_to(self.tmp)): [_sha256(p), p.stat().st_size, self.rank] for p in written}
+        mark = self.tmp / f".sha256-rank{self.rank:05d}.json"
+        mark.with_suffix(".tmp").write_text(json.dumps(mine))
+        os.replace(mark.with_suffix(".tmp"), mark)
+        if self.rank == 0:
+            self._publish()
+        self.seconds = time.monotonic() - started
+
+    def _publish(self, timeout: float = 3600.0) -> None:
+        marks = [self.tmp / f".sha256-rank{r:05d}.json" for r in range(self.world)]
+        deadline = time.monotonic() + timeout
+        while not all(m.exists() for m in marks):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.tmp.name}: not every rank finished writing within {timeout:.0f} s")
+            time.sleep(0.05)
         sums: dict = {}
-        for r in range(world):
-            part = tmp / f".sha256-rank{r:05d}.json"
-            sums.update(json.loads(part.read_text()))
-            part.unlink()
-        for name in set(_files(tmp)) - set(sums):  # what DeepSpeed wrote past its checkpoint engine
-            sums[name] = [_sha256(tmp / name), (tmp / name).stat().st_size, 0]
-        full = {**meta, "step": step, "world_size": world, "saved_at": time.time(), "files": sums}
-        with open(tmp / META, "w") as f:
+        for mark in marks:
+            sums.update(json.loads(mark.read_text()))
+            mark.unlink()
+        for name in set(_files(self.tmp)) - set(sums):  # what DeepSpeed wrote past its checkpoint engine
+            sums[name] = [_sha256(self.tmp / name), (self.tmp / name).stat().st_size, 0]
+        full = {**self.meta, "step": self.step, "world_size": self.world, "saved_at": time.time(), "files": sums}
+        with open(self.tmp / META, "w") as f:
             json.dump(full, f, indent=1)
             f.flush()
             os.fsync(f.fileno())
-        if final.exists():  # the same step saved again after a rollback: replace it
-            shutil.rmtree(final)
-        tmp.rename(final)
-    barrier()
-    return final
+        if self.final.exists():  # the same step saved again after a rollback: replace it
+            shutil.rmtree(self.final)
+        self.tmp.rename(self.final)
+
+    def wait(self) -> Path:
+        """This rank's part done (on rank 0: published); the folder. Call it on every rank, then barrier()
+        before reading the folder on another rank."""
+        if self.thread is not None:
+            self.thread.join()
+        if self.error is not None:
+            raise RuntimeError(f"checkpoint {step_name(self.step)} was not written: {self.error!r}") from self.error
+        return self.final
 
 
 def published(root: Path) -> list[Path]:

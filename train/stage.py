@@ -19,7 +19,7 @@ from pathlib import Path
 from core.config import TrainConfig
 from core.console import Bar
 from core.dag import StageContext, StageResult
-from train import autopilot
+from train import autopilot, goodput
 from train.follow import Follower
 from train.loader import read_index
 from train.loop.config import loop_config
@@ -64,14 +64,20 @@ def run(ctx: StageContext) -> StageResult:
     config.write(folder / "loop_config.json")
     ctx.log.info("run folder %s: %d steps of %d sequences x %d tokens on %d workers", folder, config.max_steps,
                  config.global_batch, config.seq_len, cfg.num_workers)
+    goodput.mark(folder, "launch")
     with Bar("train", "steps", config.max_steps) as bar, Follower("train", {"": folder}, bar):
         fit(cfg, config, folder)
+    goodput.mark(folder, "finish")
+    time_spent = goodput.account(folder)
     summary = json.loads((folder / "summary.json").read_text())
     for name in ("metrics.jsonl", "incidents.jsonl", "failures.jsonl", "loop_config.json", "logbook.jsonl", "LOGBOOK.md", "train.log"):
         if (folder / name).exists():
             (ctx.output / name).write_bytes((folder / name).read_bytes())
     logbook = autopilot.Logbook(folder).entries()
+    with open(ctx.output / "LOGBOOK.md", "a") as f:
+        f.write(("\n" if f.tell() else "# Logbook\n\n") + goodput.summary(time_spent))
     charts = [plot_run(folder / "metrics.jsonl", logbook, ctx.output / "training.png")] if (folder / "metrics.jsonl").exists() else []
+    charts.append(goodput.plot(time_spent, ctx.output / "goodput.png"))
     track_logbook(ctx, logbook, charts + [ctx.output / n for n in ("LOGBOOK.md", "logbook.jsonl", "failures.jsonl")
                                           if (ctx.output / n).exists()])
     if summary.get("stopped"):
@@ -81,7 +87,8 @@ def run(ctx: StageContext) -> StageResult:
     incidents = (folder / "incidents.jsonl").read_text().splitlines() if (folder / "incidents.jsonl").exists() else []
     metrics = {"steps": summary["steps"], "final_loss": summary["final_loss"], "sequences_trained": sequences,
                "tokens_trained": sequences * config.seq_len, "incidents": len(incidents),
-               "interventions": len(logbook), **curve_summary(folder / "metrics.jsonl")}
+               "interventions": len(logbook), **curve_summary(folder / "metrics.jsonl"),
+               **{f"goodput.{k}": v for k, v in time_spent.items() if k != "spans"}, **checkpoint_times(folder / "metrics.jsonl")}
     return StageResult(index["sequences"], index["sequences"], {}, metrics,
                        fields={"steps": summary["steps"], "final_loss": summary["final_loss"], "run_dir": str(folder),
                                "interventions": [{k: e[k] for k in ("step", "kind", "actions")} for e in logbook]})
@@ -99,6 +106,13 @@ def curve_summary(metrics_file: Path) -> dict[str, float]:
         last.update({k: v for k, v in json.loads(line).items() if k.startswith("val_loss")})
     found = spike_score(read_grad_norms(metrics_file))
     return {**last, "spikes": found.spikes, "spike_excess": 100.0 * found.excess / max(1, found.scored_steps)}
+
+
+def checkpoint_times(metrics_file: Path) -> dict[str, float]:
+    """The saves' blocked and write seconds, summed over the run (each save's are in metrics.jsonl and MLflow)."""
+    rows = [json.loads(line) for line in metrics_file.read_text().splitlines()]
+    return {key: round(sum(r[key] for r in rows if key in r), 3)
+            for key in ("checkpoint.blocked_seconds", "checkpoint.write_seconds")}
 
 
 def track_logbook(ctx: StageContext, logbook: list[dict], files: list[Path]) -> None:

@@ -11,7 +11,7 @@ import json
 import logging
 from pathlib import Path
 
-from train import failures
+from train import failures, goodput
 from train.loop.config import LoopConfig
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -39,6 +39,8 @@ def train_loop(config: LoopConfig) -> None:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         ctx = Context(rank, train_ctx.get_world_size(), Path(config.run_dir), device, node=node)
         failures.write_identity(ctx.run_dir, rank, node)
+        if ctx.leader:
+            goodput.mark(ctx.run_dir, "start")
         stop = failures.repeated_error([f for f in failures.history(ctx.run_dir) if f.time >= config.launched_at])
         if stop is not None:
             return stop_before_starting(ctx, stop)

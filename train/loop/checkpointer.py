@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import tempfile
+import time
 from pathlib import Path
 
 from train import checkpoint
@@ -14,18 +15,47 @@ from train.parallel.collectives import barrier
 
 
 class Checkpointer:
-    def __init__(self, engine, ctx: Context, *, every: int, keep: int, keep_healthy: int, max_steps: int):
+    """With `background`, a save blocks training only while DeepSpeed's state is copied to host memory (and
+    while the previous save, if still being written, finishes); the files are written, hashed and published
+    by a thread. The previous checkpoint stays the newest until the new one is published."""
+
+    def __init__(self, engine, ctx: Context, *, every: int, keep: int, keep_healthy: int, max_steps: int,
+                 background: bool = False, on_written=None):
         self.engine, self.ctx, self.dir = engine, ctx, ctx.ckpt_dir
         self.every, self.keep, self.keep_healthy, self.max_steps = every, keep, keep_healthy, max_steps
+        self.background = background
+        self.on_written = on_written  # on_written(step, blocked_seconds, write_seconds), every rank
+        self.pending: tuple | None = None  # (Write, blocked seconds, the loss to report or None)
 
     def due(self, step: int) -> bool:
         return bool(self.every) and (step % self.every == 0 or step == self.max_steps)
 
-    def save(self, step: int, meta: dict) -> Path:
-        """Every rank writes its shard; rank 0 publishes, then prunes beyond the newest `keep` and `keep_healthy`."""
-        path = checkpoint.save(self.engine, self.dir, step, meta)
+    def save(self, step: int, meta: dict, report_loss: float | None = None) -> None:
+        """Every rank writes its shard; rank 0 publishes, then prunes beyond the newest `keep` and `keep_healthy`.
+        With `report_loss`, Ray Train hears of it once it is published."""
+        started = time.monotonic()
+        self.flush()
+        write = checkpoint.save(self.engine, self.dir, step, meta, background=self.background)
+        self.pending = (write, time.monotonic() - started, report_loss)
+        if not self.background:
+            self.flush()
+
+    def flush(self) -> Path | None:
+        """Wait for the save under way (raising what its write raised); then prune, report and measure it."""
+        if self.pending is None:
+            return None
+        (write, blocked, loss), self.pending = self.pending, None
+        waited = time.monotonic()
+        path = write.wait()
+        barrier()  # rank 0 has published
+        if self.background:
+            blocked += time.monotonic() - waited  # still writing when the next save (or the end) came
         if self.ctx.leader:
             checkpoint.prune(self.dir, self.keep, self.keep_healthy)
+        if loss is not None:
+            self.report(write.step, loss, path)
+        if self.on_written is not None:
+            self.on_written(write.step, blocked, write.seconds)
         return path
 
     def resume(self) -> dict | None:
@@ -41,6 +71,7 @@ class Checkpointer:
 
     def healthy_before(self, step: int) -> dict | None:
         """The meta of the newest checkpoint before `step` marked healthy: a rollback target."""
+        self.flush()
         metas = (checkpoint.read_meta(p) or {} for p in checkpoint.published(self.dir))
         return next((m for m in metas if m.get("step", 10**18) < step and m.get("health", {}).get("healthy", False)),
                     None)
@@ -52,6 +83,7 @@ class Checkpointer:
 
     def roll_back(self, step: int, decided_at: float) -> dict:
         """Every rank back to checkpoint `step`, the ones after it abandoned first; its meta."""
+        self.flush()
         barrier()
         self.abandon_after(step, decided_at)
         barrier()

@@ -14,6 +14,7 @@ import threading
 import time
 
 from core.config import InjectConfig
+from train import goodput
 from train.failures import write_exit
 from train.loop.context import Context, incident
 from train.parallel.collectives import barrier
@@ -60,6 +61,7 @@ def watchdog_for(ctx: Context, hang_seconds: float, startup_seconds: float) -> W
                     f"(train.startup_seconds={startup_seconds})")
         incident(ctx, done + started, f"{what}: ending this worker")
         write_exit(ctx.run_dir, ctx.rank, "hang", done + 1 if started else None, what)
+        goodput.mark(ctx.run_dir, "hang", seconds=stalled, rank=ctx.rank)
 
     return Watchdog(startup_seconds, on_hang)
 

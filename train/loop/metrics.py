@@ -95,7 +95,7 @@ class Metrics:
         metrics = {"loss": result.loss, "lr": result.lr, "grad_norm": result.grad_norm, "loss_scale": loss_scale,
                    "overflow": int(result.overflow), "skipped_steps": skipped_steps,
                    "activation_norm": result.activation_norm, "tokens_per_second": tokens_per_second,
-                   "batch": result.batch,
+                   "batch": result.batch, "seconds": result.seconds,
                    "tflops_per_device": self.flops_per_step / result.seconds / self.ctx.world / 1e12}
         if self.peak:
             metrics["mfu"] = metrics["tflops_per_device"] / self.peak
@@ -105,10 +105,15 @@ class Metrics:
             log.info("step %d/%d loss %.4f lr %.2e tokens/s %s", step, self.cfg.max_steps, result.loss, result.lr,
                      f"{tokens_per_second:,.0f}")
 
-    def validation(self, step: int, losses: dict[str, float]) -> None:
+    def validation(self, step: int, losses: dict[str, float], seconds: float) -> None:
         if self.sink is not None and losses:
             self.sink.log(step, {f"val_loss.{s}": v for s, v in losses.items()} |
-                          {"val_loss": float(np.mean(list(losses.values())))})
+                          {"val_loss": float(np.mean(list(losses.values()))), "validation_seconds": seconds})
+
+    def checkpoint(self, step: int, blocked_seconds: float, write_seconds: float) -> None:
+        """A save of step `step` published: how long training waited for it, and how long its write took."""
+        if self.sink is not None:
+            self.sink.log(step, {"checkpoint.blocked_seconds": blocked_seconds, "checkpoint.write_seconds": write_seconds})
 
     def close(self, steps: int, final_loss: float, stopped: str | None) -> None:
         """summary.json, which the stage reads when the workers are done."""

@@ -12,9 +12,11 @@ Each part has one job, in its own module of this package:
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 from model.configs import flops_per_token
+from train import goodput
 from train.loader import Loader
 from train.loop.checkpointer import Checkpointer
 from train.loop.config import LoopConfig
@@ -55,10 +57,13 @@ class Trainer:
         ctx.groups = groups_for(cfg, ctx, local_rank, local_world)
         seed_everything(rank_seed(t.seed, ctx.groups))  # dropout: one stream per pipeline stage
         built = build_engine(cfg, ctx, spans_nodes=ctx.world > local_world)
+        self.mark("built")
         self.engine, self.model = built.engine, built.model
         self.schedule = Schedule(cfg.lr, cfg.warmup_steps, cfg.total_steps, t.final_lr_ratio)
+        self.metrics = Metrics(cfg, ctx, flops_per_token(cfg.model, cfg.seq_len) * cfg.tokens_per_step)
         self.checkpointer = Checkpointer(self.engine, ctx, every=t.checkpoint_every, keep=t.keep_checkpoints,
-                                         keep_healthy=t.keep_healthy, max_steps=cfg.max_steps)
+                                         keep_healthy=t.keep_healthy, max_steps=cfg.max_steps,
+                                         background=t.background_checkpoints, on_written=self.metrics.checkpoint)
         self.pilot = Pilot(cfg, ctx, self.engine, self.schedule, self.checkpointer,
                            simulate_overflow=self.faults.simulates_overflow)
         barrier()
@@ -70,13 +75,13 @@ class Trainer:
         self.step = TrainStep(self.engine, self.model, Feed(self.loader, ctx, t.micro_batch_size), ctx,
                               built.own_grad_norm)
         self.validation = Validation(self.engine, cfg, ctx)
-        self.metrics = Metrics(cfg, ctx, flops_per_token(cfg.model, cfg.seq_len) * cfg.tokens_per_step)
         self.progress = Progress(step=resumed["step"] if resumed else 0)
         self.progress.stopped = restarts_without_progress(ctx, self.progress.step if resumed else None,
                                                           t.max_stalled_restarts)
         self.watchdog.beat(self.progress.step, t.hang_seconds)  # start-up is done: each step has hang_seconds
         if resumed is None and self.pilot.enabled:
             self.save(healthy=True)  # the initial weights: a rollback target before the first checkpoint
+        self.mark("ready")
 
     def fit(self) -> Progress:
         run, cfg = self.progress, self.cfg
@@ -98,24 +103,31 @@ class Trainer:
                 self.watchdog.beat(run.step)
                 continue
             if self.validation.due(run.step):
-                run.phase = "validation"
-                self.metrics.validation(run.step, self.validation())
+                run.phase, began = "validation", time.monotonic()
+                self.metrics.validation(run.step, self.validation(), time.monotonic() - began)
                 self.watchdog.beat(run.step)
             if self.checkpointer.due(run.step):
                 run.phase = "checkpoint"
-                path = self.save(healthy=self.pilot.healthy(run.step))
+                self.save(healthy=self.pilot.healthy(run.step), report=True)
                 self.watchdog.beat(run.step)
-                self.checkpointer.report(run.step, run.loss, path)
+        run.phase = "checkpoint"
+        self.checkpointer.flush()  # the last save, written and published
         self.watchdog.stop()
         if run.stopped is None and cfg.export_dir:
-            run.phase = "export"
+            run.phase, began = "export", time.monotonic()
             export(self.engine, self.model, cfg, self.ctx)
+            self.mark("export", seconds=time.monotonic() - began)
         self.metrics.close(run.step, run.loss, run.stopped)
         return run
 
-    def save(self, healthy: bool):
+    def mark(self, event: str, **fields) -> None:
+        """An event on the run's timeline (rank 0), for the goodput account (train/goodput.py)."""
+        if self.ctx.leader:
+            goodput.mark(self.ctx.run_dir, event, **fields)
+
+    def save(self, healthy: bool, report: bool = False) -> None:
         """A checkpoint of this step, with what a restart or a rollback needs beside the weights."""
         meta = {"loader": self.loader.state_dict(), "schedule": {"factor": self.schedule.factor},
                 "loss_scale": self.pilot.loss_scale(), "metrics": {"loss": self.progress.loss},
                 "health": {"healthy": healthy}, "autopilot": self.pilot.state.to_dict()}
-        return self.checkpointer.save(self.progress.step, meta)
+        self.checkpointer.save(self.progress.step, meta, report_loss=self.progress.loss if report else None)

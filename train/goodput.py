@@ -1,0 +1,143 @@
+"""Where a training run's wall time went, and the share of it that trained steps the model kept (ETTR).
+
+Llama 3 and MegaScale report effective training time (the time of the steps kept over the wall time)
+above 90%; OPT-175B, by hand, did not say. The run's records give every term:
+
+- `timeline.jsonl` (run folder): the driver's `launch` and `finish`; rank 0's `start` (the worker's first
+  line), `built` (model and DeepSpeed engine), `ready` (checkpoint loaded: the first step starts), `export`;
+  a watchdog's `hang` (with how long the step had stalled);
+- `metrics.jsonl`: each step's end time and seconds, each validation's seconds, each checkpoint's
+  blocked seconds.
+
+A step logged more than once (redone after a restart or a rollback) is kept only in its last occurrence:
+the earlier ones are lost work. What no record covers (a step cut short by a crash, the time until Ray
+Train noticed, tearing down and scheduling the next attempt) is `restart`; from the launch to the first
+worker's start is `scheduling`.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+TIMELINE = "timeline.jsonl"
+PARTS = ("kept", "lost", "scheduling", "startup_build", "startup_load", "restart", "hang", "checkpoint_blocked",
+         "evaluation", "export", "other")
+
+
+def mark(run_dir: Path | str, event: str, **fields) -> None:
+    """One event on the run's timeline (a line appended: the driver, rank 0 and any watchdog write here)."""
+    with open(Path(run_dir) / TIMELINE, "a") as f:
+        f.write(json.dumps({"event": event, "time": time.time(), **fields}) + "\n")
+
+
+def _read(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def account(run_dir: Path | str) -> dict:
+    """The breakdown in seconds (PARTS), `wall_seconds` and `ettr`, over the driver launches so far; the
+    intervals behind it in `spans` for the chart."""
+    run_dir = Path(run_dir)
+    events, rows = _read(run_dir / TIMELINE), _read(run_dir / "metrics.jsonl")
+    seconds = dict.fromkeys(PARTS, 0.0)
+    spans: list[tuple[str, float, float]] = []
+    steps = [r for r in rows if "loss" in r and "seconds" in r]
+    last_of = {r["step"]: i for i, r in enumerate(steps)}
+    for i, r in enumerate(steps):
+        part = "kept" if last_of[r["step"]] == i else "lost"
+        seconds[part] += r["seconds"]
+        spans.append((part, r["time"] - r["seconds"], r["time"]))
+    for r in rows:
+        for key, part in (("validation_seconds", "evaluation"), ("checkpoint.blocked_seconds", "checkpoint_blocked")):
+            if key in r:
+                seconds[part] += r[key]
+                spans.append((part, r["time"] - r[key], r["time"]))
+    wall = _walk(events, rows, seconds, spans)
+    seconds["other"] = max(0.0, wall - sum(v for k, v in seconds.items() if k != "other"))
+    return {**{f"{k}_seconds": round(v, 3) for k, v in seconds.items()}, "wall_seconds": round(wall, 3),
+            "ettr": round(seconds["kept"] / wall, 4) if wall > 0 else 0.0, "spans": spans}
+
+
+def _walk(events: list[dict], rows: list[dict], seconds: dict, spans: list) -> float:
+    """The timeline's events in order: start-ups, the gaps between attempts, hangs, exports; the wall time."""
+    wall, launched, last, started, built, hang_until = 0.0, None, None, None, None, 0.0
+    times = sorted([(e["time"], e) for e in events] + [(r["time"], {"event": "row"}) for r in rows if "time" in r],
+                   key=lambda pair: pair[0])
+    for t, e in times:
+        kind = e["event"]
+        if kind == "launch":
+            if launched is not None and last is not None:  # the previous driver died: count up to its last record
+                wall += last - launched
+            launched, last, started = t, t, None
+            continue
+        if launched is None:
+            continue
+        if kind == "start":
+            gap = "scheduling" if started is None and last == launched else "restart"
+            seconds[gap] += t - last
+            spans.append((gap, last, t))
+            started = built = t
+        elif kind == "built" and started is not None:
+            seconds["startup_build"] += t - started
+            spans.append(("startup_build", started, t))
+            built = t
+        elif kind == "ready" and built is not None:
+            seconds["startup_load"] += t - built
+            spans.append(("startup_load", built, t))
+        elif kind == "hang":  # the peers of a hung rank may say so too: the same stall counts once
+            begin = max(t - e["seconds"], hang_until)
+            seconds["hang"] += max(0.0, t - begin)
+            spans.append(("hang", begin, t))
+            hang_until = max(hang_until, t)
+        elif kind == "export":
+            seconds["export"] += e["seconds"]
+            spans.append(("export", t - e["seconds"], t))
+        last = t
+        if kind == "finish":
+            wall += t - launched
+            launched = None
+    if launched is not None and last is not None:
+        wall += last - launched
+    return wall
+
+
+COLORS = {"kept": "tab:green", "lost": "tab:red", "scheduling": "tab:gray", "startup_build": "tab:blue",
+          "startup_load": "tab:cyan", "restart": "tab:orange", "hang": "tab:purple", "checkpoint_blocked": "black",
+          "evaluation": "tab:olive", "export": "tab:brown"}
+
+
+def plot(report: dict, out: Path) -> Path:
+    """The run's wall time as one bar per part, each interval where it happened: a restart, a hang and the work
+    lost to them are where they were."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    spans = report["spans"]
+    t0 = min((s for _, s, _ in spans), default=0.0)
+    fig, ax = plt.subplots(figsize=(10, 3.5))
+    parts = [p for p in PARTS if any(name == p for name, _, _ in spans)]
+    for y, part in enumerate(parts):
+        ax.broken_barh([(s - t0, max(e - s, 1e-3)) for name, s, e in spans if name == part], (y - 0.4, 0.8),
+                       color=COLORS.get(part, "gray"))
+    ax.set_yticks(range(len(parts)), [f"{p} {report[p + '_seconds']:.1f} s" for p in parts], fontsize=8)
+    ax.set_xlabel("seconds since the launch")
+    ax.set_title(f"goodput: ETTR {report['ettr']:.1%} of {report['wall_seconds']:.0f} s", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+    return out
+
+
+def summary(report: dict) -> str:
+    """The breakdown as a Markdown section for LOGBOOK.md."""
+    wall = report["wall_seconds"] or 1.0
+    lines = ["## Goodput", "", f"Effective training time (ETTR): {report['ettr']:.1%} of {report['wall_seconds']:.1f} s "
+             "of wall time went into steps the model kept.", "", "| part | seconds | share |", "|---|---:|---:|"]
+    lines += [f"| {p} | {report[p + '_seconds']:.1f} | {report[p + '_seconds'] / wall:.1%} |" for p in PARTS]
+    return "\n".join(lines) + "\n"
