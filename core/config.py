@@ -360,24 +360,42 @@ class AutopilotConfig:
 
 
 @dataclass
+class StragglerConfig:
+    """Naming a rank that is slower than its peers (train/loop/stragglers.py): one slow GPU sets the pace of all
+    of them. Each rank's forward compute per step, averaged over `window` steps, against the median of the
+    others'."""
+
+    window: int = 50  # steps per comparison (0: off); one small all_gather each
+    margin: float = 0.5  # slower than the others' median by more than this fraction ...
+    patience: int = 2  # ... in this many windows in a row: named, once
+
+    def validate(self, key: str) -> None:
+        _at_least(self, key, 0, "window")
+        _at_least(self, key, 1, "patience")
+        _positive(self, key, "margin")
+
+
+@dataclass
 class InjectConfig:
     """A fault to inject, for tests and demos; each fires once, even across restarts."""
 
-    kind: Literal["kill", "hang", "error", "spike", "nan", "overflow"]
+    kind: Literal["kill", "hang", "error", "slow", "spike", "nan", "overflow"]
     # kill: a worker process dies; hang: a step stalls until the watchdog ends it; error: the worker raises
     # an exception, on every attempt (a bug) (kill, hang and error at step 0: during start-up, before the
-    # checkpoint load);
+    # checkpoint load); slow: from `step` on, the worker's every step takes `seconds` longer (a straggler);
     # spike: the LR is multiplied by `factor` for that step; nan: that step's gradients are NaN;
     # overflow: `count` steps from `step` overflow (fp16's scaler skips them; on fp32/bf16 a simulated scaler)
     step: int
     rank: int | None = None  # kill, hang, error: the worker it happens on (None: the last rank)
     factor: float = 50.0  # spike
     count: int = 1  # overflow
+    seconds: float = 0.5  # slow
 
     def validate(self, key: str) -> None:
         _at_least(self, key, 0 if self.kind in ("kill", "hang", "error") else 1, "step")
         _at_least(self, key, 1, "count")
         _at_least(self, key, 0, "rank")
+        _positive(self, key, "seconds")
 
 
 @dataclass
@@ -423,6 +441,7 @@ class TrainConfig:
     seed: int = 0
     inject: list[InjectConfig] = field(default_factory=list)
     autopilot: AutopilotConfig = field(default_factory=AutopilotConfig)
+    stragglers: StragglerConfig = field(default_factory=StragglerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @property

@@ -293,3 +293,24 @@ def test_a_step_error_is_described_where_it_happened_and_two_alike_in_a_row_stop
     lost = Failure(attempt=2, rank=1, kind="hardware", type="ActorDiedError", message="died", step=3, phase="step")
     assert repeated_error([first, moved]) is None and repeated_error([first, lost]) is None
     assert repeated_error([first, moved, dataclasses.replace(second, attempt=3)]) is None  # not in a row
+
+
+def test_a_rank_slower_than_the_others_median_in_windows_in_a_row_is_named_once_with_its_node(tmp_path, monkeypatch):
+    """Rank 0's view of four ranks' compute: rank 2 is named after two slow windows in a row, with the node its
+    identity file gives, once; a rank slow in one window only is not; two ranks' spread within the margin
+    is not. (The means come from an all_gather over the ranks; here, the values it would return.)"""
+    from train import failures
+    from train.loop import stragglers as module
+
+    windows = iter([[0.10, 0.11, 0.30, 0.10], [0.10, 0.25, 0.31, 0.10], [0.10, 0.10, 0.29, 0.10]])
+    monkeypatch.setattr(module, "all_gather_float", lambda value: next(windows))
+    ctx = Context(rank=0, world=4, run_dir=tmp_path, device=torch.device("cpu"))
+    failures.write_identity(tmp_path, 2, "node-b")
+    watch = module.Stragglers(ctx, window=3, margin=0.5, patience=2)
+    named = [watch.observe(step, 0.1) for step in range(1, 10)]
+    assert named == [[], [], [], [], [], [2], [], [], []]  # rank 1 was slow in the second window only
+    (row,) = [json.loads(line) for line in (tmp_path / "stragglers.jsonl").read_text().splitlines()]
+    assert (row["rank"], row["step"], row["node"]) == (2, 6, "node-b") and row["others_seconds"] == pytest.approx(0.1)
+    book = [json.loads(line) for line in (tmp_path / "logbook.jsonl").read_text().splitlines()]
+    assert [(e["step"], e["kind"]) for e in book] == [(6, "straggler")] and "rank 2 on" in book[0]["detail"]
+    assert watch.slower([0.10, 0.14]) == [] and watch.slower([0.10, 0.16]) == [1] and watch.slower([0.2]) == []

@@ -67,7 +67,8 @@ def test_loss_falls_and_the_curves_reach_mlflow(baseline):
     assert set(owners.values()) == {0, 1}
     # Saves in the background, each measured; where the run's wall time went (train/goodput.py).
     saves = [r for r in rows if "checkpoint.write_seconds" in r]
-    assert [r["step"] for r in saves] == [10, 20, 30] and all(r["checkpoint.blocked_seconds"] >= 0 for r in saves)
+    assert [r["step"] for r in saves] == [0, 10, 20, 30]  # the initial weights (a rollback target), every 10 steps
+    assert all(r["checkpoint.blocked_seconds"] >= 0 for r in saves)
     parts = {k: v for k, v in run.data.metrics.items() if k.startswith("goodput.")}
     assert 0 < parts["goodput.ettr"] < 1 and parts["goodput.lost_seconds"] == 0 and parts["goodput.restart_seconds"] == 0
     assert parts["goodput.kept_seconds"] == pytest.approx(sum(r["seconds"] for r in rows if "loss" in r), abs=0.01)
@@ -151,14 +152,22 @@ def test_autopilot_rolls_back_skips_escalates_and_survives_a_kill_during_recover
     cfg, wd, _, curve = baseline
     capsys.readouterr()
     faults = ("train.inject=[{kind: spike, step: 14, factor: 300}, {kind: kill, step: 17}, {kind: spike, step: 24, factor: 300}, "
-              "{kind: spike, step: 34, factor: 300}]")
+              "{kind: spike, step: 34, factor: 300}, {kind: slow, step: 1, rank: 1, seconds: 0.1}]")
     assert main(["--config", str(cfg), "--only", "train", "--set", faults, "--set", "train.max_steps=40",
+                 "--set", "train.stragglers.window=4",
                  "--set", "train.autopilot.warmup=5", "--set", "train.autopilot.window=10",
                  "--set", "train.autopilot.grad_ratio=100",  # loss spikes only: 10 steps of history is little
                  "--set", "train.autopilot.rollback_steps=0"]) == 0
     train = manifest(wd, "train")
     out = Path(train["output"])
-    book = [json.loads(line) for line in (out / "logbook.jsonl").read_text().splitlines()]
+    logged = [json.loads(line) for line in (out / "logbook.jsonl").read_text().splitlines()]
+    book = [e for e in logged if e["kind"] != "straggler"]
+    # Rank 1, 0.1 s slower every step, is named after two windows of 4 steps (step 8), once per attempt: again
+    # after the kill's restart from step 10 (windows end at steps 12 and 16). Its node is named; the MLflow
+    # run is tagged with it.
+    stragglers = [json.loads(line) for line in (out / "stragglers.jsonl").read_text().splitlines()]
+    assert [(r["rank"], r["step"]) for r in stragglers] == [(1, 8), (1, 16)] and all(r["node"] for r in stragglers)
+    assert [e["step"] for e in logged if e["kind"] == "straggler"] == [8, 16]
     # The LR spike at step 14 shows in step 15's loss. One entry per spike, none lost or repeated across the
     # kill at step 17 (while recovering from the first: the run is back at step 10 then).
     assert [(e["step"], e["kind"], e["actions"]) for e in book] == [
@@ -189,6 +198,8 @@ def test_autopilot_rolls_back_skips_escalates_and_survives_a_kill_during_recover
     assert "LOGBOOK.md" in os.listdir(out) and (out / "training.png").stat().st_size > 10_000
     client = MlflowClient(f"sqlite:///{wd}/mlflow.db")
     tags = client.get_run(train["mlflow_run_id"]).data.tags
+    assert tags["straggler.rank1"].startswith(f"step {stragglers[-1]['step']}: ")
+    assert client.get_run(train["mlflow_run_id"]).data.metrics["stragglers"] == 2
     assert tags["autopilot.interventions"] == "3" and tags["autopilot.2"] == "step 25: loss_spike -> rollback, skip, lower_lr"
     assert {a.path for a in client.list_artifacts(train["mlflow_run_id"])} >= {"training.png", "LOGBOOK.md", "logbook.jsonl"}
 

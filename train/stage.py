@@ -70,7 +70,7 @@ def run(ctx: StageContext) -> StageResult:
     goodput.mark(folder, "finish")
     time_spent = goodput.account(folder)
     summary = json.loads((folder / "summary.json").read_text())
-    for name in ("metrics.jsonl", "incidents.jsonl", "failures.jsonl", "loop_config.json", "logbook.jsonl", "LOGBOOK.md", "train.log"):
+    for name in ("metrics.jsonl", "incidents.jsonl", "failures.jsonl", "stragglers.jsonl", "loop_config.json", "logbook.jsonl", "LOGBOOK.md", "train.log"):
         if (folder / name).exists():
             (ctx.output / name).write_bytes((folder / name).read_bytes())
     logbook = autopilot.Logbook(folder).entries()
@@ -87,11 +87,11 @@ def run(ctx: StageContext) -> StageResult:
     incidents = (folder / "incidents.jsonl").read_text().splitlines() if (folder / "incidents.jsonl").exists() else []
     metrics = {"steps": summary["steps"], "final_loss": summary["final_loss"], "sequences_trained": sequences,
                "tokens_trained": sequences * config.seq_len, "incidents": len(incidents),
-               "interventions": len(logbook), **curve_summary(folder / "metrics.jsonl"),
+               "interventions": len(interventions(logbook)), "stragglers": len(_read_jsonl(folder / "stragglers.jsonl")), **curve_summary(folder / "metrics.jsonl"),
                **{f"goodput.{k}": v for k, v in time_spent.items() if k != "spans"}, **checkpoint_times(folder / "metrics.jsonl")}
     return StageResult(index["sequences"], index["sequences"], {}, metrics,
                        fields={"steps": summary["steps"], "final_loss": summary["final_loss"], "run_dir": str(folder),
-                               "interventions": [{k: e[k] for k in ("step", "kind", "actions")} for e in logbook]})
+                               "interventions": [{k: e[k] for k in ("step", "kind", "actions")} for e in interventions(logbook)]})
 
 
 def curve_summary(metrics_file: Path) -> dict[str, float]:
@@ -108,6 +108,15 @@ def curve_summary(metrics_file: Path) -> dict[str, float]:
     return {**last, "spikes": found.spikes, "spike_excess": 100.0 * found.excess / max(1, found.scored_steps)}
 
 
+def interventions(logbook: list[dict]) -> list[dict]:
+    """The logbook's entries that changed the run (a straggler named is in the logbook, but changed nothing)."""
+    return [e for e in logbook if e["kind"] != "straggler"]
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
 def checkpoint_times(metrics_file: Path) -> dict[str, float]:
     """The saves' blocked and write seconds, summed over the run (each save's are in metrics.jsonl and MLflow)."""
     rows = [json.loads(line) for line in metrics_file.read_text().splitlines()]
@@ -121,6 +130,10 @@ def track_logbook(ctx: StageContext, logbook: list[dict], files: list[Path]) -> 
     from mlflow import MlflowClient
 
     client = MlflowClient(ctx.config.mlflow.tracking_uri)
+    for straggler in _read_jsonl(ctx.output / "stragglers.jsonl"):
+        client.set_tag(ctx.mlflow_run_id, f"straggler.rank{straggler['rank']}",
+                       f"step {straggler['step']}: {straggler['host']} (node {straggler['node']})")
+    logbook = interventions(logbook)
     client.set_tag(ctx.mlflow_run_id, "autopilot.interventions", str(len(logbook)))
     for i, entry in enumerate(logbook, 1):
         client.set_tag(ctx.mlflow_run_id, f"autopilot.{i}", f"step {entry['step']}: {entry['kind']} -> {', '.join(entry['actions'])}")

@@ -97,6 +97,7 @@ class Effects:
     lr_factor: float = 1.0
     nan: bool = False
     overflow: bool = False
+    delay: float = 0.0  # seconds added to this rank's compute (an injected straggler)
 
     @property
     def poison(self) -> float:
@@ -130,9 +131,11 @@ class Faults:
 
     def before_step(self, step: int, hang_seconds: float) -> Effects:
         """Fire this step's faults (step 0: start-up, before the checkpoint load); returns their effects on the step."""
-        due = [f for f in self.faults if f["step"] == step]
+        delay = sum(f["seconds"] for f in self.faults if f["kind"] == "slow" and step >= f["step"]
+                    and self.ctx.rank == (self.ctx.world - 1 if f["rank"] is None else f["rank"]))
+        due = [f for f in self.faults if f["step"] == step and f["kind"] != "slow"]
         if not due:
-            return Effects(overflow=step <= self.overflow_until)
+            return Effects(overflow=step <= self.overflow_until, delay=delay)
         fired = self._fired()
         barrier()  # every rank has read the same record before rank 0 adds to it
         effects = Effects()
@@ -155,6 +158,7 @@ class Faults:
             if fault["kind"] == "hang":
                 time.sleep(10 * hang_seconds)  # stalls until the watchdog ends the process
         barrier()
+        effects.delay = delay
         return effects
 
     def _on_every_rank(self, fault: dict, step: int, effects: Effects) -> None:

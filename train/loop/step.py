@@ -46,6 +46,34 @@ class StepResult:
     activation_norm: float
     overflow: bool  # the (real or simulated) loss scaler skipped this update
     seconds: float
+    compute_seconds: float = 0.0  # this rank's forward compute, apart from its waits in collectives (stragglers.py)
+
+
+class ComputeTimer:
+    """Seconds of compute in the timed blocks: CUDA events on a GPU (read once the step has synchronized), the
+    clock on a CPU, where the work is done when the call returns."""
+
+    def __init__(self, device: torch.device):
+        self.cuda, self.seconds, self.events = device.type == "cuda", 0.0, []
+
+    def __enter__(self) -> "ComputeTimer":
+        if self.cuda:
+            self.events.append(torch.cuda.Event(enable_timing=True))
+            self.events[-1].record()
+        else:
+            self.began = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.cuda:
+            self.events.append(torch.cuda.Event(enable_timing=True))
+            self.events[-1].record()
+        else:
+            self.seconds += time.perf_counter() - self.began
+
+    def total(self) -> float:
+        pairs = zip(self.events[::2], self.events[1::2])
+        return self.seconds + sum(start.elapsed_time(end) for start, end in pairs) / 1e3
 
 
 def set_lr(engine, lr: float) -> None:
@@ -72,18 +100,24 @@ class TrainStep:
     def __init__(self, engine, model: torch.nn.Module, feed: Feed, ctx: Context, own_grad_norm: bool):
         self.engine, self.model, self.feed, self.ctx, self.own_grad_norm = engine, model, feed, ctx, own_grad_norm
 
-    def __call__(self, lr: float, poison: float = 1.0) -> StepResult:
+    def __call__(self, lr: float, poison: float = 1.0, delay: float = 0.0) -> StepResult:
         """The next batch at `lr`. `poison` scales the gradients only (an injected nan or overflow); the loss
-        reported is the true one. The seconds include reading the batch."""
+        reported is the true one; `delay` seconds are added to this rank's compute (an injected straggler).
+        The seconds include reading the batch."""
         t0 = time.perf_counter()
         batch, micro_batches = self.feed.next()
         engine = self.engine
         set_lr(engine, lr)
         skipped_before = engine.skipped_steps
+        timer = ComputeTimer(self.ctx.device)
+        if delay:
+            with timer:
+                time.sleep(delay)
         if self.ctx.pipelined:
-            losses, activations, grad_norm = self._pipelined(micro_batches, poison)
+            with timer:  # compute and the stages' waits, inseparable inside DeepSpeed's schedule
+                losses, activations, grad_norm = self._pipelined(micro_batches, poison)
         else:
-            losses, activations, grad_norm = self._whole(micro_batches, poison)
+            losses, activations, grad_norm = self._whole(micro_batches, poison, timer)
         if not self.own_grad_norm:
             grad_norm = engine.get_global_grad_norm()
             grad_norm = None if grad_norm is None else float(grad_norm)
@@ -92,7 +126,7 @@ class TrainStep:
         overflow = engine.skipped_steps > skipped_before
         if overflow:  # the scaler skipped the update: DeepSpeed reports inf, which is no measurement of the run
             grad_norm = None
-        return StepResult(batch, lr, loss, grad_norm, act_norm, overflow, seconds)
+        return StepResult(batch, lr, loss, grad_norm, act_norm, overflow, seconds, timer.total())
 
     def _pipelined(self, micro_batches: list, poison: float):
         """1F1B over the micro-batches, the optimizer step at the end; the mean loss on every stage."""
@@ -102,10 +136,11 @@ class TrainStep:
         engine.module.loss_fn.gradient_factor = 1.0
         return losses, pipeline.activation_norm(engine.module, self.ctx.groups), None
 
-    def _whole(self, micro_batches: list, poison: float):
+    def _whole(self, micro_batches: list, poison: float, timer: ComputeTimer):
         engine, grad_norm, losses = self.engine, None, []
         for inputs, targets in micro_batches:
-            micro_loss = engine(inputs, targets)
+            with timer:  # no collective in a forward of ZeRO 0-2 (ZeRO-3 gathers weights in it, tensor groups reduce)
+                micro_loss = engine(inputs, targets)
             losses.append(micro_loss.detach())  # on the device: one reduction per step, no sync per micro-batch
             engine.backward(pipeline.scale_gradient(micro_loss, poison))
             if self.own_grad_norm and engine.is_gradient_accumulation_boundary():

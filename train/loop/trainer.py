@@ -27,6 +27,7 @@ from train.loop.faults import Faults, restarts_without_progress, watchdog_for
 from train.loop.metrics import Metrics
 from train.loop.pilot import Pilot
 from train.loop.step import Feed, TrainStep
+from train.loop.stragglers import Stragglers
 from train.loop.validation import Validation
 from train.optim import Schedule
 from train.parallel.collectives import barrier, set_default_timeout
@@ -75,6 +76,7 @@ class Trainer:
         self.step = TrainStep(self.engine, self.model, Feed(self.loader, ctx, t.micro_batch_size), ctx,
                               built.own_grad_norm)
         self.validation = Validation(self.engine, cfg, ctx)
+        self.stragglers = Stragglers(ctx, t.stragglers.window, t.stragglers.margin, t.stragglers.patience)
         self.progress = Progress(step=resumed["step"] if resumed else 0)
         self.progress.stopped = restarts_without_progress(ctx, self.progress.step if resumed else None,
                                                           t.max_stalled_restarts)
@@ -88,9 +90,10 @@ class Trainer:
         while run.stopped is None and run.step < cfg.max_steps:
             run.phase = "step"
             effects = self.faults.before_step(run.step + 1, cfg.train.hang_seconds)
-            result = self.step(self.schedule.lr(run.step + 1) * effects.lr_factor, effects.poison)
+            result = self.step(self.schedule.lr(run.step + 1) * effects.lr_factor, effects.poison, effects.delay)
             run.step, run.loss = run.step + 1, result.loss
             self.watchdog.beat(run.step)
+            self.stragglers.observe(run.step, result.compute_seconds)
             self.metrics.step(run.step, result, self.pilot.after_step(result.overflow), self.engine.skipped_steps)
             decision = self.pilot.observe(run.step, result)
             if decision is not None and decision.stop:

@@ -54,6 +54,16 @@ def all_mean(values: list) -> list[float]:
     return (t / dist.get_world_size()).tolist()
 
 
+def all_gather_float(value: float) -> list[float]:
+    """Every rank's value, in rank order."""
+    if not initialized():
+        return [float(value)]
+    mine = torch.tensor([float(value)], dtype=torch.float64, device=device())
+    out = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, mine)
+    return [float(t) for t in out]
+
+
 def all_ok(ok: bool) -> bool:
     """True on every rank when every rank says ok."""
     if not initialized():
