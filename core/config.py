@@ -376,6 +376,25 @@ class StragglerConfig:
 
 
 @dataclass
+class HealthConfig:
+    """Node health checks and exclusion (train/health.py)."""
+
+    # Probe every node before the first start, and a node implicated in failures; None: when the cluster has
+    # more than one node (a single machine has nowhere else to go).
+    enabled: bool | None = None
+    min_fraction: float = 0.5  # of the node's reference (its GPU's peak, or the other nodes' median)
+    collective: bool = True  # the all-reduce test (two processes on the node: a few seconds)
+    failures: int = 2  # a node with this many failures ...
+    window_seconds: float = 6 * 3600.0  # ... within this long is checked again
+
+    def validate(self, key: str) -> None:
+        _at_least(self, key, 1, "failures")
+        _positive(self, key, "window_seconds")
+        if not 0.0 < self.min_fraction <= 1.0:
+            raise ConfigError(f"{key}.min_fraction", f"expected a fraction in (0, 1], got {self.min_fraction}")
+
+
+@dataclass
 class InjectConfig:
     """A fault to inject, for tests and demos; each fires once, even across restarts."""
 
@@ -386,7 +405,8 @@ class InjectConfig:
     # spike: the LR is multiplied by `factor` for that step; nan: that step's gradients are NaN;
     # overflow: `count` steps from `step` overflow (fp16's scaler skips them; on fp32/bf16 a simulated scaler)
     step: int
-    rank: int | None = None  # kill, hang, error: the worker it happens on (None: the last rank)
+    rank: int | None = None  # kill, hang, error, slow: the worker it happens on (None: the last rank) ...
+    node: str | None = None  # ... or every worker on this Ray node (its id; benchmarks/chaos.py)
     factor: float = 50.0  # spike
     count: int = 1  # overflow
     seconds: float = 0.5  # slow
@@ -442,6 +462,7 @@ class TrainConfig:
     inject: list[InjectConfig] = field(default_factory=list)
     autopilot: AutopilotConfig = field(default_factory=AutopilotConfig)
     stragglers: StragglerConfig = field(default_factory=StragglerConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @property

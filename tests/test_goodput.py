@@ -1,5 +1,5 @@
-"""The goodput account (train/goodput.py) on a run's records written by hand: a crash, a hang seen by two
-ranks, a redone step, validation, a checkpoint and the export, each second in exactly one part."""
+"""The goodput account (train/goodput.py) on a run's records written by hand: a crash, a health check, a hang
+seen by two ranks, a redone step, validation, a checkpoint and the export, each second in exactly one part."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from train import goodput
 
 def test_every_second_of_the_wall_time_is_in_one_part_and_ettr_counts_only_kept_steps(tmp_path):
     events = [("launch", 100), ("start", 102), ("built", 105), ("ready", 106),  # attempt 1: steps 1-3, then a crash
+              ("health", 111, 1.5),  # the crashed rank's node probed between the attempts
               ("start", 112), ("built", 114), ("ready", 115),  # attempt 2 resumes at step 2: step 3 again, 4, then hangs
               ("hang", 127, 10.0), ("hang", 127.5, 10.5),  # the hung rank and a peer, both past the limit
               ("start", 130), ("built", 131), ("ready", 132), ("export", 137, 2.0), ("finish", 138)]
@@ -23,10 +24,10 @@ def test_every_second_of_the_wall_time_is_in_one_part_and_ettr_counts_only_kept_
              {"step": 5, "checkpoint.blocked_seconds": 0.5, "checkpoint.write_seconds": 3.0, "time": 135}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     report = goodput.account(tmp_path)
-    expected = {"kept": 5.0, "lost": 1.0, "scheduling": 2.0, "startup_build": 3 + 2 + 1, "startup_load": 3.0,
-                "restart": (112 - 109) + (130 - 127.5), "hang": 10.5, "checkpoint_blocked": 0.5, "evaluation": 1.0,
+    expected = {"kept": 5.0, "lost": 1.0, "scheduling": 2.0, "health_check": 1.5, "startup_build": 3 + 2 + 1,
+                "startup_load": 3.0, "restart": (112 - 109 - 1.5) + (130 - 127.5), "hang": 10.5, "checkpoint_blocked": 0.5, "evaluation": 1.0,
                 "export": 2.0, "other": 1.5}
     assert {p: report[f"{p}_seconds"] for p in goodput.PARTS} == pytest.approx(expected)
     assert report["wall_seconds"] == 38.0 and report["ettr"] == pytest.approx(5 / 38, abs=1e-4)
-    assert "| restart | 5.5 | 14.5% |" in goodput.summary(report)
+    assert "| restart | 4.0 | 10.5% |" in goodput.summary(report)
     assert goodput.plot(report, tmp_path / "goodput.png").stat().st_size > 5_000

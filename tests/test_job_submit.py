@@ -199,6 +199,34 @@ sources:
         assert rows["0"][1] == rows["1"][1]  # one machine
         assert [rows[r][2:] for r in "01"] == [["0 of 2", "0", "0", "0"], ["1 of 2", "0", "0", "1"]], rows
         assert "spans nodes" not in placed.stdout
+
+        # A node that fails its health check is drained (train/health.py): nothing new is scheduled on it. The
+        # probe runs on both nodes, pinned (matmul, memory, a gloo all-reduce between two processes); the
+        # second node is marked unhealthy as the chaos drill marks one.
+        runs = tmp_path / "health-run"
+        checked = subprocess.run([sys.executable, "-c", (
+            "import json, sys, ray\n"
+            "from pathlib import Path\n"
+            "from train import health\n"
+            "ray.init()\n"
+            f"run = Path({str(runs)!r})\n"
+            "(run / 'inject').mkdir(parents=True)\n"
+            "worker = next(n['NodeID'] for n in ray.nodes() if 'worker_node' in n['Resources'])\n"
+            "(run / 'inject' / f'unhealthy-{worker}').touch()\n"
+            "excluded = health.check(run, health.alive_nodes(), 0.5)\n"
+            "pinned = ray.remote(num_cpus=0, resources={'worker_node': 0.01})(lambda: 1).remote()\n"
+            "head = ray.remote(num_cpus=0, resources={'head_node': 0.01})(lambda: 1).remote()\n"
+            "ready, _ = ray.wait([pinned, head], num_returns=2, timeout=5)\n"
+            "print(json.dumps({'excluded': excluded, 'worker': worker, 'ran': [r == head for r in ready]}))")],
+            cwd=ROOT, env={**env, "RAY_ADDRESS": f"127.0.0.1:{gcs}"}, capture_output=True, text=True, timeout=300)
+        assert checked.returncode == 0, checked.stdout[-3000:] + checked.stderr[-3000:]
+        said = json.loads(checked.stdout.splitlines()[-1])
+        assert said["excluded"] == [said["worker"]] and said["ran"] == [True]  # the drained node takes no task
+        probes = [json.loads(line) for line in (runs / "health.jsonl").read_text().splitlines()]
+        assert len(probes) == 2 and all(p["matmul_tflops"] > 0 and p["memory_ok"] and p["allreduce_gbps"] > 0 for p in probes)
+        assert [p["failed"] for p in probes if p["node"] == said["worker"]] == ["marked unhealthy by a drill"]
+        assert f"node {said['worker']}" in (runs / "incidents.jsonl").read_text()
+        assert json.loads((runs / "logbook.jsonl").read_text())["kind"] == "node-excluded"
     finally:
         os.killpg(server.pid, signal.SIGTERM)
         try:

@@ -212,14 +212,15 @@ def test_a_hung_start_up_ends_its_worker_with_the_reason(tmp_path):
 import sys, time
 from train.loop.faults import Watchdog
 said = []
-def on_hang(step, stalled, started):
-    print(f"hang step={step} started={started} stalled>={stalled >= float(sys.argv[1])}", flush=True)
+def on_hang(step, stalled, started, waiting):
+    print(f"hang step={step} started={started} stalled>={stalled >= float(sys.argv[1])} waiting={waiting}", flush=True)
 dog = Watchdog(float(sys.argv[1]), on_hang)
 if sys.argv[2] == "step":
     dog.beat(0, 0.4)  # start-up done; steps get 0.4 s
 time.sleep(30)
 """
-    for mode, expected in (("startup", "hang step=0 started=False stalled>=True"), ("step", "hang step=0 started=True")):
+    for mode, expected in (("startup", "hang step=0 started=False stalled>=True waiting=False"),
+                           ("step", "hang step=0 started=True")):
         proc = subprocess.run([sys.executable, "-c", script, "0.4", mode], capture_output=True, text=True, timeout=60,
                               cwd=ROOT)
         assert proc.returncode == 3 and proc.stdout.startswith(expected), (mode, proc.stdout, proc.stderr)

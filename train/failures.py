@@ -90,11 +90,13 @@ def write_identity(run_dir: Path, rank: int, node: str | None) -> None:
     (folder / f"rank-{rank}.json").write_text(json.dumps({"node": node, "host": socket.gethostname()}))
 
 
-def write_exit(run_dir: Path, rank: int, kind: str, step: int | None, message: str) -> None:
-    """exits/rank-R.json: why this process is about to end itself (its watchdog: a hang)."""
+def write_exit(run_dir: Path, rank: int, kind: str, step: int | None, message: str, waiting: bool = False) -> None:
+    """exits/rank-R.json: why this process is about to end itself (its watchdog: a hang; `waiting`: in a
+    collective, for a peer)."""
     folder = run_dir / "exits"
     folder.mkdir(exist_ok=True)
-    (folder / f"rank-{rank}.json").write_text(json.dumps({"kind": kind, "step": step, "message": message}))
+    (folder / f"rank-{rank}.json").write_text(json.dumps({"kind": kind, "step": step, "message": message,
+                                                          "waiting": waiting}))
 
 
 def history(run_dir: Path) -> list[Failure]:
@@ -118,6 +120,7 @@ def failure_of(rank: int, error: Exception, attempt: int, run_dir: Path) -> Fail
     step, phase = (said["step"], said["phase"]) if said else (exited["step"], "step") if exited else \
         last_step_since(run_dir, identity.stat().st_mtime if identity.exists() else time.time())
     return Failure(attempt=attempt, rank=rank, kind=kind, type=type_name, message=message, step=step, phase=phase,
+                   primary=not (exited or {}).get("waiting", False),
                    node=said.get("node") or who.get("node"), host=said.get("host") or who.get("host"),
                    where=said.get("where"), traceback=said.get("traceback", ""))
 
@@ -141,16 +144,17 @@ class FailureRecorder(UserCallback):
     """On Ray Train's controller: each failed attempt's failures into failures.jsonl and incidents.jsonl,
     before the controller decides to restart."""
 
-    def __init__(self, run_dir: str):
+    def __init__(self, run_dir: str, health=None):
         self.run_dir = run_dir
+        self.health = health  # a HealthConfig when nodes are checked and excluded (train/health.py)
 
     def after_exception(self, run_context, worker_exceptions: dict[int, Exception]) -> None:
         run_dir = Path(self.run_dir)
         attempt = max((f.attempt for f in history(run_dir)), default=0) + 1
         failures = [failure_of(rank, error, attempt, run_dir) for rank, error in sorted(worker_exceptions.items())]
-        if any(not PEER_LOST.search(f.message) for f in failures):
+        if any(f.primary and not PEER_LOST.search(f.message) for f in failures):
             for f in failures:
-                f.primary = not PEER_LOST.search(f.message)
+                f.primary = f.primary and not PEER_LOST.search(f.message)
         with open(run_dir / FAILURES, "a") as f:
             for failure in failures:
                 f.write(json.dumps(dataclasses.asdict(failure)) + "\n")
@@ -158,6 +162,25 @@ class FailureRecorder(UserCallback):
             for failure in failures:
                 f.write(json.dumps({"time": failure.time, "step": failure.step or 0, "rank": failure.rank,
                                     "what": f"attempt {attempt} failed: {failure.line()}"}) + "\n")
+        if self.health is not None:
+            from train import health
+
+            suspects = implicated(history(run_dir), self.health.failures, self.health.window_seconds,
+                                  health.last_checked(run_dir))
+            if suspects:
+                health.check(run_dir, suspects, self.health.min_fraction, self.health.collective)
+
+
+def implicated(failures: list[Failure], count: int, window_seconds: float, checked: dict[str, float]) -> list[str]:
+    """Nodes with `count` failures (each a cause, not a peer's broken collective; not a bug in the code) within
+    the last `window_seconds` and since the node's last health check (`checked`: node -> time): to probe now."""
+    now = time.time()
+    by_node: dict[str, int] = {}
+    for f in failures:
+        if f.primary and f.kind != "software" and f.node and now - f.time <= window_seconds \
+                and f.time > checked.get(f.node, 0.0):
+            by_node[f.node] = by_node.get(f.node, 0) + 1
+    return sorted(node for node, n in by_node.items() if n >= count)
 
 
 def repeated_error(failures: list[Failure]) -> str | None:

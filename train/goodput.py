@@ -3,9 +3,10 @@
 Llama 3 and MegaScale report effective training time (the time of the steps kept over the wall time)
 above 90%; OPT-175B, by hand, did not say. The run's records give every term:
 
-- `timeline.jsonl` (run folder): the driver's `launch` and `finish`; rank 0's `start` (the worker's first
-  line), `built` (model and DeepSpeed engine), `ready` (checkpoint loaded: the first step starts), `export`;
-  a watchdog's `hang` (with how long the step had stalled);
+- `timeline.jsonl` (run folder): the driver's `launch` and `finish`; `health` (node probes, before the
+  first start or between attempts, train/health.py); rank 0's `start` (the worker's first line), `built`
+  (model and DeepSpeed engine), `ready` (checkpoint loaded: the first step starts), `export`; a watchdog's
+  `hang` (with how long the step had stalled);
 - `metrics.jsonl`: each step's end time and seconds, each validation's seconds, each checkpoint's
   blocked seconds.
 
@@ -22,7 +23,7 @@ import time
 from pathlib import Path
 
 TIMELINE = "timeline.jsonl"
-PARTS = ("kept", "lost", "scheduling", "startup_build", "startup_load", "restart", "hang", "checkpoint_blocked",
+PARTS = ("kept", "lost", "scheduling", "health_check", "startup_build", "startup_load", "restart", "hang", "checkpoint_blocked",
          "evaluation", "export", "other")
 
 
@@ -64,7 +65,7 @@ def account(run_dir: Path | str) -> dict:
 
 def _walk(events: list[dict], rows: list[dict], seconds: dict, spans: list) -> float:
     """The timeline's events in order: start-ups, the gaps between attempts, hangs, exports; the wall time."""
-    wall, launched, last, started, built, hang_until = 0.0, None, None, None, None, 0.0
+    wall, launched, last, started, built, hang_until, checking = 0.0, None, None, None, None, 0.0, 0.0
     times = sorted([(e["time"], e) for e in events] + [(r["time"], {"event": "row"}) for r in rows if "time" in r],
                    key=lambda pair: pair[0])
     for t, e in times:
@@ -72,15 +73,16 @@ def _walk(events: list[dict], rows: list[dict], seconds: dict, spans: list) -> f
         if kind == "launch":
             if launched is not None and last is not None:  # the previous driver died: count up to its last record
                 wall += last - launched
-            launched, last, started = t, t, None
+            launched, last, started, checking = t, t, None, 0.0
             continue
         if launched is None:
             continue
-        if kind == "start":
-            gap = "scheduling" if started is None and last == launched else "restart"
-            seconds[gap] += t - last
+        if kind == "start":  # the gap before it: scheduling (the launch's first) or restart, less health checks
+            gap = "scheduling" if started is None else "restart"
+            seconds[gap] += t - last - checking
             spans.append((gap, last, t))
             started = built = t
+            checking = 0.0
         elif kind == "built" and started is not None:
             seconds["startup_build"] += t - started
             spans.append(("startup_build", started, t))
@@ -93,6 +95,11 @@ def _walk(events: list[dict], rows: list[dict], seconds: dict, spans: list) -> f
             seconds["hang"] += max(0.0, t - begin)
             spans.append(("hang", begin, t))
             hang_until = max(hang_until, t)
+        elif kind == "health":  # probes between attempts (or before the first): not counted in the gap
+            seconds["health_check"] += e["seconds"]
+            checking += e["seconds"]
+            spans.append(("health_check", t - e["seconds"], t))
+            continue  # the gap runs on to the next start
         elif kind == "export":
             seconds["export"] += e["seconds"]
             spans.append(("export", t - e["seconds"], t))
@@ -105,7 +112,7 @@ def _walk(events: list[dict], rows: list[dict], seconds: dict, spans: list) -> f
     return wall
 
 
-COLORS = {"kept": "tab:green", "lost": "tab:red", "scheduling": "tab:gray", "startup_build": "tab:blue",
+COLORS = {"kept": "tab:green", "lost": "tab:red", "scheduling": "tab:gray", "health_check": "tab:pink", "startup_build": "tab:blue",
           "startup_load": "tab:cyan", "restart": "tab:orange", "hang": "tab:purple", "checkpoint_blocked": "black",
           "evaluation": "tab:olive", "export": "tab:brown"}
 

@@ -19,7 +19,7 @@ from pathlib import Path
 from core.config import TrainConfig
 from core.console import Bar
 from core.dag import StageContext, StageResult
-from train import autopilot, goodput
+from train import autopilot, goodput, health
 from train.follow import Follower
 from train.loader import read_index
 from train.loop.config import loop_config
@@ -50,7 +50,7 @@ def fit(cfg: TrainConfig, config, folder: Path, loop=None):
         scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.gpus_per_worker > 0,
                                      resources_per_worker=resources),
         run_config=RunConfig(name="ray", storage_path=str(folder), failure_config=FailureConfig(max_failures=cfg.max_failures),
-                             callbacks=[FailureRecorder(str(folder))]),
+                             callbacks=[FailureRecorder(str(folder), cfg.health if checks_health(cfg) else None)]),
     )
     return trainer.fit()
 
@@ -65,12 +65,14 @@ def run(ctx: StageContext) -> StageResult:
     ctx.log.info("run folder %s: %d steps of %d sequences x %d tokens on %d workers", folder, config.max_steps,
                  config.global_batch, config.seq_len, cfg.num_workers)
     goodput.mark(folder, "launch")
+    if checks_health(cfg):
+        check_nodes(ctx, cfg, folder)
     with Bar("train", "steps", config.max_steps) as bar, Follower("train", {"": folder}, bar):
         fit(cfg, config, folder)
     goodput.mark(folder, "finish")
     time_spent = goodput.account(folder)
     summary = json.loads((folder / "summary.json").read_text())
-    for name in ("metrics.jsonl", "incidents.jsonl", "failures.jsonl", "stragglers.jsonl", "loop_config.json", "logbook.jsonl", "LOGBOOK.md", "train.log"):
+    for name in ("metrics.jsonl", "incidents.jsonl", "failures.jsonl", "stragglers.jsonl", "health.jsonl", "loop_config.json", "logbook.jsonl", "LOGBOOK.md", "train.log"):
         if (folder / name).exists():
             (ctx.output / name).write_bytes((folder / name).read_bytes())
     logbook = autopilot.Logbook(folder).entries()
@@ -106,6 +108,23 @@ def curve_summary(metrics_file: Path) -> dict[str, float]:
         last.update({k: v for k, v in json.loads(line).items() if k.startswith("val_loss")})
     found = spike_score(read_grad_norms(metrics_file))
     return {**last, "spikes": found.spikes, "spike_excess": 100.0 * found.excess / max(1, found.scored_steps)}
+
+
+def checks_health(cfg: TrainConfig) -> bool:
+    import ray
+
+    if cfg.health.enabled is not None:
+        return cfg.health.enabled
+    return ray.is_initialized() and len(health.alive_nodes()) > 1
+
+
+def check_nodes(ctx: StageContext, cfg: TrainConfig, folder: Path) -> None:
+    """Every alive node probed before the first start; the ones that fail drained. Fails when too few are left."""
+    nodes = health.alive_nodes()
+    excluded = health.check(folder, nodes, cfg.health.min_fraction, cfg.health.collective)
+    ctx.log.info("health check: %d nodes probed, %d excluded", len(nodes), len(excluded))
+    if len(excluded) == len(nodes):
+        raise RuntimeError(f"every node failed its health check (see {folder / 'health.jsonl'})")
 
 
 def interventions(logbook: list[dict]) -> list[dict]:

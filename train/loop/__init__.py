@@ -47,6 +47,8 @@ def train_loop(config: LoopConfig) -> None:
         trainer = Trainer(config, ctx, local_rank=train_ctx.get_local_rank(), local_world=train_ctx.get_local_world_size())
         trainer.fit()
     except Exception as error:  # where this rank was, for the controller's record (train/failures.py)
+        if trainer is not None:
+            trainer.watchdog.stop()  # the process lives on until Ray Train ends it: no hang to report meanwhile
         step, phase = (None, "start-up") if trainer is None else trainer.progress.where()
         error.train_failure = failures.describe_exception(error, step, phase, rank, node)
         raise

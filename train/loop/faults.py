@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import sys
 import threading
 import time
 
@@ -30,6 +31,7 @@ class Watchdog:
     def __init__(self, seconds: float, on_hang):
         self.seconds, self.on_hang = seconds, on_hang
         self.beat_at, self.step, self.started = time.monotonic(), 0, False
+        self.owner = threading.get_ident()  # the training thread (under Ray Train, not the process's main thread)
         self._stop = threading.Event()
         threading.Thread(target=self._watch, daemon=True, name="watchdog").start()
 
@@ -46,21 +48,34 @@ class Watchdog:
         while not self._stop.wait(min(1.0, self.seconds / 4)):  # at most a second late, whatever the limit was
             stalled = time.monotonic() - self.beat_at
             if stalled > self.seconds:
-                self.on_hang(self.step, stalled, self.started)
+                self.on_hang(self.step, stalled, self.started, waiting_in_collective(self.owner))
                 os._exit(3)
+
+
+def waiting_in_collective(thread_id: int) -> bool:
+    """Whether the thread is stuck inside a torch.distributed call: waiting for a peer, which is then the one
+    that hangs (every rank's watchdog fires on a hang; only the culprit's is not in a collective). On a GPU,
+    a wait for NCCL can also sit in a CUDA synchronize, which this does not see."""
+    frame = sys._current_frames().get(thread_id)
+    while frame is not None:
+        if f"torch{os.sep}distributed{os.sep}" in frame.f_code.co_filename:
+            return True
+        frame = frame.f_back
+    return False
 
 
 def watchdog_for(ctx: Context, hang_seconds: float, startup_seconds: float) -> Watchdog:
     """A watchdog whose last word is an incident naming what ran too long and the setting it outlasted."""
 
-    def on_hang(done: int, stalled: float, started: bool) -> None:
+    def on_hang(done: int, stalled: float, started: bool, waiting: bool) -> None:
         if started:
             what = f"step {done + 1} has run {stalled:.0f} s (train.hang_seconds={hang_seconds})"
         else:
             what = (f"start-up (model build, DeepSpeed initialize, checkpoint load) has run {stalled:.0f} s "
                     f"(train.startup_seconds={startup_seconds})")
+        what += ", waiting in a collective for a peer" if waiting else ""
         incident(ctx, done + started, f"{what}: ending this worker")
-        write_exit(ctx.run_dir, ctx.rank, "hang", done + 1 if started else None, what)
+        write_exit(ctx.run_dir, ctx.rank, "hang", done + 1 if started else None, what, waiting)
         goodput.mark(ctx.run_dir, "hang", seconds=stalled, rank=ctx.rank)
 
     return Watchdog(startup_seconds, on_hang)
@@ -131,8 +146,7 @@ class Faults:
 
     def before_step(self, step: int, hang_seconds: float) -> Effects:
         """Fire this step's faults (step 0: start-up, before the checkpoint load); returns their effects on the step."""
-        delay = sum(f["seconds"] for f in self.faults if f["kind"] == "slow" and step >= f["step"]
-                    and self.ctx.rank == (self.ctx.world - 1 if f["rank"] is None else f["rank"]))
+        delay = sum(f["seconds"] for f in self.faults if f["kind"] == "slow" and step >= f["step"] and self._here(f))
         due = [f for f in self.faults if f["step"] == step and f["kind"] != "slow"]
         if not due:
             return Effects(overflow=step <= self.overflow_until, delay=delay)
@@ -145,9 +159,9 @@ class Faults:
             if fault["kind"] in ("spike", "nan", "overflow"):  # on every rank alike
                 self._on_every_rank(fault, step, effects)
                 continue
-            rank = self.ctx.world - 1 if fault["rank"] is None else fault["rank"]
-            if rank != self.ctx.rank:
+            if not self._here(fault):
                 continue
+            rank = self.ctx.rank
             if fault["kind"] == "error":  # a bug: on every attempt, never recorded as fired
                 incident(self.ctx, step, f"injected error on rank {rank}")
                 raise RuntimeError(f"injected error at step {step}")
@@ -160,6 +174,13 @@ class Faults:
         barrier()
         effects.delay = delay
         return effects
+
+    def _here(self, fault: dict) -> bool:
+        """Whether a fault of one worker happens on this one: the rank named, every rank on the node named,
+        or the last rank."""
+        if fault["node"] is not None:
+            return fault["node"] == self.ctx.node
+        return self.ctx.rank == (self.ctx.world - 1 if fault["rank"] is None else fault["rank"])
 
     def _on_every_rank(self, fault: dict, step: int, effects: Effects) -> None:
         if self.ctx.leader:

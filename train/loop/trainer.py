@@ -54,6 +54,14 @@ class Trainer:
         self.cfg, self.ctx = cfg, ctx
         self.faults = Faults(t.inject, ctx)
         self.watchdog = watchdog_for(ctx, t.hang_seconds, t.startup_seconds)
+        try:
+            self._start(cfg, ctx, local_rank, local_world)
+        except BaseException:
+            self.watchdog.stop()  # the failure is the exception's to report, not a hang's
+            raise
+
+    def _start(self, cfg: LoopConfig, ctx: Context, local_rank: int, local_world: int) -> None:
+        t = cfg.train
         set_default_timeout(t.collective_timeout_seconds)  # every group from here on: ours, DeepSpeed's
         ctx.groups = groups_for(cfg, ctx, local_rank, local_world)
         seed_everything(rank_seed(t.seed, ctx.groups))  # dropout: one stream per pipeline stage

@@ -1,0 +1,266 @@
+"""A chaos drill: the train stage on a local three-node Ray cluster with faults injected, and what it did about each.
+
+    python benchmarks/chaos.py [--faults SPEC] [--steps 24] [--json] [--out /tmp/chaos]
+
+The cluster: a head that holds no training worker and two nodes of one CPU each, the tiny model's two
+Ray Train workers on them (so a named node always holds a rank). The drill plays the autoscaler: when a
+node is drained, it adds a fresh node in its place and removes the drained one. First a clean run,
+then the same run (same shards, seed and schedule) with the faults.
+
+SPEC is a comma-separated list of kind@step[:node], node 1 or 2 (default 1):
+- crash: the worker on the node dies (a lost GPU, an ECC error);
+- hang: its step stalls until its watchdog ends it (train.hang_seconds is 15 here);
+- slow: from that step on, its every step takes 0.3 s longer (a straggler);
+- unhealthy: from that step on, the node fails its health check (its next check: the run checks a node
+  after its second failure);
+- error: a deterministic exception on every attempt: the run must stop, naming it.
+The default schedule has one of each.
+
+Prints a table of each fault and what the run did, the last step's loss against the clean run's at the same
+step, and the goodput breakdown; `--json` prints one object instead:
+{"faults": [{"kind", "step", "node", "handled", "action"}...], "final_loss", "clean_loss", "ettr",
+"excluded_nodes", "stragglers"}. Exits 0 when every fault was handled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+DEFAULT = "crash@4:1,slow@2:2,hang@9:2,unhealthy@10:1,crash@12:1,error@20:2"
+SEQ, BATCH = 64, 8
+
+
+def parse(spec: str) -> list[dict]:
+    faults = []
+    for item in filter(None, spec.split(",")):
+        kind, _, rest = item.partition("@")
+        step, _, node = rest.partition(":")
+        if kind not in ("crash", "hang", "slow", "unhealthy", "error") or not step.isdigit() or node not in ("", "1", "2"):
+            raise SystemExit(f"--faults: {item!r} is not kind@step[:node] (kinds crash, hang, slow, unhealthy, error; "
+                             "node 1 or 2)")
+        faults.append({"kind": kind, "step": int(step), "node": int(node or 1)})
+    return faults
+
+
+class Cluster:
+    """Ray's test cluster on this machine: a head without CPUs for workers, two one-CPU nodes, and the
+    autoscaler's part: a drained node replaced by a new one."""
+
+    def __init__(self):
+        import ray
+        from ray.cluster_utils import Cluster as RayCluster
+
+        self.cluster = RayCluster(initialize_head=True, head_node_args={"num_cpus": 0})
+        self.nodes = {k: self.cluster.add_node(num_cpus=1, resources={f"chaos_node_{k}": 1}) for k in (1, 2)}
+        ray.init(address=self.cluster.address, logging_level=logging.WARNING)
+        self.cluster.wait_for_nodes()
+        self.ids = {k: node.node_id for k, node in self.nodes.items()}
+        self.replaced: dict[str, str] = {}
+        self.session = ray._private.worker._global_node.get_session_dir_path()  # every process of it names it
+
+    def node_id(self, k: int) -> str:
+        return self.ids[k]
+
+    def start_node(self, resource: str) -> str:
+        """A new node joins, as the autoscaler would launch it (`ray start`: from any thread, unlike add_node)."""
+        import ray
+
+        subprocess.run([str(Path(sys.executable).parent / "ray"), "start", f"--address={self.cluster.address}",
+                        "--num-cpus=1", f"--resources={json.dumps({resource: 1})}", "--disable-usage-stats"],
+                       check=True, capture_output=True, timeout=120)
+        deadline = time.time() + 60
+        while time.time() < deadline:
+            found = [n["NodeID"] for n in ray.nodes() if n["Alive"] and resource in n["Resources"]]
+            if found:
+                return found[0]
+            time.sleep(0.5)
+        raise RuntimeError(f"the replacement node ({resource}) did not join")
+
+    def replace_drained(self, run_dir: Path) -> None:
+        """Each node the run excluded (health.jsonl), replaced once: a fresh node joins, the drained one leaves."""
+        path = run_dir / "health.jsonl"
+        failed = {json.loads(line)["node"] for line in path.read_text().splitlines() if json.loads(line)["failed"]} \
+            if path.exists() else set()
+        for k, node_id in list(self.ids.items()):
+            if node_id in failed and node_id not in self.replaced:
+                self.replaced[node_id] = self.start_node(f"chaos_node_{k}_replacement")
+                self.ids[k] = self.replaced[node_id]  # the drained node stays, taking nothing new
+
+    def shutdown(self) -> None:
+        """The cluster, and the nodes `ray start` added (their processes name the session's folder)."""
+        import ray
+
+        ray.shutdown()
+        self.cluster.shutdown()
+        for entry in Path("/proc").iterdir():
+            try:
+                if entry.name.isdigit() and self.session in (entry / "cmdline").read_bytes().decode(errors="replace"):
+                    os.kill(int(entry.name), signal.SIGKILL)
+            except (OSError, ProcessLookupError):
+                pass
+
+
+def overrides(steps: int, inject: list[dict]) -> list[str]:
+    faults = json.dumps(inject)
+    return ["train.model=tiny", "train.num_workers=2", "train.cpus_per_worker=1", f"train.max_steps={steps}",
+            f"train.global_batch_tokens={BATCH * SEQ}", "train.micro_batch_size=2", "train.checkpoint_every=2",
+            "train.eval_every=0", "train.warmup_tokens=0", "train.hang_seconds=15", "train.startup_seconds=120",
+            "train.collective_timeout_seconds=300", "train.health.enabled=true", "train.health.collective=false",
+            "train.stragglers.window=3", "train.autopilot.enabled=false", f"train.inject={faults}"]
+
+
+def to_inject(faults: list[dict], cluster: Cluster) -> list[dict]:
+    kinds = {"crash": "kill", "hang": "hang", "slow": "slow", "error": "error"}
+    return [{"kind": kinds[f["kind"]], "step": f["step"], "node": cluster.node_id(f["node"]),
+             **({"seconds": 0.3} if f["kind"] == "slow" else {})} for f in faults if f["kind"] in kinds]
+
+
+def watch(faults: list[dict], cluster: Cluster, runs: Path, done: threading.Event) -> None:
+    """Mark nodes unhealthy when the run reaches their step; replace the nodes the run drains."""
+    pending = [f for f in faults if f["kind"] == "unhealthy"]
+    while not done.wait(0.5):
+        found = list(runs.glob("*-faults*"))
+        if not found:
+            continue  # the stage has not made its run folder yet
+        run_dir = found[0]
+        metrics = run_dir / "metrics.jsonl"
+        lines = metrics.read_text().splitlines()[:-1] if metrics.exists() else []  # the last may be half written
+        reached = max((json.loads(line)["step"] for line in lines), default=0)
+        for f in [f for f in pending if reached >= f["step"]]:
+            f["marked"] = cluster.node_id(f["node"])
+            (run_dir / "inject").mkdir(exist_ok=True)
+            (run_dir / "inject" / f"unhealthy-{f['marked']}").touch()
+            pending.remove(f)
+        cluster.replace_drained(run_dir)
+
+
+def run(out: Path, label: str, shards: Path, extra: list[str]) -> tuple[Path, str | None]:
+    """The train stage; its output folder (the run folder's files are copied there) and why it stopped, if it did."""
+    from bench_train import train_stage
+
+    try:
+        return train_stage(out, label, shards, extra), None
+    except RuntimeError as error:
+        return out / label / "stage" / "output", str(error)
+
+
+def judge(faults: list[dict], run_dir: Path, stopped: str | None, cluster: Cluster) -> list[dict]:
+    def rows(name: str) -> list[dict]:
+        path = run_dir / name
+        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+    failed, stragglers, probes = rows("failures.jsonl"), rows("stragglers.jsonl"), rows("health.jsonl")
+    out = []
+    for f in faults:
+        node = f.get("marked") or f.get("node_id")
+        if f["kind"] in ("crash", "hang"):
+            kind = "hardware" if f["kind"] == "crash" else "hang"
+            seen = [x for x in failed if x["primary"] and x["kind"] == kind and x["step"] == f["step"] and x["node"] == node]
+            handled, action = bool(seen), (f"recorded as {kind} on rank {seen[0]['rank']}, restarted" if seen else "not seen")
+        elif f["kind"] == "slow":
+            seen = [s for s in stragglers if s["node"] == node]
+            handled = bool(seen)
+            action = f"rank {seen[0]['rank']} named a straggler at step {seen[0]['step']}" if seen else "not named"
+        elif f["kind"] == "unhealthy":
+            seen = [p for p in probes if p["node"] == node and p["failed"]]
+            handled = bool(seen) and node in cluster.replaced
+            action = f"failed its health check ({seen[0]['failed']}), drained, replaced" if handled else "not excluded"
+        else:
+            handled = bool(stopped) and f"injected error at step {f['step']}" in stopped
+            action = "stopped: " + stopped.splitlines()[0][:90] if handled else "not stopped"
+        out.append({"kind": f["kind"], "step": f["step"], "node": f["node"], "handled": handled, "action": action})
+    return out
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--faults", default=DEFAULT)
+    parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--out", default="/tmp/chaos")
+    args = parser.parse_args()
+    faults = parse(args.faults)
+    from bench_tokenize import make_shards
+
+    out = Path(args.out)
+    if out.exists():
+        import shutil
+
+        shutil.rmtree(out)
+    shards = out / "shards"
+    make_shards(shards, BATCH * (args.steps + 1), seq_len=SEQ, vocab=512)
+    os.environ.pop("RAY_ADDRESS", None)
+    cluster = Cluster()
+    try:
+        run(out, "clean", shards, overrides(args.steps, []))
+        (clean_dir,) = (out / "work" / "train" / "runs").glob("*-clean*")
+        for f in faults:
+            f["node_id"] = cluster.node_id(f["node"])
+        done = threading.Event()
+        thread = threading.Thread(target=watch, args=(faults, cluster, out / "work" / "train" / "runs", done), daemon=True)
+        thread.start()
+        _, stopped = run(out, "faults", shards, overrides(args.steps, to_inject(faults, cluster)))
+        done.set()
+        thread.join(timeout=10)
+        (run_dir,) = (out / "work" / "train" / "runs").glob("*-faults*")
+        results = judge(faults, run_dir, stopped, cluster)
+        excluded = sorted(cluster.replaced)
+    finally:
+        cluster.shutdown()
+    report = summarize(results, clean_dir, run_dir, excluded, stopped)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print_table(report)
+    return 0 if all(f["handled"] for f in results) and report["loss_matches"] else 1
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def summarize(results: list[dict], clean_dir: Path, run_dir: Path, excluded: list[str], stopped: str | None) -> dict:
+    from train import goodput
+
+    clean, faulty = losses(clean_dir), losses(run_dir)
+    last = max(faulty)
+    account = goodput.account(run_dir)
+    stragglers = [json.loads(line) for line in (run_dir / "stragglers.jsonl").read_text().splitlines()] \
+        if (run_dir / "stragglers.jsonl").exists() else []
+    return {"faults": results, "final_step": last, "final_loss": faulty[last], "clean_loss": clean[last],
+            "loss_matches": abs(faulty[last] - clean[last]) <= 1e-6 * abs(clean[last]), "ettr": account["ettr"],
+            "goodput": {k: v for k, v in account.items() if k.endswith("_seconds")}, "excluded_nodes": excluded,
+            "stragglers": [{"rank": s["rank"], "node": s["node"], "step": s["step"]} for s in stragglers],
+            "stopped": stopped.splitlines()[0] if stopped else None}
+
+
+def print_table(report: dict) -> None:
+    print("| fault | step | node | handled | what the run did |\n|---|---:|---:|---|---|")
+    for f in report["faults"]:
+        print(f"| {f['kind']} | {f['step']} | {f['node']} | {'yes' if f['handled'] else 'NO'} | {f['action']} |")
+    print(f"\nloss at step {report['final_step']}: {report['final_loss']:.6f} with the faults, "
+          f"{report['clean_loss']:.6f} clean ({'equal' if report['loss_matches'] else 'DIFFERENT'})")
+    named = ", ".join(f"rank {s['rank']} at step {s['step']}" for s in report["stragglers"])
+    print(f"excluded nodes: {', '.join(report['excluded_nodes']) or 'none'}; stragglers: {named or 'none'}")
+    print(f"\ngoodput: ETTR {report['ettr']:.1%}")
+    print("| part | seconds |\n|---|---:|")
+    for key, value in report["goodput"].items():
+        print(f"| {key.removesuffix('_seconds')} | {value:.1f} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
