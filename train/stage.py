@@ -149,6 +149,9 @@ def track_logbook(ctx: StageContext, logbook: list[dict], files: list[Path]) -> 
     from mlflow import MlflowClient
 
     client = MlflowClient(ctx.config.mlflow.tracking_uri)
+    probes = _read_jsonl(ctx.output / "health.jsonl")
+    if probes:  # the health checks as a table in MLflow's artifact view, a row per node probed
+        client.log_table(ctx.mlflow_run_id, {k: [p.get(k) for p in probes] for k in probes[0]}, "health_checks.json")
     for straggler in _read_jsonl(ctx.output / "stragglers.jsonl"):
         client.set_tag(ctx.mlflow_run_id, f"straggler.rank{straggler['rank']}",
                        f"step {straggler['step']}: {straggler['host']} (node {straggler['node']})")
