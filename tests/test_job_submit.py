@@ -201,8 +201,8 @@ sources:
         assert "spans nodes" not in placed.stdout
 
         # A node that fails its health check is drained (train/health.py): nothing new is scheduled on it. The
-        # probe runs on both nodes, pinned (matmul, memory, a gloo all-reduce between two processes); the
-        # second node is marked unhealthy as the chaos drill marks one.
+        # probe runs on both nodes, pinned (matmul, memory, a gloo all-reduce between two processes on the node
+        # and one between the nodes); the second node is marked unhealthy as the chaos drill marks one.
         runs = tmp_path / "health-run"
         checked = subprocess.run([sys.executable, "-c", (
             "import json, sys, ray\n"
@@ -223,7 +223,8 @@ sources:
         said = json.loads(checked.stdout.splitlines()[-1])
         assert said["excluded"] == [said["worker"]] and said["ran"] == [True]  # the drained node takes no task
         probes = [json.loads(line) for line in (runs / "health.jsonl").read_text().splitlines()]
-        assert len(probes) == 2 and all(p["matmul_tflops"] > 0 and p["memory_ok"] and p["allreduce_gbps"] > 0 for p in probes)
+        assert len(probes) == 2 and all(p["matmul_tflops"] > 0 and p["memory_ok"] and p["allreduce_gbps"] > 0
+                                        and p["pair_gbps"] > 0 for p in probes)  # gloo between the two nodes too
         assert [p["failed"] for p in probes if p["node"] == said["worker"]] == ["marked unhealthy by a drill"]
         assert f"node {said['worker']}" in (runs / "incidents.jsonl").read_text()
         assert json.loads((runs / "logbook.jsonl").read_text())["kind"] == "node-excluded"

@@ -8,8 +8,9 @@ and on a node implicated in failures (train/failures.py), as a Ray task pinned t
 - a matmul rate: bf16 on a GPU, against `train/plan/hardware.py`'s peak for the device; fp32 on a CPU,
   against the median of the nodes probed with it (a CPU has no table entry);
 - a memory test: a buffer allocated, filled and read back;
-- a collective: an all-reduce between two processes on the node (NCCL on a GPU, gloo on a CPU), its bus
-  bandwidth against the other nodes' median.
+- collectives: an all-reduce between two processes on the node (NCCL on a GPU, gloo on a CPU), and one
+  between each node and the next in a ring of the nodes probed; their bus bandwidth against the other
+  nodes' median (a node whose two pairs are both slow has the slow link).
 
 A node below `train.health.min_fraction` of its reference on any of them is excluded: Ray's GCS is asked to
 drain it (`GcsClient.drain_node`, the call `ray drain-node` and autoscaler v2 make), so no new task or actor
@@ -41,7 +42,9 @@ class Probe:
     matmul_tflops: float
     memory_ok: bool
     allreduce_gbps: float  # bus bandwidth between two processes on the node
+    pair_gbps: float = 0.0  # the faster of its all-reduces with its two neighbours in a ring of the nodes probed
     injected: bool = False  # a drill marked the node unhealthy (run_dir/inject/unhealthy-<node>)
+    error: str | None = None  # the probe itself failed on the node (it raised, or its task was lost)
     time: float = dataclasses.field(default_factory=time.time)
 
 
@@ -69,22 +72,11 @@ def _memory_ok(device, megabytes: int) -> bool:
 
 
 def _allreduce_worker(rank: int, port: int, cuda: bool, out) -> None:
-    import torch
-    import torch.distributed as dist
+    from train.parallel.collectives import bus_bandwidth
 
-    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
-    dist.init_process_group("nccl" if cuda else "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    t = torch.ones(ALLREDUCE_MB * 2**18, device=device)
-    dist.all_reduce(t)  # warm up: connections made
-    began, rounds = time.perf_counter(), 5
-    for _ in range(rounds):
-        dist.all_reduce(t)
-    if cuda:
-        torch.cuda.synchronize(device)
-    seconds = (time.perf_counter() - began) / rounds
-    if rank == 0:  # bus bandwidth of an all-reduce over n ranks: 2 (n - 1) / n x bytes / time; n = 2: bytes / time
-        out.put(t.numel() * 4 / seconds / 1e9)
-    dist.destroy_process_group()
+    rate = bus_bandwidth(rank, 2, f"tcp://127.0.0.1:{port}", cuda, ALLREDUCE_MB)
+    if rank == 0:
+        out.put(rate)
 
 
 def _allreduce_gbps(cuda: bool) -> float:
@@ -125,10 +117,62 @@ def probe(nodes: list[str], run_dir: Path, memory_mb: int = 256, collective: boo
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    task = ray.remote(num_cpus=0)(probe_here)
+    task = ray.remote(num_cpus=0, max_retries=0)(probe_here)
     refs = [task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(
         str(run_dir), memory_mb, collective) for node in nodes]
-    return [Probe(**r) for r in ray.get(refs)]
+    out = []
+    for node, ref in zip(nodes, refs):
+        try:
+            out.append(Probe(**ray.get(ref, timeout=600)))
+        except Exception as error:  # a node that cannot run its probe is not one to train on
+            out.append(Probe(node=node, host="?", device="?", matmul_tflops=0.0, memory_ok=False, allreduce_gbps=0.0,
+                             error=f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200] if str(error).strip() else ''}"))
+    return out
+
+
+class Peer:
+    """One side of a pair of nodes' all-reduce (a Ray actor pinned to its node)."""
+
+    def address(self) -> str:
+        import ray
+
+        with socket.socket() as s:
+            s.bind(("", 0))
+            port = s.getsockname()[1]
+        return f"tcp://{ray.util.get_node_ip_address()}:{port}"
+
+    def measure(self, rank: int, init_method: str) -> float:
+        import torch
+
+        from train.parallel.collectives import bus_bandwidth
+
+        return bus_bandwidth(rank, 2, init_method, torch.cuda.is_available(), ALLREDUCE_MB)
+
+
+def pair_bandwidths(nodes: list[str]) -> dict[str, float]:
+    """Each node and the next (a ring): the all-reduce bus bandwidth between a process on each, one pair at a
+    time (pairs measured together would share links); each node's faster pair. A node whose faster pair is
+    slow has the slow link itself: its neighbours each have one good pair. 0.0: the pair failed."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    if len(nodes) < 2:
+        return {}
+    peer = ray.remote(num_cpus=0, max_restarts=0)(Peer)
+    pairs = list(zip(nodes, nodes[1:] + nodes[:1]))[:len(nodes) if len(nodes) > 2 else 1]
+    fastest = dict.fromkeys(nodes, 0.0)
+    for a, b in pairs:
+        sides = [peer.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote() for n in (a, b)]
+        try:
+            init = ray.get(sides[0].address.remote(), timeout=300)
+            rate = ray.get([side.measure.remote(rank, init) for rank, side in enumerate(sides)], timeout=300)[0]
+        except Exception:  # a pair that cannot all-reduce at all: both ends are suspect, the verdict says which
+            rate = 0.0
+        finally:
+            for side in sides:
+                ray.kill(side)
+        fastest[a], fastest[b] = max(fastest[a], rate), max(fastest[b], rate)
+    return fastest
 
 
 def verdicts(probes: list[Probe], min_fraction: float, reference: list[Probe] = ()) -> dict[str, str | None]:
@@ -136,15 +180,19 @@ def verdicts(probes: list[Probe], min_fraction: float, reference: list[Probe] = 
     all-reduce bandwidth, against the median of the nodes (these, and `reference`: earlier probes of others)."""
     from train.plan.hardware import peak_for
 
-    peers = [*probes, *reference]
+    peers = [p for p in (*probes, *reference) if p.error is None] or list(probes)
     median_rate = statistics.median(p.matmul_tflops for p in peers)
     bandwidths = [p.allreduce_gbps for p in peers if p.allreduce_gbps > 0]
     median_bw = statistics.median(bandwidths) if bandwidths else 0.0
+    pair_rates = [p.pair_gbps for p in probes if p.pair_gbps > 0]
+    median_pair = statistics.median(pair_rates) if pair_rates else 0.0
     out: dict[str, str | None] = {}
     for p in probes:
         expected = peak_for(p.device, "bf16") if p.device != "cpu" else median_rate
         why = None
-        if p.injected:
+        if p.error is not None:
+            why = f"the probe failed: {p.error}"
+        elif p.injected:
             why = "marked unhealthy by a drill"
         elif not p.memory_ok:
             why = "memory test read back wrong values"
@@ -152,6 +200,9 @@ def verdicts(probes: list[Probe], min_fraction: float, reference: list[Probe] = 
             why = f"matmul {p.matmul_tflops:.3g} TFLOP/s, under {min_fraction:g} x {expected:.3g}"
         elif median_bw and 0 < p.allreduce_gbps < min_fraction * median_bw:
             why = f"all-reduce {p.allreduce_gbps:.3g} GB/s, under {min_fraction:g} x the median {median_bw:.3g}"
+        elif median_pair and p.pair_gbps < min_fraction * median_pair and len(probes) > 2:
+            why = (f"all-reduce with its neighbours {p.pair_gbps:.3g} GB/s, under {min_fraction:g} x the median "
+                   f"{median_pair:.3g} (both of its pairs slow: the link is this node's)")
         out[p.node] = why
     return out
 
@@ -180,6 +231,9 @@ def check(run_dir: Path, nodes: list[str], min_fraction: float, collective: bool
     run_dir, began = Path(run_dir), time.monotonic()
     earlier = [Probe(**json.loads(line)) for line in _lines(run_dir / "health.jsonl")]
     probes = probe(nodes, run_dir, collective=collective)
+    if collective:  # between nodes: the ring of the nodes probed now (one node after its failures: none)
+        pairs = pair_bandwidths([p.node for p in probes if p.error is None])
+        probes = [dataclasses.replace(p, pair_gbps=pairs.get(p.node, 0.0)) for p in probes]
     found = verdicts(probes, min_fraction, reference=[p for p in earlier if p.node not in nodes])
     excluded = []
     with open(run_dir / "health.jsonl", "a") as f:

@@ -11,6 +11,7 @@ code runs in one process and on every rank of a Ray Train job.
 
 from __future__ import annotations
 
+import time
 from datetime import timedelta
 
 import torch
@@ -87,3 +88,23 @@ def set_default_timeout(seconds: float) -> None:
     distributed_c10d.default_pg_timeout = value
     if isinstance(distributed_c10d.default_pg_nccl_timeout, timedelta):  # None where torch has no NCCL
         distributed_c10d.default_pg_nccl_timeout = value
+
+
+def bus_bandwidth(rank: int, world: int, init_method: str, cuda: bool, megabytes: int, rounds: int = 5) -> float:
+    """All-reduce bus bandwidth in GB/s over a process group of its own (NCCL with `cuda`, else gloo), as
+    nccl-tests reports it: 2 (n - 1) / n x bytes / time. For the node health probe (train/health.py), in
+    processes it spawns, apart from any training group."""
+    device = torch.device("cuda", rank) if cuda else torch.device("cpu")
+    dist.init_process_group("nccl" if cuda else "gloo", init_method=init_method, rank=rank, world_size=world)
+    try:
+        t = torch.ones(megabytes * 2**18, device=device)  # 4 bytes each
+        dist.all_reduce(t)  # warm up: the connections are made
+        began = time.perf_counter()
+        for _ in range(rounds):
+            dist.all_reduce(t)
+        if cuda:
+            torch.cuda.synchronize(device)
+        seconds = (time.perf_counter() - began) / rounds
+    finally:
+        dist.destroy_process_group()
+    return 2 * (world - 1) / world * t.numel() * 4 / seconds / 1e9
