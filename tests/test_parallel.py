@@ -240,8 +240,18 @@ def _deepspeed_run(rank, world, tp, pp, export_to=None, zero=1):
         model = parallelize(OPT(cfg, seed=0), groups)
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=3e-3),
                                       config=config, mpu=None if pp > 1 else groups)
-    losses, norms = [], []
-    for micro_batches in _batches(cfg, groups.data_rank, groups.dims.dp):
+    losses, norms, shapes_sent = [], [], []
+    if pp > 1:  # how often a stage tells the next the shape of what it sends (a host sync each on the receiver)
+        send_meta = engine._send_tensor_meta
+        engine._send_tensor_meta = lambda *args: shapes_sent.append(1) or send_meta(*args)
+    for step, micro_batches in enumerate(_batches(cfg, groups.data_rank, groups.dims.dp)):
+        if pp > 1 and step == 2:  # validation between steps, as the loop runs it: larger micro-batches, a ragged last
+            from train.parallel.pipeline import validation_loss
+
+            rows = torch.cat([x for x, _ in micro_batches]), torch.cat([y for _, y in micro_batches])
+            during = len(shapes_sent)
+            validation_loss(engine, [(rows[0][:3], rows[1][:3]), (rows[0][3:4], rows[1][3:4])], groups)
+            del shapes_sent[during:]  # validation's own: one per micro-batch, by design
         if pp > 1:
             loss = engine.train_batch(iter(micro_batches)).item()  # the mean over the replicas, on every stage
         else:
@@ -258,7 +268,7 @@ def _deepspeed_run(rank, world, tp, pp, export_to=None, zero=1):
     dist.new_group = new_group
     timeouts = [g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in made
                 if isinstance(g, dist.ProcessGroup)]  # the groups this rank is in
-    return losses, norms, (groups.stage, groups.tensor_rank, masks) if pp > 1 else None, timeouts
+    return losses, norms, (groups.stage, groups.tensor_rank, masks, len(shapes_sent)) if pp > 1 else None, timeouts
 
 
 @pytest.fixture(scope="module")
@@ -291,7 +301,10 @@ def test_split_models_under_deepspeed_train_as_the_whole_model(whole_under_deeps
         return
     # Dropout: each stage its own masks (block 0 on stage 0, block 1 on stage 1), the same again on a rerun,
     # and the same on the tensor ranks of a stage (the residual stream they mask is replicated over them).
-    masks = {(stage, tensor_rank): m for _, _, (stage, tensor_rank, m), _ in results}
+    masks = {(stage, tensor_rank): m for _, _, (stage, tensor_rank, m, _), _ in results}
+    # Training sends its activations' shape once, and once more after validation (which sends its own larger
+    # and ragged ones): not with every micro-batch (DeepSpeed's dynamic_shape, a host sync each).
+    assert {sent for _, _, (stage, _, _, sent), _ in results if stage == 0} == {2}
     for (stage, tensor_rank), (first, again) in masks.items():
         assert (first == again).all() and 0.3 < first.mean() < 0.7, (stage, tensor_rank)
         assert (first != masks[(1 - stage, tensor_rank)][0]).any(), (stage, tensor_rank)

@@ -149,7 +149,9 @@ def pipeline_module(config: OPTConfig, groups: Groups, *, seed: int, activation_
         partition_method="type:PipeBlock",  # the blocks balanced; the embeddings with the first, the head with the last
         activation_checkpoint_interval=1 if activation_checkpointing else 0,  # each block recomputed in backward
         activation_checkpoint_func=partial(checkpoint, use_reentrant=False), checkpointable_layers=["PipeBlock"],
-        dynamic_shape=True)  # validation's micro-batches are larger than training's, and its last one smaller
+        # Training's micro-batches all have one shape: its p2p shapes go once, not with a host sync (.item() in
+        # pipe/engine.py's _recv_tensor_meta) per micro-batch; validation turns it on for itself.
+        dynamic_shape=False)
     last = groups.stage == dims.pp - 1
     module.loss_fn = Loss(module.tied_modules["embed"] if last else None)
     return module
@@ -174,8 +176,13 @@ def activation_norm(module, groups: Groups) -> torch.Tensor:
 def validation_loss(engine, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], groups: Groups) -> torch.Tensor:
     """The sum of the sequences' losses over `micro_batches` (the same number on every rank of the pipeline),
     on every stage: each micro-batch's mean loss from the last stage, weighted by its size."""
-    losses = engine.eval_batch(iter(micro_batches), compute_loss=True, reduce_output=None, bcast_loss=False,
-                               num_micro_batches=len(micro_batches))
+    engine.dynamic_shape = True  # its micro-batches are larger than training's, and its last one smaller
+    try:
+        losses = engine.eval_batch(iter(micro_batches), compute_loss=True, reduce_output=None, bcast_loss=False,
+                                   num_micro_batches=len(micro_batches))
+    finally:
+        engine.dynamic_shape = False
+        engine.reset_activation_shape()  # training's shapes are sent again, once, at its next micro-batch
     device = next(engine.module.parameters()).device
     total = torch.zeros((), dtype=torch.float64, device=device)
     if groups.stage == groups.dims.pp - 1:
