@@ -152,7 +152,7 @@ def test_autopilot_rolls_back_skips_escalates_and_survives_a_kill_during_recover
     cfg, wd, _, curve = baseline
     capsys.readouterr()
     faults = ("train.inject=[{kind: spike, step: 14, factor: 300}, {kind: kill, step: 17}, {kind: spike, step: 24, factor: 300}, "
-              "{kind: spike, step: 34, factor: 300}, {kind: slow, step: 1, rank: 1, seconds: 0.1}]")
+              "{kind: spike, step: 34, factor: 300}, {kind: slow, step: 1, rank: 1, seconds: 0.05}]")
     assert main(["--config", str(cfg), "--only", "train", "--set", faults, "--set", "train.max_steps=40",
                  "--set", "train.stragglers.window=4",
                  "--set", "train.autopilot.warmup=5", "--set", "train.autopilot.window=10",
@@ -162,9 +162,9 @@ def test_autopilot_rolls_back_skips_escalates_and_survives_a_kill_during_recover
     out = Path(train["output"])
     logged = [json.loads(line) for line in (out / "logbook.jsonl").read_text().splitlines()]
     book = [e for e in logged if e["kind"] != "straggler"]
-    # Rank 1, 0.1 s slower every step, is named after two windows of 4 steps in a row (step 8, or 12 when the
-    # first window's warm-up hides it), once per attempt: again after the kill's restart from step 10. Its
-    # node is named; the MLflow run is tagged with it.
+    # Rank 1, 0.05 s slower every step (ten times its forward), is named after two windows of 4 steps in a row
+    # (step 8, or 12 when the first window's warm-up hides it), once per attempt: again after the kill's restart
+    # from step 10. Its node is named; the MLflow run is tagged with it.
     stragglers = [json.loads(line) for line in (out / "stragglers.jsonl").read_text().splitlines()]
     assert [r["rank"] for r in stragglers] == [1, 1] and all(r["node"] for r in stragglers)
     assert stragglers[0]["step"] in (8, 12) and 12 <= stragglers[1]["step"] <= 20
@@ -184,10 +184,11 @@ def test_autopilot_rolls_back_skips_escalates_and_survives_a_kill_during_recover
     assert "injected kill on rank 1" in incidents and "resumed from step-00000010" in incidents
     from train.failures import history
 
-    # The kill: rank 1's process died at step 17 without an exception; rank 0's barrier broke because of it.
+    # The kill: rank 1's process died at step 17 without an exception. Rank 0's barrier broke because of it: a
+    # secondary failure, when Ray Train hears of it before it tears the group down (a race, so it may be absent).
     failed = history(Path(train["run_dir"]))
-    assert [(f.attempt, f.rank, f.kind, f.step, f.primary) for f in failed] == [
-        (1, 0, "hardware", 17, False), (1, 1, "hardware", 17, True)] and failed[1].node
+    assert [(f.attempt, f.rank, f.kind, f.step) for f in failed if f.primary] == [(1, 1, "hardware", 17)]
+    assert all(f.node for f in failed) and all(not f.primary for f in failed if f.rank == 0)
     # A person at the terminal saw each intervention and the restart as they happened (train/follow.py).
     err = capsys.readouterr().err
     for e in book:
@@ -236,7 +237,7 @@ def test_the_same_error_in_start_up_on_two_attempts_in_a_row_stops_the_run_with_
     capsys.readouterr()
     step = 0
     assert main(["--config", str(cfg), "--only", "train", "--set", f"train.inject=[{{kind: error, step: {step}, rank: 0}}]",
-                 "--set", "train.max_steps=6", "--set", "train.checkpoint_every=2"]) == 1
+                 "--set", "train.num_workers=1", "--set", "train.max_steps=6", "--set", "train.checkpoint_every=2"]) == 1
     err = capsys.readouterr().err
     at = "in start-up" if step == 0 else f"at step {step} (step)"
     assert f"the same error {at} on attempts 1 and 2, rank 0" in err, err

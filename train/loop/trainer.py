@@ -89,9 +89,9 @@ class Trainer:
         self.progress.stopped = restarts_without_progress(ctx, self.progress.step if resumed else None,
                                                           t.max_stalled_restarts)
         self.watchdog.beat(self.progress.step, t.hang_seconds)  # start-up is done: each step has hang_seconds
+        self.mark("ready")  # before the initial save: its blocked time is a checkpoint's, not start-up's
         if resumed is None and self.pilot.enabled:
             self.save(healthy=True)  # the initial weights: a rollback target before the first checkpoint
-        self.mark("ready")
 
     def fit(self) -> Progress:
         run, cfg = self.progress, self.cfg
