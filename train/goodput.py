@@ -33,7 +33,8 @@ def mark(run_dir: Path | str, event: str, **fields) -> None:
         f.write(json.dumps({"event": event, "time": time.time(), **fields}) + "\n")
 
 
-def _read(path: Path) -> list[dict]:
+def read_jsonl(path: Path) -> list[dict]:
+    """A run folder's JSON-lines record (timeline, metrics, health, stragglers); [] when there is none yet."""
     if not path.exists():
         return []
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
@@ -43,7 +44,7 @@ def account(run_dir: Path | str) -> dict:
     """The breakdown in seconds (PARTS), `wall_seconds` and `ettr`, over the driver launches so far; the
     intervals behind it in `spans` for the chart."""
     run_dir = Path(run_dir)
-    events, rows = _read(run_dir / TIMELINE), _read(run_dir / "metrics.jsonl")
+    events, rows = read_jsonl(run_dir / TIMELINE), read_jsonl(run_dir / "metrics.jsonl")
     seconds = dict.fromkeys(PARTS, 0.0)
     spans: list[tuple[str, float, float]] = []
     steps = [r for r in rows if "loss" in r and "seconds" in r]

@@ -229,7 +229,7 @@ def check(run_dir: Path, nodes: list[str], min_fraction: float, collective: bool
     from train import goodput
 
     run_dir, began = Path(run_dir), time.monotonic()
-    earlier = [Probe(**json.loads(line)) for line in _lines(run_dir / "health.jsonl")]
+    earlier = _probes(run_dir / "health.jsonl")
     probes = probe(nodes, run_dir, collective=collective)
     if collective:  # between nodes: the ring of the nodes probed now (one node after its failures: none)
         pairs = pair_bandwidths([p.node for p in probes if p.error is None])
@@ -251,18 +251,17 @@ def check(run_dir: Path, nodes: list[str], min_fraction: float, collective: bool
 def last_checked(run_dir: Path) -> dict[str, float]:
     """When each node was last probed (health.jsonl)."""
     out: dict[str, float] = {}
-    for line in _lines(Path(run_dir) / "health.jsonl"):
-        row = json.loads(line)
-        out[row["node"]] = max(out.get(row["node"], 0.0), row["time"])
+    for p in _probes(Path(run_dir) / "health.jsonl"):
+        out[p.node] = max(out.get(p.node, 0.0), p.time)
     return out
 
 
-def _lines(path: Path) -> list[str]:
-    if not path.exists():
-        return []
+def _probes(path: Path) -> list[Probe]:
+    """The probes recorded in health.jsonl (each row also says why it failed, which a Probe does not hold)."""
+    from train.goodput import read_jsonl
+
     keep = {f.name for f in dataclasses.fields(Probe)}
-    return [json.dumps({k: v for k, v in json.loads(line).items() if k in keep})
-            for line in path.read_text().splitlines() if line.strip()]
+    return [Probe(**{k: v for k, v in row.items() if k in keep}) for row in read_jsonl(path)]
 
 
 def _write_down(run_dir: Path, p: Probe, why: str, accepted: bool) -> None:

@@ -89,7 +89,7 @@ def run(ctx: StageContext) -> StageResult:
     incidents = (folder / "incidents.jsonl").read_text().splitlines() if (folder / "incidents.jsonl").exists() else []
     metrics = {"steps": summary["steps"], "final_loss": summary["final_loss"], "sequences_trained": sequences,
                "tokens_trained": sequences * config.seq_len, "incidents": len(incidents),
-               "interventions": len(interventions(logbook)), "stragglers": len(_read_jsonl(folder / "stragglers.jsonl")), **curve_summary(folder / "metrics.jsonl"),
+               "interventions": len(interventions(logbook)), "stragglers": len(goodput.read_jsonl(folder / "stragglers.jsonl")), **curve_summary(folder / "metrics.jsonl"),
                **{f"goodput.{k}": v for k, v in time_spent.items() if k != "spans"}, **checkpoint_times(folder / "metrics.jsonl")}
     return StageResult(index["sequences"], index["sequences"], {}, metrics,
                        fields={"steps": summary["steps"], "final_loss": summary["final_loss"], "run_dir": str(folder),
@@ -132,10 +132,6 @@ def interventions(logbook: list[dict]) -> list[dict]:
     return [e for e in logbook if e["kind"] != "straggler"]
 
 
-def _read_jsonl(path: Path) -> list[dict]:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-
-
 def checkpoint_times(metrics_file: Path) -> dict[str, float]:
     """The saves' blocked and write seconds, summed over the run (each save's are in metrics.jsonl and MLflow)."""
     rows = [json.loads(line) for line in metrics_file.read_text().splitlines()]
@@ -149,10 +145,10 @@ def track_logbook(ctx: StageContext, logbook: list[dict], files: list[Path]) -> 
     from mlflow import MlflowClient
 
     client = MlflowClient(ctx.config.mlflow.tracking_uri)
-    probes = _read_jsonl(ctx.output / "health.jsonl")
+    probes = goodput.read_jsonl(ctx.output / "health.jsonl")
     if probes:  # the health checks as a table in MLflow's artifact view, a row per node probed
         client.log_table(ctx.mlflow_run_id, {k: [p.get(k) for p in probes] for k in probes[0]}, "health_checks.json")
-    for straggler in _read_jsonl(ctx.output / "stragglers.jsonl"):
+    for straggler in goodput.read_jsonl(ctx.output / "stragglers.jsonl"):
         client.set_tag(ctx.mlflow_run_id, f"straggler.rank{straggler['rank']}",
                        f"step {straggler['step']}: {straggler['host']} (node {straggler['node']})")
     logbook = interventions(logbook)
