@@ -36,11 +36,13 @@ def test_memory_terms_by_hand():
     params = (2 * block + embedding) / 2
     per_layer = s * b * h * (10 + 24 / 2) + 5 * a * s * s * b / 2
     assert p.memory["weights"] == pytest.approx(2 * params)
-    assert p.memory["gradients"] == pytest.approx(2 * params)  # fp16 gradients, not partitioned by ZeRO-1
+    # fp16 ZeRO-1 inside its step: the fp16 gradients of the other rank's partition (this one's are in fp32 now),
+    # and the fp32 master weights, gradient, Adam's m and v of its own
+    assert p.memory["gradients"] == pytest.approx(2 * params / 2)
     assert p.memory["optimizer"] == pytest.approx(16 * params / 2)  # partitioned over dp=2
     assert p.memory["activations"] == pytest.approx(2 * 2 * per_layer)
     assert p.memory["logits"] == 0  # on the last stage
-    live = 2 * params + 2 * params + 8 * params + 4 * per_layer
+    live = 2 * params + 1 * params + 8 * params + 4 * per_layer
     assert p.memory["allocator margin"] == pytest.approx(0.10 * live + 2e9)
 
     # Full recompute keeps each layer's input and rebuilds one layer; the fused kernel stores no scores. Now
@@ -49,10 +51,14 @@ def test_memory_terms_by_hand():
     assert q.memory["activations"] == pytest.approx(1 * 2 * (2 * s * b * h) + s * b * h * (10 + 24 / 2))
     assert q.memory["logits"] == pytest.approx(s * b * V / 2 * 10)
     assert q.memory["weights"] == pytest.approx(2 * (params + h))  # the tied output layer and the final LayerNorm
-    # bf16 under ZeRO >= 1 accumulates gradients in fp32 (train/optim.py); ZeRO-2 partitions them, ZeRO-3 the weights.
+    # bf16 under ZeRO >= 1 accumulates gradients in fp32 (train/optim.py); ZeRO-2 partitions them (and they are the
+    # gradient its optimizer reads), ZeRO-3 the weights. BF16_Optimizer (ZeRO-1) keeps them whole.
     r = predict(Layout(1, 1, 8, 2, 1, "full"), small("bf16"), one_node())
     whole = param_count(SMALL)
     assert r.memory["gradients"] == pytest.approx(4 * whole / 8)
+    assert r.memory["optimizer"] == pytest.approx(12 * whole / 8)
+    z1 = predict(Layout(1, 1, 8, 1, 1, "full"), small("bf16"), one_node())
+    assert (z1.memory["gradients"], z1.memory["optimizer"]) == pytest.approx((4 * whole, 12 * whole / 8))
     assert r.memory["weights"] == pytest.approx(2 * whole)
     assert r.memory["logits"] == pytest.approx(s * 1 * V * 10)
     z3 = predict(Layout(1, 1, 8, 3, 1, "full"), small("bf16"), one_node())

@@ -85,6 +85,12 @@ def deepspeed_config(*, micro_batch: int, accumulation: int, world_size: int, ze
             # each addition keeps 8 bits of mantissa, and a sum over many micro-batches loses the small
             # ones. ZeRO 0 refuses the mix (engine._do_optimizer_sanity_check: "unsupported mix").
             config["data_types"] = {"grad_accum_dtype": "fp32"}
+        if zero_stage == 1:
+            # ZeRO-1 in bf16 with fp32 sums is DeepSpeed's BF16_Optimizer (engine._do_optimizer_sanity_check),
+            # whose fp32 gradient buffer is whole on every rank. By default it also keeps each bf16 gradient
+            # until the step (bf16_optimizer.py: update_hp_grads(clear_lp_grads=False)): 2 bytes per parameter
+            # more, 11 GB per GPU of the 175B layout. Added into the fp32 buffer as each is made, and freed.
+            config["bf16"]["immediate_grad_update"] = True
     elif precision == "fp16":
         # fp16 weights, fp32 master weights and Adam state, dynamic loss scale (OPT-175B's setup).
         config["fp16"] = {"enabled": True, "loss_scale": 0, "initial_scale_power": INITIAL_SCALE_POWER,

@@ -7,10 +7,10 @@ with a ZeRO stage over the data-parallel group, a micro batch and an activation-
 The model, in the order of `predict`:
 
 - Memory, on the pipeline stage that needs most (the first holds the embedding and the most
-  micro-batches in flight; the last the tied output layer and the logits): fp16/bf16 weights (2 B per
-  parameter), gradients (2 B; 4 B for bf16 under ZeRO >= 1, which accumulates them in fp32, see
-  train/optim.py), optimizer states (16 B: fp32 master weights, the fp32 gradient of the partition,
-  Adam's m and v), each divided by tp and pp and, from ZeRO stage 3, 2, 1 on, by dp. Activations per
+  micro-batches in flight; the last the tied output layer and the logits): the weights, gradients and
+  optimizer states that DeepSpeed's optimizer for the precision and ZeRO stage holds at its peak, inside
+  the optimizer's step (`state_bytes`, per parameter: measured on real engines by tests/test_parallel.py),
+  each divided by tp and pp. Activations per
   layer per micro-batch follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
   Transformer Models", arXiv 2205.05198), tensor parallel without sequence parallelism:
   s*b*h*(10 + 24/t) bytes plus 5*a*s^2*b/t for the attention scores, which a fused attention kernel
@@ -64,7 +64,6 @@ RESERVED_BYTES = 2e9  # CUDA context, NCCL's buffers for a few communicators, cu
 FRAGMENTATION = 0.10  # the caching allocator's slack over what is live
 LOGIT_BYTES = 10  # per logit: fp16/bf16 (2) + the fp32 copy the loss takes (4) + its fp32 gradient (4)
 ACTIVATION_BYTES = 2  # fp16/bf16
-OPTIMIZER_BYTES = 16  # fp32 master weight, fp32 gradient of the partition, Adam's m and v
 ADAM_TRAFFIC_BYTES = 34  # HBM bytes per owned parameter per step: read 16 + write 12 of fp32 state, the fp16 copy
 RECOMPUTE = ("none", "selective", "full")
 
@@ -210,6 +209,34 @@ class Prediction:
         return row
 
 
+def state_bytes(precision: str, zero: int, dp: int) -> dict[str, float]:
+    """Bytes per parameter that DeepSpeed 0.19's optimizer holds for the weights, gradients and optimizer
+    states at its peak (inside the optimizer's step, Adam's m and v made), with `dp` data-parallel ranks.
+    tests/test_parallel.py builds each engine on gloo and measures these.
+
+    - bf16, ZeRO-1: BF16_Optimizer (engine._do_optimizer_sanity_check, with fp32 gradient sums). Its fp32
+      gradient buffer is whole on every rank (bf16_optimizer.py: fp32_groups_gradients_flat), and the fp32
+      gradient of the partition is a view into it; each bf16 gradient is freed once added
+      (train/optim.py: immediate_grad_update). Optimizer: the fp32 master partition and m, v.
+    - fp16, ZeRO-1 (stage_1_and_2.py): the step frees the fp16 gradients of this rank's partition once
+      copied into its fp32 gradient, and keeps the others' until the next zero_grad.
+    - ZeRO-2: gradients reduced into partitions as they are made; in bf16 the fp32 sums are the partition's
+      gradient the optimizer reads.
+    - ZeRO-3 (stage3.py): the weights partitioned too, and an fp32 gradient partition beside the summed one
+      in bf16.
+    - ZeRO-0 (fp32 and bf16 with its own wrapper): counted as fp16 mixed precision, whole."""
+    if zero == 0:
+        return {"weights": 2.0, "gradients": 2.0, "optimizer": 16.0}
+    if zero == 1 and precision == "bf16":
+        return {"weights": 2.0, "gradients": 4.0, "optimizer": 12 / dp}
+    if zero == 1:
+        return {"weights": 2.0, "gradients": 2 * (dp - 1) / dp, "optimizer": 16 / dp}
+    grads = (4 if precision == "bf16" else 2) / dp
+    if zero == 2:
+        return {"weights": 2.0, "gradients": grads, "optimizer": (12 if precision == "bf16" else 16) / dp}
+    return {"weights": 2 / dp, "gradients": grads, "optimizer": 16 / dp}
+
+
 def ring(n: int, kind: str) -> float:
     """Bytes each GPU sends per byte of the collective's buffer, in a ring of n."""
     return 0.0 if n <= 1 else (2.0 if kind == "all-reduce" else 1.0) * (n - 1) / n
@@ -241,7 +268,7 @@ class _Step:
     micro_batches: int  # per step through each pipeline
     block: int  # parameters of one decoder layer
     embedding: int  # token and position embeddings
-    grad_bytes: int
+    state: dict[str, float]  # bytes per parameter of this layout's tp x pp share: weights, gradients, optimizer
     rate: float  # FLOP/s one GPU reaches
     sbh_bytes: float  # one micro-batch's activations at a layer boundary
     dp_link: float  # bytes/s of each group's ring
@@ -266,7 +293,7 @@ def _step(layout: Layout, work: Workload, cluster: Cluster) -> _Step:
         micro_batches=work.batch_seqs // (dp * b),
         block=block_params(cfg),
         embedding=cfg.vocab_size * h + (cfg.max_seq_len + 2) * h,
-        grad_bytes=4 if work.precision == "bf16" and zero >= 1 else 2,
+        state=state_bytes(work.precision, zero, dp),
         rate=cluster.gpu.peak_tflops(work.precision) * 1e12 * ACHIEVABLE_FRACTION,
         sbh_bytes=ACTIVATION_BYTES * work.seq_len * b * h,
         dp_link=dp_link, pp_link=pp_link, tp_link=cluster.intra_bytes_s * BUS_EFFICIENCY,
@@ -289,9 +316,7 @@ def _memory_of(st: _Step, stage: int) -> dict[str, float]:
     in_flight = min(pp - stage, st.micro_batches)
     h, full = cfg.d_model, layout.recompute == "full"
     terms = {
-        "weights": 2 * params / (dp if zero == 3 else 1),
-        "gradients": st.grad_bytes * params / (dp if zero >= 2 else 1),
-        "optimizer": OPTIMIZER_BYTES * params / (dp if zero >= 1 else 1),
+        **{term: per_param * params for term, per_param in st.state.items()},
         # ZeRO-3's working set, as DeepSpeed's estimator counts it: the largest module's gathered fp16
         # weights and gradient (4 B per parameter); ours is fc1 (or fc2), d_model x ffn_dim
         "gathered module": 4 * (h * cfg.ffn_dim + cfg.ffn_dim) / tp if zero == 3 else 0.0,
@@ -328,9 +353,13 @@ def _data_parallel(st: _Step, params: float, per_mb: dict[str, float]) -> tuple[
     """Seconds of data-parallel communication per step, on the largest stage's parameters: (reduce once per
     step, gather once per step, every micro-batch, what is left exposed after overlap)."""
     dp, zero, m = st.layout.dp, st.layout.zero, st.micro_batches
-    grads, weights = st.grad_bytes * params, 2 * params
+    grads, weights = (4 if st.work.precision == "bf16" and zero >= 1 else 2) * params, 2 * params
     if zero == 0:
         reduce_step, gather_step, every_mb = ring(dp, "all-reduce") * grads, 0.0, 0.0
+    elif zero == 1 and st.work.precision == "bf16":
+        # BF16_Optimizer all-reduces its whole fp32 gradient buffer (engine.allreduce_gradients ->
+        # buffered_allreduce_fallback; pipe/engine.py _bf16_reduce_grads), then gathers the bf16 weights
+        reduce_step, gather_step, every_mb = ring(dp, "all-reduce") * grads, ring(dp, "all-gather") * weights, 0.0
     elif zero == 1:
         reduce_step, gather_step, every_mb = ring(dp, "reduce-scatter") * grads, ring(dp, "all-gather") * weights, 0.0
     elif zero == 2:
