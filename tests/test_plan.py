@@ -4,6 +4,7 @@ pipeline's start-up check."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
@@ -30,11 +31,12 @@ def one_node(gpus=8, gpu="a100-80gb", inter=400):
 def test_memory_terms_by_hand():
     s, b, h, a, V = 1024, 2, 1024, 8, 8192
     block = 4 * (h * h + h) + (h * 4 * h + 4 * h) + (4 * h * h + h) + 4 * h
-    embedding = V * h + (1024 + 2) * h
+    split = (block - 6 * h) / 2 + 6 * h  # the LayerNorms and the row-parallel biases whole on each tensor rank
     p = predict(Layout(tp=2, pp=2, dp=2, zero=1, micro_batch=b, recompute="none"), small(), one_node())
-    # Stage 0 needs most: 2 layers and the embedding, split over tp=2; 2 micro-batches in flight (1F1B, pp=2).
-    params = (2 * block + embedding) / 2
-    per_layer = s * b * h * (10 + 24 / 2) + 5 * a * s * s * b / 2
+    # Stage 0 needs most: 2 layers, the token embedding split over tp=2, the positions whole; 2 micro-batches in
+    # flight (1F1B, pp=2).
+    params = 2 * split + V * h / 2 + (1024 + 2) * h
+    per_layer = s * b * h * (10 + 16 / 2) + 5 * a * s * s * b / 2  # OPT's ReLU: 16/t where GeLU's is 24/t
     assert p.memory["weights"] == pytest.approx(2 * params)
     # fp16 ZeRO-1 inside its step: the fp16 gradients of the other rank's partition (this one's are in fp32 now),
     # and the fp32 master weights, gradient, Adam's m and v of its own
@@ -48,9 +50,9 @@ def test_memory_terms_by_hand():
     # Full recompute keeps each layer's input and rebuilds one layer; the fused kernel stores no scores. Now
     # the last stage needs most: its logits outweigh stage 0's second micro-batch in flight.
     q = predict(Layout(2, 2, 2, 1, b, "full"), small(fused=True), one_node())
-    assert q.memory["activations"] == pytest.approx(1 * 2 * (2 * s * b * h) + s * b * h * (10 + 24 / 2))
+    assert q.memory["activations"] == pytest.approx(1 * 2 * (2 * s * b * h) + s * b * h * (10 + 16 / 2))
     assert q.memory["logits"] == pytest.approx(s * b * V / 2 * 10)
-    assert q.memory["weights"] == pytest.approx(2 * (params + h))  # the tied output layer and the final LayerNorm
+    assert q.memory["weights"] == pytest.approx(2 * (2 * split + V * h / 2 + 2 * h))  # the tied output layer, final LayerNorm
     # bf16 under ZeRO >= 1 accumulates gradients in fp32 (train/optim.py); ZeRO-2 partitions them (and they are the
     # gradient its optimizer reads), ZeRO-3 the weights. BF16_Optimizer (ZeRO-1) keeps them whole.
     r = predict(Layout(1, 1, 8, 2, 1, "full"), small("bf16"), one_node())
@@ -114,9 +116,10 @@ def test_communication_terms_by_hand():
     # A pipeline of 4 over nodes (tp x dp = 2 x 8 ranks apart: other nodes): the activation and its gradient.
     q = predict(Layout(2, 4, 8, 0, 1, "none"), work, cluster)
     assert q.time["pipeline sends"] == pytest.approx(32 * 2 * (2 * s * h) / share)
-    # ... and ZeRO-0's all-reduce after the last micro-batch, nothing hidden, over the largest stage's parameters.
-    last = (1 * block_params(SMALL) + SMALL.vocab_size * h + 1026 * h + 2 * h) / 2  # the tied copy, the final LayerNorm
-    assert q.time["data parallel"] == pytest.approx(2 * 7 / 8 * 2 * last / share)
+    # ... and ZeRO-0's all-reduce after the last micro-batch, nothing hidden, over the largest stage's parameters:
+    # the first's (its block, the token embedding split, the positions whole).
+    first = (block_params(SMALL) - 6 * h) / 2 + 6 * h + SMALL.vocab_size * h / 2 + 1026 * h
+    assert q.time["data parallel"] == pytest.approx(2 * 7 / 8 * 2 * first / share)
     # ZeRO-3 without a pipeline: three gathers of the weights (forward, recompute, backward) and a
     # reduce-scatter of the gradients per micro-batch, (n-1)/n each, hidden behind OVERLAP of the compute.
     z = predict(Layout(1, 1, 64, 3, 1, "full"), small(batch_seqs=128), cluster)
@@ -275,3 +278,105 @@ def test_the_pipeline_refuses_a_layout_that_does_not_fit_and_warns_about_a_slow_
     with pytest.raises(ConfigError):
         startup_check(load_config(too_big), str(too_big), force=False, out_dir=tmp_path / "again")
     assert startup_check(load_config(None), None, force=False, out_dir=tmp_path / "cpu") == []  # nothing on CPU
+
+
+def _stage_on_meta(cfg, layout, stage: int) -> int:
+    """Parameters of one GPU's part of the model on pipeline stage `stage`, built on the meta device by the
+    training stage's own code: a pipeline's layer specs, cut where DeepSpeed's PipelineModule cuts them
+    (its _partition_layers, run on a stand-in for the module: no process group of 992 ranks here); without a
+    pipeline train/build.py's model, split by train/parallel/groups.py's parallelize."""
+    import types
+
+    import torch
+    from deepspeed.pipe import PipelineModule, TiedLayerSpec
+    from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
+
+    from train.build import build
+    from train.optim import deepspeed_config
+    from train.parallel.groups import Groups, ParallelDims, parallelize
+    from train.parallel.pipeline import PARTITION_METHOD, layer_specs
+
+    dims = ParallelDims(layout.tp, layout.pp, layout.dp)
+    groups = Groups.coordinates_only(dims, dims.rank_of(stage, 0, 0))
+    with torch.device("meta"):
+        if layout.pp == 1:
+            config = deepspeed_config(micro_batch=layout.micro_batch, accumulation=1, world_size=layout.dp,
+                                      zero_stage=layout.zero, precision="fp16", grad_clip=1.0)
+            modules = [parallelize(build(cfg, config, seed=0, rank=0), groups)]
+        else:
+            specs = layer_specs(cfg, groups, seed=0)
+            cut = types.SimpleNamespace(num_stages=dims.pp, global_rank=groups.rank, _layer_specs=specs, loss_fn=None,
+                                        _topo=PipeModelDataParallelTopology(num_pp=dims.pp, num_mp=dims.tp, num_dp=dims.dp))
+            cut._find_layer_type = PipelineModule._find_layer_type.__get__(cut)
+            cut._set_bounds = PipelineModule._set_bounds.__get__(cut)
+            PipelineModule._partition_layers(cut, PARTITION_METHOD)
+            mine = specs[cut.parts[stage]:cut.parts[stage + 1]]
+            tied = [s for s in mine if isinstance(s, TiedLayerSpec)][:1]  # the tied embedding, built once
+            modules = [s.build() for s in tied + [s for s in mine if not isinstance(s, TiedLayerSpec)]]
+    return sum(p.numel() for m in modules for p in m.parameters())
+
+
+def _block_activations_on_meta(cfg, seq_len: int, micro_batch: int) -> int:
+    """Bytes one decoder block saves for its backward, as torch sees it on the meta device with the kernels CUDA
+    runs: flash attention (torch's _scaled_dot_product_flash_attention, which scaled_dot_product_attention
+    takes for fp16 on a GPU; on the meta device it would take the math path and keep the scores) and the fused
+    dropout's bool masks. Each storage once (the q/k/v inputs are one tensor); the weights are not counted."""
+    import torch
+    import torch.nn.functional as F
+
+    from model.opt import Block
+
+    with torch.device("meta"):
+        block = Block(cfg).to(torch.float16).train()
+        x = torch.empty(micro_batch, seq_len, cfg.d_model, dtype=torch.float16, requires_grad=True)
+    weights, saved = {id(p) for p in block.parameters()}, {}
+
+    def pack(t):
+        base = t if t._base is None else t._base
+        if id(base) not in weights:
+            saved[id(base)] = base
+        return t
+
+    def flash(q, k, v, is_causal=False, dropout_p=0.0):
+        return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, dropout_p, is_causal)[0]
+
+    sdpa, dropout = F.scaled_dot_product_attention, F.dropout
+    F.scaled_dot_product_attention, F.dropout = flash, lambda x, p, training: torch.native_dropout(x, p, training)[0]
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            block(x)
+    finally:
+        F.scaled_dot_product_attention, F.dropout = sdpa, dropout
+    return sum(t.numel() * t.element_size() for t in saved.values())
+
+
+@pytest.mark.parametrize("path", ["configs/opt-175b.yaml", "configs/opt-1.3b.yaml"])
+def test_meta_stage_matches_planner(path):
+    """Each layout of the config (its training layout and its screen's proxy layout), one GPU's part of the model
+    built on the meta device (a 175B stage in about a second): its parameters, and so its weight, gradient and
+    optimizer bytes (layout.state_bytes, which test_parallel.py measures on real engines), within 1% of what the
+    planner counts, on each end stage; and one block's saved activations within 1% of the planner's."""
+    from core.config import load_config
+    from train.plan.layout import activation_bytes, stage_params, state_bytes
+    from train.plan.planner import inputs, parse_args
+    from train.rules import check_config
+
+    config = load_config(ROOT / path, [], None, checks=(check_config,))
+    work, cluster, _, layout = inputs(parse_args(["--config", str(ROOT / path)]), config)
+    proxy = config.screen.proxy  # a job of its own on one node
+    proxy_work = Workload(get(proxy.model), proxy.seq_len, proxy.global_batch_tokens // proxy.seq_len, proxy.precision, 1e9)
+    proxy_layout = Layout(1, 1, proxy.num_workers, proxy.zero_stage, proxy.micro_batch_size, "none")
+    proxy_cluster = dataclasses.replace(cluster, gpus=proxy.num_workers)
+    for w, lay, on in ((work, layout, cluster), (proxy_work, proxy_layout, proxy_cluster)):
+        planned = predict(lay, w, on)
+        for stage, params in stage_params(lay, w, on).items():
+            built = _stage_on_meta(w.model, lay, stage)
+            assert built == pytest.approx(params, rel=0.01), (str(lay), stage)
+            if stage == planned.stage:
+                for term, per_param in state_bytes(w.precision, lay.zero, lay.dp).items():
+                    assert built * per_param == pytest.approx(planned.memory[term], rel=0.01), (str(lay), term)
+    seen = _block_activations_on_meta(work.model, work.seq_len, layout.micro_batch)
+    counted = activation_bytes(work, Layout(1, 1, 1, 1, layout.micro_batch, "none"), "none")
+    print(f"{work.model.name}: one block's activations, micro batch {layout.micro_batch}: torch (flash attention) "
+          f"{seen / 1e6:.1f} MB, the planner {counted / 1e6:.1f} MB")
+    assert seen == pytest.approx(counted, rel=0.01)

@@ -84,6 +84,16 @@ class Groups:
         self.data = self._mine(dims.data_groups())
         self.pipeline = self._mine(dims.pipeline_groups())
 
+    @classmethod
+    def coordinates_only(cls, dims: ParallelDims, rank: int) -> "Groups":
+        """Where `rank` sits in the layout, without process groups: enough to build its modules where no
+        collective runs (on the meta device, to count what a rank of a 992-GPU layout holds)."""
+        groups = cls.__new__(cls)
+        groups.dims, groups.rank = dims, rank
+        groups.stage, groups.data_rank, groups.tensor_rank = dims.coords(rank)
+        groups.tensor = groups.data = groups.pipeline = None
+        return groups
+
     def _mine(self, all_groups: list[list[int]]):
         mine = None
         for ranks in all_groups:

@@ -128,9 +128,25 @@ class Loss:
         return scale_gradient(self.embedding.tokens.loss(logits, targets), self.gradient_factor)
 
 
+PARTITION_METHOD = "type:PipeBlock"  # the blocks balanced; the embeddings with the first, the head with the last
+
+
+def layer_specs(config: OPTConfig, groups: Groups, *, seed: int) -> list:
+    """The whole model's layers as DeepSpeed's LayerSpecs, in order; each stage builds its own run of them."""
+    from deepspeed.pipe import LayerSpec, TiedLayerSpec
+
+    tied = partial(TiedLayerSpec, "embed", Embedding, config, seed, groups, tied_weight_attr="tokens.weight")
+    layers = [tied(), LayerSpec(Positions, config, seed),
+              *(LayerSpec(PipeBlock, config, i, seed, groups) for i in range(config.n_layer))]
+    if config.pre_ln:
+        layers.append(LayerSpec(FinalNorm, config, seed))
+    layers.append(tied(forward_fn=head))
+    return layers
+
+
 def pipeline_module(config: OPTConfig, groups: Groups, *, seed: int, activation_checkpointing: bool):
     """This rank's stage of the model, as a DeepSpeed PipelineModule over `groups`' layout."""
-    from deepspeed.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+    from deepspeed.pipe import PipelineModule
     from deepspeed.runtime.pipe.topology import PipeModelDataParallelTopology
 
     dims = groups.dims
@@ -138,15 +154,10 @@ def pipeline_module(config: OPTConfig, groups: Groups, *, seed: int, activation_
         raise ValueError(f"{dims.pp} pipeline stages for {config.n_layer} layers: every stage needs at least one")
     if dims.tp > 1:
         check_split(config, dims.tp, training=True)
-    tied = partial(TiedLayerSpec, "embed", Embedding, config, seed, groups, tied_weight_attr="tokens.weight")
-    layers = [tied(), LayerSpec(Positions, config, seed),
-              *(LayerSpec(PipeBlock, config, i, seed, groups) for i in range(config.n_layer))]
-    if config.pre_ln:
-        layers.append(LayerSpec(FinalNorm, config, seed))
-    layers.append(tied(forward_fn=head))
     module = PipelineModule(
-        layers, topology=PipeModelDataParallelTopology(num_pp=dims.pp, num_mp=dims.tp, num_dp=dims.dp),
-        partition_method="type:PipeBlock",  # the blocks balanced; the embeddings with the first, the head with the last
+        layer_specs(config, groups, seed),
+        topology=PipeModelDataParallelTopology(num_pp=dims.pp, num_mp=dims.tp, num_dp=dims.dp),
+        partition_method=PARTITION_METHOD,
         activation_checkpoint_interval=1 if activation_checkpointing else 0,  # each block recomputed in backward
         activation_checkpoint_func=partial(checkpoint, use_reentrant=False), checkpointable_layers=["PipeBlock"],
         # Training's micro-batches all have one shape: its p2p shapes go once, not with a host sync (.item() in

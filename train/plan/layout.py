@@ -12,9 +12,12 @@ The model, in the order of `predict`:
   the optimizer's step (`state_bytes`, per parameter: measured on real engines by tests/test_parallel.py),
   each divided by tp and pp. Activations per
   layer per micro-batch follow Korthikanti et al. 2022 ("Reducing Activation Recomputation in Large
-  Transformer Models", arXiv 2205.05198), tensor parallel without sequence parallelism:
-  s*b*h*(10 + 24/t) bytes plus 5*a*s^2*b/t for the attention scores, which a fused attention kernel
-  (ours: torch's scaled_dot_product_attention) never stores; full recompute keeps each layer's input
+  Transformer Models", arXiv 2205.05198), tensor parallel without sequence parallelism, for OPT's ReLU:
+  s*b*h*(10 + 16/t) bytes (their 24/t is for GeLU, which keeps its input and fc2 its output; ReLU's
+  backward reads its output, the tensor fc2 keeps anyway) plus 5*a*s^2*b/t for the attention scores,
+  which a fused attention kernel (ours: torch's scaled_dot_product_attention) never stores. What torch
+  saves for a block on the meta device with CUDA's kernels (flash attention, dropout's bool masks) is
+  this within 1% (tests/test_plan.py::test_meta_stage_matches_planner). Full recompute keeps each layer's input
   (2*s*b*h) and rebuilds one layer at a time. 1F1B keeps pp - i micro-batches in flight on stage i.
 - Compute: model FLOPs (model.configs.flops_per_token: 6 per parameter per token plus attention),
   plus the forward again under full recompute, at ACHIEVABLE_FRACTION of the GPU's dense peak.
@@ -185,6 +188,7 @@ class Prediction:
     mfu: float
     days: float  # for the workload's total_tokens
     capacity_bytes: float
+    stage: int = 0  # the pipeline stage whose memory `memory` is
     why: str | None = None  # why it does not fit
 
     @property
@@ -253,7 +257,9 @@ def activation_bytes(work: Workload, layout: Layout, recompute: str) -> float:
     sbh = s * b * cfg.d_model
     if recompute == "full":
         return ACTIVATION_BYTES * sbh  # the layer's input
-    kept = sbh * (10 + 24 / t)  # LayerNorms, the q/k/v, projection and FFN inputs, GeLU, dropout masks
+    # replicated over the tensor group (10): both LayerNorms' inputs, the q/k/v and fc1 inputs, 2 dropout masks
+    # (1 byte); split (16): q, k, v and the attention's output (out_proj's input), ReLU's output (fc2's input)
+    kept = sbh * (10 + 16 / t)
     if recompute == "none" and not work.fused_attention:
         kept += 5 * cfg.n_head * s * s * b / t  # softmax output, its dropout mask and output
     return kept
@@ -267,7 +273,6 @@ class _Step:
     work: Workload
     micro_batches: int  # per step through each pipeline
     block: int  # parameters of one decoder layer
-    embedding: int  # token and position embeddings
     state: dict[str, float]  # bytes per parameter of this layout's tp x pp share: weights, gradients, optimizer
     rate: float  # FLOP/s one GPU reaches
     sbh_bytes: float  # one micro-batch's activations at a layer boundary
@@ -292,7 +297,6 @@ def _step(layout: Layout, work: Workload, cluster: Cluster) -> _Step:
         layout, work,
         micro_batches=work.batch_seqs // (dp * b),
         block=block_params(cfg),
-        embedding=cfg.vocab_size * h + (cfg.max_seq_len + 2) * h,
         state=state_bytes(work.precision, zero, dp),
         rate=cluster.gpu.peak_tflops(work.precision) * 1e12 * ACHIEVABLE_FRACTION,
         sbh_bytes=ACTIVATION_BYTES * work.seq_len * b * h,
@@ -301,10 +305,23 @@ def _step(layout: Layout, work: Workload, cluster: Cluster) -> _Step:
 
 
 def _params_on(st: _Step, stage: int) -> float:
-    """Parameters one GPU of this pipeline stage holds before ZeRO partitions them."""
+    """Parameters one GPU of this pipeline stage holds before ZeRO partitions them. The tensor group splits the
+    matrices, their column-parallel biases and the token embedding (train/parallel/groups.py: parallelize);
+    each block's LayerNorms and row-parallel biases (out_proj, fc2: 6h), the positions and the final LayerNorm
+    stay whole on every rank. The first stage holds the positions, the last the tied copy of the tokens."""
     n, first, last = st.stages[stage]
-    h = st.work.model.d_model
-    return (n * st.block + (st.embedding if first or last else 0) + (2 * h if last else 0)) / st.layout.tp
+    cfg, tp = st.work.model, st.layout.tp
+    h = cfg.d_model
+    params = n * ((st.block - 6 * h) / tp + 6 * h)
+    params += cfg.vocab_size * h / tp if first or last else 0
+    params += (cfg.max_seq_len + 2) * h if first else 0
+    return params + (2 * h if last and cfg.pre_ln else 0)
+
+
+def stage_params(layout: Layout, work: Workload, cluster: Cluster) -> dict[int, float]:
+    """Parameters one GPU holds on the first and the last pipeline stage (the ones that hold most)."""
+    st = _step(layout, work, cluster)
+    return {stage: _params_on(st, stage) for stage in st.stages}
 
 
 def _memory_of(st: _Step, stage: int) -> dict[str, float]:
@@ -393,7 +410,8 @@ def predict(layout: Layout, work: Workload, cluster: Cluster) -> Prediction:
         raise LayoutError(f"{layout}: {reason}")
     st = _step(layout, work, cluster)
     gpu, pp, dp, zero, m = cluster.gpu, layout.pp, layout.dp, layout.zero, st.micro_batches
-    memory = max((_memory_of(st, i) for i in st.stages), key=lambda t: sum(t.values()))
+    stage = max(st.stages, key=lambda i: sum(_memory_of(st, i).values()))
+    memory = _memory_of(st, stage)
     per_mb = max((_micro_batch_times(st, i) for i in st.stages),
                  key=lambda t: t["compute"] + t["tensor parallel"] + t["pipeline sends"])
     slot = per_mb["compute"] + per_mb["tensor parallel"] + per_mb["pipeline sends"]
@@ -414,4 +432,4 @@ def predict(layout: Layout, work: Workload, cluster: Cluster) -> Prediction:
     tflops = flops_per_token(work.model, work.seq_len) * work.batch_tokens / step / cluster.gpus / 1e12
     return Prediction(layout, memory, time, traffic, m, (pp - 1) / (m + pp - 1), step, tflops,
                       tflops / gpu.peak_tflops(work.precision), work.total_tokens / work.batch_tokens * step / 86400,
-                      gpu.memory_bytes, _why_not_fits(memory, gpu.memory_bytes))
+                      gpu.memory_bytes, stage, _why_not_fits(memory, gpu.memory_bytes))
