@@ -103,6 +103,8 @@ def test_defaults_and_resolved_paths(cfg, tmp_path, monkeypatch):
     ("train: {model: 1.3b, num_workers: 16, gpus_per_worker: 1, precision: bf16, parallel: {tensor: 16}}\n", "train.parallel.tensor",
      "would span nodes of 8 GPUs"),
     ("train: {num_workers: 2, zero_stage: 3, parallel: {tensor: 2}}\n", "train.parallel.tensor", "takes ZeRO 0-2 here"),
+    ("train: {model: 30b, num_workers: 8, gpus_per_worker: 1, precision: bf16, parallel: {tensor: 8}}\n",
+     "train.parallel.pipeline", "up to 20B parameters, and 30b has 30.0B: each worker builds the whole model in fp32"),
     ("train: {parallel: {pipeline: 0}}\n", "train.parallel.pipeline", "expected a value >= 1"),
     ("train: {num_workers: 6, zero_stage: 1, parallel: {tensor: 2, pipeline: 2}}\n", "train.parallel.pipeline",
      "tensor 2 x pipeline 2 does not divide num_workers=6"),

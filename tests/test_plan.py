@@ -162,6 +162,12 @@ def test_the_planner_refuses_what_the_config_refuses_in_the_same_words():
                         (Layout(2, 1, 4, 3, 1, "full"), "parallel.tensor")):
         assert layout_rule(layout.tp, layout.pp, layout.zero, work.precision) == (key, refused_here(layout, work))
     assert refused_here(Layout(2, 2, 2, 1, 1, "full"), work) is None
+    # tensor parallelism alone, above the size whose export gathers fit a GPU: train/rules.py's words
+    from train.rules import tensor_only_problem
+
+    big = Workload(get("30b"), 2048, 512, "fp16", 1e9)
+    assert refused_here(Layout(8, 1, 8, 1, 1, "full"), big) == tensor_only_problem(big.model, 8, 1) is not None
+    assert refused_here(Layout(8, 2, 4, 1, 1, "full"), big) is None
 
 
 def test_reproduces_narayanan_2021_ptdp_against_zero3():
@@ -208,7 +214,8 @@ def test_the_configured_layout_follows_train_parallel():
     from train.plan.planner import DEFAULT_CONFIG, configured_layout
     from train.rules import check_config
 
-    config = load_config(DEFAULT_CONFIG, ["train.parallel={tensor: 8, pipeline: 1}", "train.activation_checkpointing=true"],
+    config = load_config(DEFAULT_CONFIG, ["train.model=13b", "train.parallel={tensor: 8, pipeline: 1}",
+                                          "train.activation_checkpointing=true"],
                          checks=(check_config,))
     assert configured_layout(config, 992) == Layout(8, 1, 124, 1, 1, "full")
     config = load_config(DEFAULT_CONFIG, ["train.parallel={tensor: 4, pipeline: 8}"], checks=(check_config,))

@@ -9,8 +9,15 @@ to every training section, train and screen.proxy, with the same keys and messag
 from __future__ import annotations
 
 from core.config import ConfigError, PipelineConfig, ProxyConfig, TrainConfig
-from model.configs import CONFIGS
+from model.configs import CONFIGS, OPTConfig, param_count
 from train.plan.hardware import NODES
+
+# The largest model the tensor-parallel path without a pipeline takes: its export gathers the fp16 model whole on
+# a GPU (train/parallel/groups.py full_state_dict), which must leave an 80 GB GPU room for the rank's weights,
+# gradients and optimizer states. OPT-13B (26 GB gathered) fits; OPT-30B (60 GB, with 15 GB of its own weights
+# and gradients at tensor 8) does not. Up to this size the whole fp32 build is also at most 80 GB of host memory
+# per worker.
+TENSOR_ONLY_MAX_PARAMS = 20e9
 
 
 def check_config(config: PipelineConfig) -> None:
@@ -36,10 +43,27 @@ def check_section(key: str, section: TrainConfig | ProxyConfig) -> None:
         if model is not None and getattr(model, what) % t:
             raise ConfigError(f"{key}.parallel.tensor", f"{t} does not divide the {section.model} model's {what} "
                               f"({getattr(model, what)})")
+    split = model is not None and tensor_only_problem(model, t, p)
+    if split:
+        raise ConfigError(f"{key}.parallel.pipeline", split)
     per_node = max(node.gpus for node in NODES.values())
     if section.gpus_per_worker and t * section.gpus_per_worker > per_node:
         raise ConfigError(f"{key}.parallel.tensor", f"a tensor group of {t} workers x {section.gpus_per_worker:g} GPUs "
                           f"would span nodes of {per_node} GPUs: its all-reduces, two per layer, would cross the network")
+
+
+def tensor_only_problem(model: OPTConfig, tensor: int, pipeline: int) -> str | None:
+    """Why tensor parallelism without a pipeline cannot take this model, or None (the config's rule and the
+    layout planner's, train/plan/layout.py refused_here)."""
+    n = param_count(model)
+    if tensor == 1 or pipeline > 1 or n <= TENSOR_ONLY_MAX_PARAMS:
+        return None
+    return (f"tensor parallelism without a pipeline takes models up to {TENSOR_ONLY_MAX_PARAMS / 1e9:.0f}B parameters, "
+            f"and {model.name} has {n / 1e9:.1f}B: each worker builds the whole model in fp32 before it keeps its "
+            f"shard ({4 * n / 1e9:.0f} GB of host memory each, {32 * n / 1e9:.0f} GB for a node's 8; train/build.py), "
+            f"and the export gathers the whole model in fp16 ({2 * n / 1e9:.0f} GB) onto every GPU of the first "
+            "replica beside its training state (train/loop/export.py). Set parallel.pipeline > 1: a pipeline's "
+            "stages build and export only their own layers")
 
 
 def check_batch(key: str, model: str, batch_tokens: int | None, seq_len: int, micro: int, workers: int,
