@@ -26,9 +26,9 @@ CHECKPOINT_EVERY = 250  # steps, configs/opt-175b.yaml
 FSX_GBPS = 24.0  # /fsx read and write (docs/scale.md)
 CHECKPOINT_TB = 2.44  # fp16 weights + fp32 optimizer state, written once per save
 # Every data-parallel replica (31) reads its stages' fp16 weights (350 GB) on a restart; the ZeRO-1
-# optimizer shards (2.1 TB) are read once in all (issue 32, fix 4: pipe/module.py load_state_dir).
+# optimizer shards (2.1 TB) are read once in all (pipe/module.py load_state_dir).
 RESTART_READ_TB = 31 * 0.35 + 2.1
-ONE_READ_TB = 0.35 + 2.1  # each stage's weights read once and broadcast over the data-parallel group
+ONE_READ_TB = 0.35 + 2.1  # each stage's weights read once and broadcast over the data-parallel group (train/checkpoint.py)
 STORAGE_DUTY = 4.0  # a checkpoint interval at least this many writes long: the shared FSx is not kept busy
 HOST_COPY_GBPS = 10.0  # device to host, per GPU (PCIe 4 x16, pageable memory: a conservative figure)
 PER_RANK_GB = 2.46  # one rank's share of a checkpoint
@@ -59,7 +59,7 @@ def main() -> None:
     floor = STORAGE_DUTY * write_s  # a background save every interval keeps FSx busy write_s of it
     setups = {"in place, every replica reads": (write_s, fixed + read_s),
               "in the background, every replica reads": (PER_RANK_GB / HOST_COPY_GBPS, fixed + read_s),
-              "in the background, one read per stage (issue 32, fix 4)": (PER_RANK_GB / HOST_COPY_GBPS, fixed + read_once_s)}
+              "in the background, one read per stage": (PER_RANK_GB / HOST_COPY_GBPS, fixed + read_once_s)}
     configured = CHECKPOINT_EVERY * STEP_SECONDS
     print(f"restart: detection {args.detect_seconds:.0f} s + scheduling {args.schedule_seconds:.0f} + build "
           f"{args.build_seconds:.0f} + checkpoint read {read_s:.0f} ({RESTART_READ_TB:.1f} TB at {FSX_GBPS:g} GB/s; "

@@ -196,7 +196,7 @@ def _dropout_masks(block, groups) -> list[torch.Tensor]:
     return masks
 
 
-def _deepspeed_run(rank, world, tp, pp, export_to=None, zero=1):
+def _deepspeed_run(rank, world, tp, pp, export_to=None, zero=1, checkpoint_to=None):
     """Losses and gradient norms per step under DeepSpeed ZeRO-1 (clipping at 0.1, below every step's norm), no
     dropout: the whole model (split over the tensor group when tp > 1), or with pp > 1 this rank's stage of it
     through the pipeline engine (1F1B, `train_batch`), each parameter drawn from its own stream of seed 0 either
@@ -268,7 +268,26 @@ def _deepspeed_run(rank, world, tp, pp, export_to=None, zero=1):
     dist.new_group = new_group
     timeouts = [g._get_backend(torch.device("cpu")).options._timeout.total_seconds() for g in made
                 if isinstance(g, dist.ProcessGroup)]  # the groups this rank is in
-    return losses, norms, (groups.stage, groups.tensor_rank, masks, len(shapes_sent)) if pp > 1 else None, timeouts
+    reads = _round_trip(engine, groups, checkpoint_to) if checkpoint_to else None
+    return losses, norms, (groups.stage, groups.tensor_rank, masks, len(shapes_sent)) if pp > 1 else None, timeouts, reads
+
+
+def _round_trip(engine, groups, root):
+    """A checkpoint saved and loaded back (train/checkpoint.py) into the engine, its weights zeroed first: the
+    files this rank read from storage, and whether every weight came back."""
+    from pathlib import Path
+
+    from train import checkpoint
+
+    checkpoint.save(engine, Path(root), 10, {})
+    kept = [p.detach().clone() for p in engine.module.parameters()]
+    with torch.no_grad():
+        for p in engine.module.parameters():
+            p.zero_()
+    opened, read = [], engine.checkpoint_engine.load
+    engine.checkpoint_engine.load = lambda path, *args, **kwargs: opened.append(Path(path).name) or read(path, *args, **kwargs)
+    checkpoint.load(engine, Path(root) / checkpoint.step_name(10), groups.data)
+    return opened, all(torch.equal(a, b) for a, b in zip(kept, engine.module.parameters()))
 
 
 @pytest.fixture(scope="module")
@@ -276,7 +295,7 @@ def whole_under_deepspeed():
     return run_ranks(1, _deepspeed_run, 1, 1)[0]
 
 
-@pytest.mark.parametrize("world, tp, pp, zero", [(4, 2, 1, 1), (2, 1, 2, 1), (4, 2, 2, 1), (4, 2, 1, 2)])
+@pytest.mark.parametrize("world, tp, pp, zero", [(4, 2, 1, 1), (4, 1, 2, 1), (4, 2, 2, 1), (4, 2, 1, 2)])
 def test_split_models_under_deepspeed_train_as_the_whole_model(whole_under_deepspeed, world, tp, pp, zero, tmp_path):
     """DeepSpeed ZeRO-1, clipping active: T=2 x D=2 (the groups as DeepSpeed's mpu), P=2, and T=2 x P=2
     through the pipeline engine (1F1B, activation checkpointing on), and T=2 x D=2 under ZeRO-2 (what
@@ -288,10 +307,24 @@ def test_split_models_under_deepspeed_train_as_the_whole_model(whole_under_deeps
     from model.hf import from_pretrained
     from model.opt import OPT
 
-    losses, norms, _, _ = whole_under_deepspeed
+    losses, norms, _, _, _ = whole_under_deepspeed
     assert losses[-1] < losses[0] - 0.5
-    results = run_ranks(world, _deepspeed_run, tp, pp, str(tmp_path / "initial") if pp > 1 else None, zero)
-    for split_losses, split_norms, _, timeouts in results:  # every rank reports the same step losses
+    dp = world // (tp * pp)
+    results = run_ranks(world, _deepspeed_run, tp, pp, str(tmp_path / "initial") if pp > 1 else None, zero,
+                        str(tmp_path / "checkpoints") if dp > 1 else None)
+    if dp > 1:
+        # A restart reads the files that every data-parallel replica needs (a stage's layer files, a replicated
+        # model's states) on the first replica only, which broadcasts them; each rank still reads its own ZeRO
+        # partition. Every weight comes back.
+        opened = [reads for *_, reads in results]
+        assert all(restored for _, restored in opened)
+        assert any("optim_states" not in name for names, _ in opened for name in names), opened
+        dims = ParallelDims.for_world(world, tp=tp, pp=pp)
+        for rank, (names, _) in enumerate(opened):
+            assert sum("optim_states" in n for n in names) == 1, (rank, names)
+            if dims.coords(rank)[1] > 0:  # a second replica reads nothing else
+                assert all("optim_states" in n for n in names), (rank, names)
+    for split_losses, split_norms, _, timeouts, _ in results:  # every rank reports the same step losses
         assert _close(split_losses, losses), (split_losses, losses)
         assert _close(split_norms, norms, rel=1e-4), (split_norms, norms)
         # Every group made, ours (tensor, data, pipeline) and DeepSpeed's (its grid's, the tied embedding's),
@@ -301,10 +334,10 @@ def test_split_models_under_deepspeed_train_as_the_whole_model(whole_under_deeps
         return
     # Dropout: each stage its own masks (block 0 on stage 0, block 1 on stage 1), the same again on a rerun,
     # and the same on the tensor ranks of a stage (the residual stream they mask is replicated over them).
-    masks = {(stage, tensor_rank): m for _, _, (stage, tensor_rank, m, _), _ in results}
+    masks = {(stage, tensor_rank): m for _, _, (stage, tensor_rank, m, _), _, _ in results}
     # Training sends its activations' shape once, and once more after validation (which sends its own larger
     # and ragged ones): not with every micro-batch (DeepSpeed's dynamic_shape, a host sync each).
-    assert {sent for _, _, (stage, _, _, sent), _ in results if stage == 0} == {2}
+    assert {sent for _, _, (stage, _, _, sent), _, _ in results if stage == 0} == {2}
     for (stage, tensor_rank), (first, again) in masks.items():
         assert (first == again).all() and 0.3 < first.mean() < 0.7, (stage, tensor_rank)
         assert (first != masks[(1 - stage, tensor_rank)][0]).any(), (stage, tensor_rank)

@@ -38,7 +38,7 @@ from typing import Iterator
 import numpy as np
 import torch
 
-from train.parallel.collectives import all_ok, barrier, rank_world
+from train.parallel.collectives import all_ok, barrier, rank_world, read_once
 
 log = logging.getLogger(__name__)
 
@@ -242,10 +242,31 @@ def verify(path: Path, rank: int = 0, world: int = 1) -> str | None:
     return None
 
 
-def load_latest(engine, root: Path, on_skip=None, accept=None) -> dict | None:
+@contextlib.contextmanager
+def reading_once(engine, data_group):
+    """While DeepSpeed loads a checkpoint, each file that every rank of the data-parallel group reads (a
+    pipeline stage's layer files, the model states of a replicated model) is read by the group's first rank
+    only and broadcast to the others (collectives.read_once); each rank's own files (its ZeRO partition)
+    are read where they are. At 175B that is one read of the model per restart where each of the 31
+    replicas read it: 0.35 TB from storage instead of 10.9 TB (docs/scale.md, "Restarts")."""
+    ckpt_engine = engine.checkpoint_engine
+    original = ckpt_engine.load
+
+    def load(path, map_location=None, *args, **kwargs):
+        return read_once(lambda: original(path, map_location, *args, **kwargs), str(path), data_group)
+
+    ckpt_engine.load = load
+    try:
+        yield
+    finally:
+        ckpt_engine.load = original
+
+
+def load_latest(engine, root: Path, on_skip=None, accept=None, data_group=None) -> dict | None:
     """Load the newest checkpoint that verifies on every rank (and that `accept(meta)` takes, when
     given); its meta, or None to start fresh. `on_skip(reason)` is called (on rank 0) for every
-    checkpoint passed over for being corrupt or partial."""
+    checkpoint passed over for being corrupt or partial. `data_group`: the data-parallel process group
+    (None: every rank is a replica), whose ranks share what they all read (`reading_once`)."""
     rank, world = rank_world()
     for path in published(root):
         if accept is not None and not accept(read_meta(path) or {}):
@@ -258,15 +279,16 @@ def load_latest(engine, root: Path, on_skip=None, accept=None) -> dict | None:
                 if on_skip is not None:
                     on_skip(why)
             continue
-        return load(engine, path)
+        return load(engine, path, data_group)
     return None
 
 
-def load(engine, path: Path) -> dict:
+def load(engine, path: Path, data_group=None) -> dict:
     """Load one (verified) checkpoint into the engine and this rank's RNGs; returns its meta."""
     rank, world = rank_world()
     meta = read_meta(path)
-    engine.load_checkpoint(str(path), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=False)
+    with reading_once(engine, data_group):
+        engine.load_checkpoint(str(path), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=False)
     rng = path / f"rng-rank{rank:05d}.pt"
     if meta["world_size"] == world and rng.is_file():
         set_rng_state(torch.load(rng, weights_only=False))

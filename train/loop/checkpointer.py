@@ -27,6 +27,11 @@ class Checkpointer:
         self.on_written = on_written  # on_written(step, blocked_seconds, write_seconds), every rank
         self.pending: tuple | None = None  # (Write, blocked seconds, the loss to report or None)
 
+    @property
+    def data_group(self):
+        """The replicas of this rank's part of the model (None: all ranks): they read a checkpoint's shared files once."""
+        return self.ctx.groups.data if self.ctx.groups else None
+
     def due(self, step: int) -> bool:
         return bool(self.every) and (step % self.every == 0 or step == self.max_steps)
 
@@ -64,7 +69,7 @@ class Checkpointer:
         def skipped(reason: str) -> None:
             incident(self.ctx, 0, f"checkpoint skipped on load: {reason}")
 
-        resumed = checkpoint.load_latest(self.engine, self.dir, on_skip=skipped)
+        resumed = checkpoint.load_latest(self.engine, self.dir, on_skip=skipped, data_group=self.data_group)
         if resumed is not None and self.ctx.leader:
             incident(self.ctx, resumed["step"], f"resumed from {Path(resumed['path']).name}")
         return resumed
@@ -87,7 +92,8 @@ class Checkpointer:
         barrier()
         self.abandon_after(step, decided_at)
         barrier()
-        meta = checkpoint.load_latest(self.engine, self.dir, accept=lambda m: m.get("step") == step)
+        meta = checkpoint.load_latest(self.engine, self.dir, accept=lambda m: m.get("step") == step,
+                                      data_group=self.data_group)
         if meta is None:
             raise RuntimeError(f"autopilot: checkpoint step {step} no longer verifies")
         return meta

@@ -11,7 +11,9 @@ code runs in one process and on every rank of a Ray Train job.
 
 from __future__ import annotations
 
+import math
 import time
+from collections import OrderedDict
 from datetime import timedelta
 
 import torch
@@ -72,6 +74,70 @@ def all_ok(ok: bool) -> bool:
     flag = torch.tensor([1 if ok else 0], dtype=torch.int32, device=device())
     dist.all_reduce(flag, op=dist.ReduceOp.MIN)
     return bool(flag.item())
+
+
+def read_once(read, key: str, group=None):
+    """`read()`'s result (a state dict, say), read only by the first rank of `group` (None: every rank) when
+    every rank of it asks for the same `key` (the path of a file each data-parallel replica would read), and
+    sent to the others: its tensors as one byte buffer in one broadcast, the rest pickled. Where the ranks
+    ask for different keys, each reads its own. Every rank of the group calls this the same number of times,
+    as it calls the reader it replaces. The receivers' tensors are on the host where the reader's were, else
+    on this rank's device; tensors that shared memory on the reader arrive as copies."""
+    size = dist.get_world_size(group) if initialized() else 1
+    if size == 1:
+        return read()
+    keys: list = [None] * size
+    dist.all_gather_object(keys, key, group=group)
+    if len(set(keys)) > 1:
+        return read()
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    reader, tensors = dist.get_rank() == src, []
+    obj = read() if reader else None
+    box = [(_hollow(obj, tensors, {}), [(t.shape, t.dtype, t.device.type) for t in tensors]) if reader else None]
+    dist.broadcast_object_list(box, src=src, group=group, device=device())
+    skeleton, specs = box[0]
+    sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype, _ in specs]
+    if reader:
+        flat = torch.cat([t.detach().reshape(-1).view(torch.uint8).to(device()) for t in tensors] or
+                         [torch.empty(0, dtype=torch.uint8, device=device())])
+    else:
+        flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device())
+    dist.broadcast(flat, src=src, group=group)
+    if reader:
+        return obj
+    received, offset = [], 0
+    for (shape, dtype, where), n in zip(specs, sizes):
+        piece = flat[offset:offset + n].to("cpu" if where == "cpu" else device(), copy=True)  # aligned, its own
+        received.append(piece.view(dtype).reshape(shape))
+        offset += n
+    return _fill(skeleton, received)
+
+
+class _Slot(int):
+    """Where `read_once`'s skeleton had a tensor: its index in the broadcast."""
+
+
+def _hollow(obj, tensors: list, seen: dict):
+    if isinstance(obj, torch.Tensor):
+        if id(obj) not in seen:
+            seen[id(obj)] = _Slot(len(tensors))
+            tensors.append(obj)
+        return seen[id(obj)]
+    if type(obj) in (dict, OrderedDict):
+        return type(obj)((k, _hollow(v, tensors, seen)) for k, v in obj.items())
+    if type(obj) in (list, tuple):
+        return type(obj)(_hollow(v, tensors, seen) for v in obj)
+    return obj  # anything else goes pickled, a tensor inside it too
+
+
+def _fill(obj, tensors: list):
+    if isinstance(obj, _Slot):
+        return tensors[obj]
+    if type(obj) in (dict, OrderedDict):
+        return type(obj)((k, _fill(v, tensors)) for k, v in obj.items())
+    if type(obj) in (list, tuple):
+        return type(obj)(_fill(v, tensors) for v in obj)
+    return obj
 
 
 def set_default_timeout(seconds: float) -> None:

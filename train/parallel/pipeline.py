@@ -155,7 +155,7 @@ def pipeline_module(config: OPTConfig, groups: Groups, *, seed: int, activation_
     if dims.tp > 1:
         check_split(config, dims.tp, training=True)
     module = PipelineModule(
-        layer_specs(config, groups, seed),
+        layer_specs(config, groups, seed=seed),
         topology=PipeModelDataParallelTopology(num_pp=dims.pp, num_mp=dims.tp, num_dp=dims.dp),
         partition_method=PARTITION_METHOD,
         activation_checkpoint_interval=1 if activation_checkpointing else 0,  # each block recomputed in backward
