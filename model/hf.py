@@ -52,6 +52,35 @@ def export_parts(model: OPT) -> Iterator[torch.nn.Module]:
         yield d.final_layer_norm
 
 
+def shard_plan(tensors: list[tuple[str, int, object]], max_bytes: int = SHARD_BYTES) -> list[list[str]]:
+    """The files `tensors` (name, bytes, group) go into, in order, as WeightsWriter fills them, and a new file
+    wherever the group changes: a file holds one group's tensors, so that the groups' owners (a pipeline's
+    stages) each write their own files at once."""
+    files: list[list[str]] = []
+    size, last = 0, None
+    for name, nbytes, group in tensors:
+        if not files or group != last or _starts_file(size, nbytes, max_bytes):
+            files.append([])
+            size = 0
+        files[-1].append(name)
+        size, last = size + nbytes, group
+    return files
+
+
+def file_names(n: int) -> list[str]:
+    """The names transformers gives `n` weights files."""
+    return [WEIGHTS] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+
+
+def write_index(out: Path, weight_map: dict[str, str], total_bytes: int) -> None:
+    (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total_bytes}, "weight_map": weight_map},
+                                        indent=2) + "\n")
+
+
+def _starts_file(pending_bytes: int, size: int, max_bytes: int) -> bool:
+    return pending_bytes > 0 and pending_bytes + size > max_bytes
+
+
 class WeightsWriter:
     """Tensors appended a piece at a time into safetensors files of at most `max_bytes` (a single tensor
     larger than that gets a file of its own), named and indexed as transformers names and indexes them."""
@@ -66,7 +95,7 @@ class WeightsWriter:
     def add(self, tensors: dict[str, torch.Tensor]) -> None:
         for name, tensor in tensors.items():
             size = tensor.numel() * tensor.element_size()
-            if self.pending and self.pending_bytes + size > self.max_bytes:
+            if _starts_file(self.pending_bytes, size, self.max_bytes):
                 self._flush()
             self.pending[name] = tensor.detach().to("cpu", copy=True).contiguous()  # a copy: ZeRO-3 frees the gathered data
             self.pending_bytes += size
@@ -85,18 +114,14 @@ class WeightsWriter:
             self._flush()
         if len(self.dtypes) > 1:
             raise ValueError(f"the weights are of several dtypes {sorted(map(str, self.dtypes))}: one config cannot say which")
-        n = len(self.files)
-        if n == 1:
-            self.files[0][0].rename(self.out / WEIGHTS)
+        finals, weight_map = file_names(len(self.files)), {}
+        for (path, names), final in zip(self.files, finals):
+            path.rename(self.out / final)
+            weight_map.update(dict.fromkeys(names, final))
+        if len(finals) == 1:
             (self.out / INDEX).unlink(missing_ok=True)
         else:
-            weight_map = {}
-            for i, (path, names) in enumerate(self.files, 1):
-                final = f"model-{i:05d}-of-{n:05d}.safetensors"
-                path.rename(self.out / final)
-                weight_map.update(dict.fromkeys(names, final))
-            (self.out / INDEX).write_text(json.dumps({"metadata": {"total_size": self.total_bytes},
-                                                      "weight_map": weight_map}, indent=2) + "\n")
+            write_index(self.out, weight_map, self.total_bytes)
         return next(iter(self.dtypes), torch.float32)
 
 

@@ -4,6 +4,7 @@ unsplit one."""
 
 from __future__ import annotations
 
+import json
 import multiprocessing
 import os
 import socket
@@ -16,6 +17,7 @@ from model.configs import get
 from train.parallel.groups import ParallelDims
 
 STEPS, MICRO = 10, 2  # optimizer steps, micro-batches accumulated per step
+EXPORT_SHARD_BYTES = 150_000  # a pipeline's export in several files per stage, so that both tensor ranks write
 GROUP_TIMEOUT = 1234.0  # train.collective_timeout_seconds in the DeepSpeed runs: every group they make waits this long
 
 
@@ -200,14 +202,12 @@ def _deepspeed_run(rank, world, tp, pp, export_to=None, zero=1, checkpoint_to=No
     """Losses and gradient norms per step under DeepSpeed ZeRO-1 (clipping at 0.1, below every step's norm), no
     dropout: the whole model (split over the tensor group when tp > 1), or with pp > 1 this rank's stage of it
     through the pipeline engine (1F1B, `train_batch`), each parameter drawn from its own stream of seed 0 either
-    way. `export_to`: the stages' initial weights exported there first (gathered on rank 0). With pp > 1 also
-    the dropout masks of the stage's first block, seeded as the training loop seeds this rank."""
-    from functools import partial
-
+    way. `export_to`: the stages' initial weights exported there first (each stage writing its own files). With
+    pp > 1 also the dropout masks of the stage's first block, seeded as the training loop seeds this rank;
+    `checkpoint_to`: a checkpoint saved there and loaded back (`_round_trip`)."""
     import deepspeed
     import torch.distributed as dist
 
-    from model.hf import save_pretrained
     from model.opt import OPT
     from train.optim import deepspeed_config
     from train.parallel.groups import Groups, parallelize
@@ -235,7 +235,7 @@ def _deepspeed_run(rank, world, tp, pp, export_to=None, zero=1, checkpoint_to=No
         assert held == ({"Embedding", "Positions", "PipeBlock"} if groups.stage == 0 else {"Embedding", "PipeBlock", "FinalNorm"})
         masks = _dropout_masks(next(m for m in local_layers(model) if type(m).__name__ == "PipeBlock"), groups)
         if export_to:
-            export_model(model, groups, cfg, partial(save_pretrained, out_dir=export_to))
+            export_model(model, groups, cfg, export_to, max_shard_bytes=EXPORT_SHARD_BYTES)
     else:  # built whole, then split over the tensor group (the groups as DeepSpeed's mpu)
         model = parallelize(OPT(cfg, seed=0), groups)
     engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=3e-3),
@@ -304,7 +304,7 @@ def test_split_models_under_deepspeed_train_as_the_whole_model(whole_under_deeps
     accumulated per step. The losses agree to 2e-7; the norms, sums of squares over other splits of the same
     gradients, to 4e-5 by step 8 (1e-4 asserted). Each pipeline stage builds only its own layers, and their
     export, gathered piece by piece on rank 0, is exactly the whole model built from the same seed."""
-    from model.hf import from_pretrained
+    from model.hf import from_pretrained, save_pretrained
     from model.opt import OPT
 
     losses, norms, _, _, _ = whole_under_deepspeed
@@ -342,11 +342,20 @@ def test_split_models_under_deepspeed_train_as_the_whole_model(whole_under_deeps
         assert (first == again).all() and 0.3 < first.mean() < 0.7, (stage, tensor_rank)
         assert (first != masks[(1 - stage, tensor_rank)][0]).any(), (stage, tensor_rank)
         assert (first == masks[(stage, 0)][0]).all(), (stage, tensor_rank)
+    # The export, each stage's pieces in files of their own written by its tensor ranks, holds the tensors and the
+    # config that one writer exports from the whole model built from the same seed (model.hf.save_pretrained).
+    whole = OPT(get("tiny").replace(dropout=0.0), seed=0)
+    save_pretrained(whole, tmp_path / "one-writer", max_shard_bytes=EXPORT_SHARD_BYTES)
     exported = from_pretrained(tmp_path / "initial").state_dict()
-    whole = OPT(get("tiny").replace(dropout=0.0), seed=0).state_dict()
-    assert exported.keys() == whole.keys()
-    for name, w in whole.items():
+    assert exported.keys() == whole.state_dict().keys()
+    for name, w in whole.state_dict().items():
         assert torch.equal(exported[name], w), name
+    assert (tmp_path / "initial" / "config.json").read_text() == (tmp_path / "one-writer" / "config.json").read_text()
+    index = json.loads((tmp_path / "initial" / "model.safetensors.index.json").read_text())["weight_map"]
+    files = sorted(set(index.values()))
+    assert len(files) > 4 and sorted(p.name for p in (tmp_path / "initial").glob("*.safetensors")) == files
+    stage_of = {f: {"layers.0." in n or "embed" in n for n, g in index.items() if g == f} for f in files}
+    assert all(len(stages) == 1 for stages in stage_of.values()), stage_of  # no file holds two stages' tensors
 
 
 def _live_bytes(params) -> int:

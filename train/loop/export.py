@@ -19,7 +19,7 @@ def export(engine, model, cfg: LoopConfig, ctx: Context) -> None:
     rank (under ZeRO-3; a block of 175B is 3.6 GB in fp16) and written by rank 0 into safetensors files
     of at most 5 GB, so neither a GPU nor rank 0's host ever holds the whole model. A tensor-parallel
     model (ZeRO 0-2, built whole in the first place) is gathered whole by rank 0's tensor group, the one
-    replica that writes; a pipeline sends each stage's pieces to rank 0."""
+    replica that writes; a pipeline's stages write their own pieces (train/parallel/pipeline.py export_model)."""
     import deepspeed
 
     from corpus import tokenizer
@@ -33,10 +33,11 @@ def export(engine, model, cfg: LoopConfig, ctx: Context) -> None:
             tok = tokenizer.load(str(tok_path))
         else:
             log.warning("%s is missing: the model is exported without a tokenizer", tok_path)
-    save = partial(save_pretrained, out_dir=cfg.export_dir, save_tokenizer=None if tok is None else partial(tokenizer.save, tok))
+    save_tokenizer = None if tok is None else partial(tokenizer.save, tok)
+    save = partial(save_pretrained, out_dir=cfg.export_dir, save_tokenizer=save_tokenizer)
 
     if ctx.pipelined:
-        pipeline.export_model(engine.module, ctx.groups, cfg.model, save)
+        pipeline.export_model(engine.module, ctx.groups, cfg.model, cfg.export_dir, save_tokenizer)
         return
     if ctx.groups:
         if ctx.data_rank != 0:  # the other replicas hold the same weights

@@ -23,15 +23,19 @@ DeepSpeed broadcasts the first's at start, sums the two gradients every step
 
 from __future__ import annotations
 
-import contextlib
+import json
+import os
 from functools import partial
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from safetensors.torch import save_file
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from model.configs import OPTConfig
+from model.hf import INDEX, PREFIX, SHARD_BYTES, export_parts, file_names, hf_config, shard_plan, write_index
 from model.opt import OPT, POSITION_OFFSET, Block, TokenEmbedding, init_seeded
 from train.parallel.groups import Groups, check_split, split_block, split_embedding, unsplit
 
@@ -203,54 +207,52 @@ def validation_loss(engine, micro_batches: list[tuple[torch.Tensor, torch.Tensor
     return total
 
 
-def export_model(module, groups: Groups, config: OPTConfig, save) -> None:
-    """The whole model, one piece at a time, into `save(model, gather=, write=)` (model.hf.save_pretrained's
-    arguments) on global rank 0: rank 0 holds a skeleton OPT (built on the meta device, its parameters empty
-    host tensors), and for each piece the stage that owns it (its first data-parallel replica) gathers it over
-    its tensor group and sends it to rank 0.
-    No rank holds more than one piece of the model beyond its own stage. Every rank of the first data-parallel
-    replica calls this; the others return at once."""
+def export_model(module, groups: Groups, config: OPTConfig, out_dir: str | Path, save_tokenizer=None,
+                 max_shard_bytes: int = SHARD_BYTES) -> None:
+    """The whole model as a Hugging Face folder (model/hf.py's format), written by many ranks at once. Each
+    stage's pieces go into weights files of their own (model.hf.shard_plan); for each piece the stage's tensor
+    group gathers it, which leaves it whole on every tensor rank, and the tensor rank the piece's file falls to
+    keeps it and writes the file: at 175B 32 writers of 11 GB each, where one rank used to receive and write
+    350 GB while the others waited on it. Rank 0 writes the index, config.json and the tokenizer once every
+    file is written. No rank holds more than one file beyond its own stage. Every rank of the first
+    data-parallel replica calls this; the others return at once."""
     if groups.data_rank != 0:
         return
     with torch.device("meta"):
         skeleton = OPT(config)
-    shapes = {n: p.shape for n, p in skeleton.named_parameters()}
-    for part in skeleton.modules():  # empty host tensors: a meta parameter cannot take real data
-        for key, p in part._parameters.items():
-            if p is not None:
-                part._parameters[key] = nn.Parameter(torch.empty(0, device="cpu"), requires_grad=False)
-    mine = {}  # OPT name -> this rank's parameter
-    for layer in local_layers(module):
-        for name, p in layer.named_parameters():
-            mine[layer.opt_name(name)] = p
     names = {id(p): n for n, p in skeleton.named_parameters()}
+    order = [(names[id(p)], p.numel()) for part in export_parts(skeleton) for p in part.parameters()]
+    mine = {layer.opt_name(n): p for layer in local_layers(module) for n, p in layer.named_parameters()}
     owners = _owners(mine, groups)
-    device, dtype = next(module.parameters()).device, next(module.parameters()).dtype
-    leader = groups.rank == 0
-
-    @contextlib.contextmanager
-    def gather(part):
-        params = list(part.parameters())
-        for p in params:
-            name = names[id(p)]
-            owner = owners[name]
-            full = None
-            if groups.stage == owner:
-                full = unsplit(mine[name], groups)
-            if leader:
-                if owner != 0:
-                    full = torch.empty(shapes[name], dtype=dtype, device=device)
-                    dist.recv(full, src=groups.dims.rank_of(owner, 0, 0))
-                p.data = full
-            elif full is not None and groups.tensor_rank == 0:
-                dist.send(full.contiguous(), dst=0)
-        try:
-            yield
-        finally:
-            for p in params:
-                p.data = torch.empty(0, device="cpu")
-
-    save(skeleton, gather=gather, write=leader)
+    dtype = next(module.parameters()).dtype
+    width = torch.empty((), dtype=dtype).element_size()
+    plan = shard_plan([(name, numel * width, owners[name]) for name, numel in order], max_shard_bytes)
+    finals, out = file_names(len(plan)), Path(out_dir)
+    for i, (final, file) in enumerate(zip(finals, plan)):
+        if owners[file[0]] != groups.stage:
+            continue
+        writer = i % groups.dims.tp == groups.tensor_rank
+        tensors = {}
+        for name in file:
+            whole = unsplit(mine[name], groups)  # a collective over this stage's tensor group
+            if writer:
+                tensors[PREFIX + name] = whole.to("cpu", copy=True).contiguous()
+        if writer:
+            out.mkdir(parents=True, exist_ok=True)
+            save_file(tensors, str(out / f".{final}.tmp"), metadata={"format": "pt"})
+            os.replace(out / f".{final}.tmp", out / final)
+    dist.barrier(group=groups.tensor)  # this stage's files are written ...
+    dist.barrier(group=groups.pipeline)  # ... and every stage's
+    if groups.rank != 0:
+        return
+    if len(finals) == 1:
+        (out / INDEX).unlink(missing_ok=True)
+    else:
+        weight_map = {PREFIX + name: final for final, file in zip(finals, plan) for name in file}
+        write_index(out, weight_map, sum(numel for _, numel in order) * width)
+    (out / "config.json").write_text(json.dumps(hf_config(config, dtype), indent=2) + "\n")
+    if save_tokenizer is not None:
+        save_tokenizer(out)
 
 
 def _owners(mine: dict, groups: Groups) -> dict[str, int]:
