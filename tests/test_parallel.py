@@ -389,7 +389,7 @@ def _state_bytes(rank, world, settings):
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="gloo")
     out = []
-    for precision, zero, pipe in settings:
+    for precision, zero, pipe, *options in settings:  # options: DeepSpeed config entries to set, as ("bf16", key, value)
         sizes = []
         for layers in (2, 10):
             gc.collect()
@@ -397,6 +397,8 @@ def _state_bytes(rank, world, settings):
             cfg = get("tiny").replace(dropout=0.0, n_layer=layers)
             config = deepspeed_config(micro_batch=2, accumulation=2, world_size=world, zero_stage=zero,
                                       precision=precision, grad_clip=1.0, pipeline=pipe)
+            for section, key, value in options:
+                config[section][key] = value
             if pipe:  # one stage: DeepSpeed's pipeline engine over the data-parallel ranks
                 model = pipeline_module(cfg, Groups(ParallelDims.for_world(world, tp=1, pp=1), rank), seed=0,
                                         activation_checkpointing=False)

@@ -96,7 +96,7 @@ def read_once(read, key: str, group=None):
     box = [(_hollow(obj, tensors, {}), [(t.shape, t.dtype, t.device.type) for t in tensors]) if reader else None]
     dist.broadcast_object_list(box, src=src, group=group, device=device())
     skeleton, specs = box[0]
-    sizes = [math.prod(shape) * torch.empty((), dtype=dtype).element_size() for shape, dtype, _ in specs]
+    sizes = [math.prod(shape) * dtype.itemsize for shape, dtype, _ in specs]
     if reader:
         flat = torch.cat([t.detach().reshape(-1).view(torch.uint8).to(device()) for t in tensors] or
                          [torch.empty(0, dtype=torch.uint8, device=device())])

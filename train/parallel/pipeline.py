@@ -225,7 +225,7 @@ def export_model(module, groups: Groups, config: OPTConfig, out_dir: str | Path,
     mine = {layer.opt_name(n): p for layer in local_layers(module) for n, p in layer.named_parameters()}
     owners = _owners(mine, groups)
     dtype = next(module.parameters()).dtype
-    width = torch.empty((), dtype=dtype).element_size()
+    width = dtype.itemsize
     plan = shard_plan([(name, numel * width, owners[name]) for name, numel in order], max_shard_bytes)
     finals, out = file_names(len(plan)), Path(out_dir)
     for i, (final, file) in enumerate(zip(finals, plan)):
