@@ -2,10 +2,11 @@
 
     .venv/bin/python benchmarks/state_bytes.py
 
-Each setting's engine is built on 2 gloo ranks for a 2-layer and a 10-layer tiny model; the slope of the
-bytes alive at the end of the optimizer's step is what it holds per parameter (tests/test_parallel.py's
-`_state_bytes`, which the suite runs for four of these settings). Printed beside `train/plan/layout.py`'s
-`state_bytes` at dp = 2, as a markdown table for docs/benchmarks.md.
+Each setting's engine is built on 2 and on 4 gloo ranks for a 2-layer and a 10-layer tiny model; the bytes
+alive at the end of the backward pass and at the end of the optimizer's step, in a step after the first,
+give what it holds per parameter at its peak (tests/test_parallel.py's `_state_bytes` and `per_parameter`,
+which the suite runs for four of these settings on 4 ranks). Printed beside `train/plan/layout.py`'s
+`state_bytes`, as a markdown table for docs/benchmarks.md.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
+# ZeRO-3 partitions the tiny model's matrices only with the persistence threshold at 0 (tests/test_parallel.py)
+WHOLE_MATRICES = ("zero_optimization", "stage3_param_persistence_threshold", 0)
 SETTINGS = [
     (("bf16", 1, True, ("bf16", "immediate_grad_update", False)), "bf16, 1, pipeline engine (BF16_Optimizer), DeepSpeed's default"),
     (("bf16", 1, True), "bf16, 1, pipeline engine, immediate_grad_update (train/optim.py)"),
@@ -23,22 +26,23 @@ SETTINGS = [
     (("fp16", 1, False), "fp16, 1 (DeepSpeedZeroOptimizer)"),
     (("fp16", 2, False), "fp16, 2"),
     (("bf16", 2, False), "bf16, 2 (fp32 gradient sums)"),
-    (("fp16", 3, False), "fp16, 3 (DeepSpeedZeroOptimizer_Stage3)"),
-    (("bf16", 3, False), "bf16, 3"),
+    (("fp16", 3, False, WHOLE_MATRICES), "fp16, 3 (DeepSpeedZeroOptimizer_Stage3)"),
+    (("bf16", 3, False, WHOLE_MATRICES), "bf16, 3"),
 ]
 
 
 def main() -> None:
-    from test_parallel import _state_bytes, run_ranks
+    from test_parallel import _state_bytes, per_parameter, run_ranks
 
     from train.plan.layout import state_bytes
 
-    measured = run_ranks(2, _state_bytes, [setting for setting, _ in SETTINGS])[0]
-    print("| precision, ZeRO stage (DeepSpeed's optimizer) | measured B per parameter | planner |")
-    print("|---|---:|---:|")
-    for (setting, label), ((small, small_bytes), (big, big_bytes)) in zip(SETTINGS, measured):
-        counted = sum(state_bytes(setting[0], setting[1], dp=2).values())
-        print(f"| {label} | {(big_bytes - small_bytes) / (big - small):.2f} | {counted:.1f} |")
+    print("| precision, ZeRO stage (DeepSpeed's optimizer) | dp | measured B per parameter | planner |")
+    print("|---|---:|---:|---:|")
+    for dp in (2, 4):
+        measured = run_ranks(dp, _state_bytes, [setting for setting, _ in SETTINGS])[0]
+        for (setting, label), (small, big) in zip(SETTINGS, measured):
+            counted = sum(state_bytes(setting[0], setting[1], dp=dp).values())
+            print(f"| {label} | {dp} | {per_parameter(small, big):.2f} | {counted:.2f} |")
 
 
 if __name__ == "__main__":

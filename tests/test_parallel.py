@@ -295,8 +295,36 @@ def whole_under_deepspeed():
     return run_ranks(1, _deepspeed_run, 1, 1)[0]
 
 
-@pytest.mark.parametrize("world, tp, pp, zero", [(4, 2, 1, 1), (4, 1, 2, 1), (4, 2, 2, 1), (4, 2, 1, 2)])
-def test_split_models_under_deepspeed_train_as_the_whole_model(whole_under_deepspeed, world, tp, pp, zero, tmp_path):
+LAYOUTS = [(2, 1, 1), (1, 2, 1), (2, 2, 1), (2, 1, 2)]  # (tensor, pipeline, ZeRO stage) on 4 ranks
+# What DeepSpeed's optimizers hold, measured on the same 4 ranks: (precision, ZeRO stage, pipeline engine, config
+# entries). ZeRO-3 keeps a parameter of fewer than stage3_param_persistence_threshold (1e5) elements whole on
+# every rank: every one of the tiny model's, none of a real model's matrices. 0 partitions them all, as at scale.
+WHOLE_MATRICES = ("zero_optimization", "stage3_param_persistence_threshold", 0)
+STATE_SETTINGS = [("bf16", 1, True), ("fp16", 1, False), ("fp16", 2, False), ("bf16", 3, False, WHOLE_MATRICES)]
+
+
+def _every_layout(rank, world, root):
+    """Each of LAYOUTS (`_deepspeed_run`), then the optimizers' bytes (`_state_bytes`), in one set of processes:
+    a set of 4 costs 10 s to start, more than a layout's run."""
+    from pathlib import Path
+
+    out = {}
+    for tp, pp, zero in LAYOUTS:
+        where, dp = Path(root) / f"tp{tp}-pp{pp}-zero{zero}", world // (tp * pp)
+        out[(tp, pp, zero)] = _deepspeed_run(rank, world, tp, pp, str(where / "initial") if pp > 1 else None, zero,
+                                             str(where / "checkpoints") if dp > 1 else None)
+    out["state"] = _state_bytes(rank, world, STATE_SETTINGS)
+    return out
+
+
+@pytest.fixture(scope="module")
+def split_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("split")
+    return root, run_ranks(4, _every_layout, str(root))
+
+
+@pytest.mark.parametrize("tp, pp, zero", LAYOUTS)
+def test_split_models_under_deepspeed_train_as_the_whole_model(whole_under_deepspeed, split_runs, tp, pp, zero):
     """DeepSpeed ZeRO-1, clipping active: T=2 x D=2 (the groups as DeepSpeed's mpu), P=2, and T=2 x P=2
     through the pipeline engine (1F1B, activation checkpointing on), and T=2 x D=2 under ZeRO-2 (what
     configs/opt-1.3b.yaml runs, gradients partitioned over the replicas) give the whole model's loss and gradient
@@ -309,9 +337,9 @@ def test_split_models_under_deepspeed_train_as_the_whole_model(whole_under_deeps
 
     losses, norms, _, _, _ = whole_under_deepspeed
     assert losses[-1] < losses[0] - 0.5
-    dp = world // (tp * pp)
-    results = run_ranks(world, _deepspeed_run, tp, pp, str(tmp_path / "initial") if pp > 1 else None, zero,
-                        str(tmp_path / "checkpoints") if dp > 1 else None)
+    root, ranks = split_runs
+    world, tmp_path = len(ranks), root / f"tp{tp}-pp{pp}-zero{zero}"
+    dp, results = world // (tp * pp), [r[(tp, pp, zero)] for r in ranks]
     if dp > 1:
         # A restart reads the files that every data-parallel replica needs (a stage's layer files, a replicated
         # model's states) on the first replica only, which broadcasts them; each rank still reads its own ZeRO
@@ -374,9 +402,10 @@ def _live_bytes(params) -> int:
 
 def _state_bytes(rank, world, settings):
     """For each (precision, ZeRO stage, pipeline) the training stage's DeepSpeed engine over `world` data-parallel
-    ranks, built for two depths of the tiny model: (parameters, bytes alive at the end of the optimizer's step
-    that were not before the build) of each. The slope between the two is what the engine holds per parameter; what does not grow with the model
-    (buffers, the batch, DeepSpeed's own) falls out."""
+    ranks, built for two depths of the tiny model: (parameters, {moment: the most bytes alive that were not
+    before the build}) of each, at two moments of a step after the first: the end of the backward pass (before
+    the gradients' reduction: "reduce") and the end of the optimizer's step ("step"). `per_parameter` takes the
+    slopes between the two depths."""
     import gc
 
     import deepspeed
@@ -406,32 +435,64 @@ def _state_bytes(rank, world, settings):
                 model = build(cfg, config, seed=0, rank=rank)
             optimizer = adamw(model, 1e-3, 0.1)
             engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config)
-            params, peak = list(engine.module.parameters()), []
-            optimizer.register_step_post_hook(lambda *_: peak.append(_live_bytes(params)))  # Adam's m and v made
-            x = torch.randint(0, cfg.vocab_size, (2, 16))
-            if pipe:
-                engine.train_batch(iter([(x, x), (x, x)]))
-            else:
-                for _ in range(2):
-                    engine.backward(engine(x, x))
-                    engine.step()
-            assert peak, (precision, zero, pipe, "the step was skipped")  # ZeRO 1-3 step once per param group
-            sizes.append((sum(getattr(p, "ds_numel", p.numel()) for p in params), max(peak) - before))
+            params, seen = list(engine.module.parameters()), []
+            _measure_at_reduction(engine, lambda: seen.append(("reduce", _live_bytes(params))))
+            # ZeRO 1-3 step once per param group; Adam's m and v are made at the first
+            optimizer.register_step_post_hook(lambda *_: seen.append(("step", _live_bytes(params))))
+            x = torch.randint(0, cfg.vocab_size, (2, 16), generator=torch.Generator().manual_seed(layers))
+            stepped = 0
+            for _ in range(6):  # until a step whose backward had Adam's state beside it (fp16 skips overflowing ones)
+                del seen[:]
+                if pipe:
+                    engine.train_batch(iter([(x, x), (x, x)]))
+                else:
+                    for _ in range(2):
+                        engine.backward(engine(x, x))
+                        engine.step()
+                stepped += any(kind == "step" for kind, _ in seen)
+                if stepped == 2:
+                    break
+            assert stepped == 2, (precision, zero, pipe, "the steps were skipped")
+            moments = {kind: max(b for k, b in seen if k == kind) - before for kind, _ in seen}
+            sizes.append((sum(getattr(p, "ds_numel", p.numel()) for p in params), moments))
             del engine, model, optimizer, params
         out.append(sizes)
     return out
 
 
-def test_what_deepspeeds_optimizers_hold_is_what_the_planner_counts():
+def per_parameter(small, big) -> float:
+    """What an engine holds per parameter at its peak, from `_state_bytes`' two depths: the steeper moment's slope.
+    What does not grow with the model (ZeRO-2's 1 GB reduction bucket, the batch, DeepSpeed's own) falls out."""
+    (n_small, small_bytes), (n_big, big_bytes) = small, big
+    return max((big_bytes[m] - small_bytes[m]) / (n_big - n_small) for m in small_bytes)
+
+
+def _measure_at_reduction(engine, measure) -> None:
+    """`measure()` where the last micro-batch's backward has ended and its gradients are not yet reduced: on entry
+    to the engine's gradient reduction at the accumulation boundary (BF16_Optimizer's own under the pipeline)."""
+    for name in ("allreduce_gradients", "_bf16_reduce_grads"):
+        original = getattr(engine, name, None)
+        if original is None:
+            continue
+
+        def wrapped(*args, _original=original, **kwargs):
+            if engine.is_gradient_accumulation_boundary():
+                measure()
+            return _original(*args, **kwargs)
+
+        setattr(engine, name, wrapped)
+
+
+def test_what_deepspeeds_optimizers_hold_is_what_the_planner_counts(split_runs):
     """The weight, gradient and optimizer bytes per parameter that layout.state_bytes counts, against real
-    engines on 2 data-parallel ranks: BF16_Optimizer (bf16 ZeRO-1) under the pipeline engine, fp16 ZeRO-1 and
+    engines on 4 data-parallel ranks: BF16_Optimizer (bf16 ZeRO-1) under the pipeline engine, fp16 ZeRO-1 and
     ZeRO-2, bf16 ZeRO-3. BF16_Optimizer keeps a whole fp32 gradient buffer on every rank (4 B, where the planner
     counted the partitioned fp16 mix's 2 + 16/dp), and without immediate_grad_update (train/optim.py) also every
-    bf16 gradient until the step: 14 B per parameter here, 12 with it."""
+    bf16 gradient until the step: 11 B per parameter at dp = 4, 9 with it, where the planner counted 10."""
     from train.plan.layout import state_bytes
 
-    settings = [("bf16", 1, True), ("fp16", 1, False), ("fp16", 2, False), ("bf16", 3, False)]
-    for setting, ((small, small_bytes), (big, big_bytes)) in zip(settings, run_ranks(2, _state_bytes, settings)[0]):
-        measured = (big_bytes - small_bytes) / (big - small)
-        counted = sum(state_bytes(setting[0], setting[1], dp=2).values())
+    _, ranks = split_runs
+    for setting, (small, big) in zip(STATE_SETTINGS, ranks[0]["state"]):
+        measured = per_parameter(small, big)
+        counted = sum(state_bytes(setting[0], setting[1], dp=len(ranks)).values())
         assert measured == pytest.approx(counted, rel=0.02), (setting, measured, counted)

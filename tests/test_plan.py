@@ -38,8 +38,8 @@ def test_memory_terms_by_hand():
     params = 2 * split + V * h / 2 + (1024 + 2) * h
     per_layer = s * b * h * (10 + 16 / 2) + 5 * a * s * s * b / 2  # OPT's ReLU: 16/t where GeLU's is 24/t
     assert p.memory["weights"] == pytest.approx(2 * params)
-    # fp16 ZeRO-1 inside its step: the fp16 gradients of the other rank's partition (this one's are in fp32 now),
-    # and the fp32 master weights, gradient, Adam's m and v of its own
+    # fp16 ZeRO-1 at dp=2 peaks inside its step: this rank's partition of the fp16 gradients, and its fp32 master
+    # weights, gradient, Adam's m and v (at larger dp, at the end of the backward pass: every fp16 gradient)
     assert p.memory["gradients"] == pytest.approx(2 * params / 2)
     assert p.memory["optimizer"] == pytest.approx(16 * params / 2)  # partitioned over dp=2
     assert p.memory["activations"] == pytest.approx(2 * 2 * per_layer)

@@ -216,30 +216,31 @@ class Prediction:
 
 def state_bytes(precision: str, zero: int, dp: int) -> dict[str, float]:
     """Bytes per parameter that DeepSpeed 0.19's optimizer holds for the weights, gradients and optimizer
-    states at its peak (inside the optimizer's step, Adam's m and v made), with `dp` data-parallel ranks.
-    tests/test_parallel.py builds each engine on gloo and measures these.
+    states at its peak, with `dp` data-parallel ranks: the larger of two moments of a step (Adam's m and v
+    made), the end of the backward pass and the end of the optimizer's step. tests/test_parallel.py builds
+    each engine on gloo and measures both.
 
     - bf16, ZeRO-1: BF16_Optimizer (engine._do_optimizer_sanity_check, with fp32 gradient sums). Its fp32
       gradient buffer is whole on every rank (bf16_optimizer.py: fp32_groups_gradients_flat), and the fp32
       gradient of the partition is a view into it; each bf16 gradient is freed once added
       (train/optim.py: immediate_grad_update). Optimizer: the fp32 master partition and m, v.
-    - fp16, ZeRO-1 (stage_1_and_2.py): the step frees the fp16 gradients of this rank's partition once
-      copied into its fp32 gradient, and keeps the others' until the next zero_grad.
+    - fp16, ZeRO-1 (stage_1_and_2.py): every fp16 gradient is alive at the end of the backward pass; the
+      reduction at the boundary frees all but this rank's partition, which the step turns into fp32.
     - ZeRO-2: gradients reduced into partitions as they are made; in bf16 the fp32 sums are the partition's
-      gradient the optimizer reads.
-    - ZeRO-3 (stage3.py): the weights partitioned too, and an fp32 gradient partition beside the summed one
-      in bf16.
-    - ZeRO-0 (fp32 and bf16 with its own wrapper): counted as fp16 mixed precision, whole."""
+      gradient the optimizer reads, in fp16 the step makes an fp32 copy.
+    - ZeRO-3 (stage3.py): the weights partitioned too, and an fp32 gradient partition made at the step.
+    - ZeRO-0 (fp32, and bf16 with its own wrapper): counted as fp16 mixed precision, whole."""
     if zero == 0:
         return {"weights": 2.0, "gradients": 2.0, "optimizer": 16.0}
-    if zero == 1 and precision == "bf16":
-        return {"weights": 2.0, "gradients": 4.0, "optimizer": 12 / dp}
-    if zero == 1:
-        return {"weights": 2.0, "gradients": 2 * (dp - 1) / dp, "optimizer": 16 / dp}
-    grads = (4 if precision == "bf16" else 2) / dp
-    if zero == 2:
-        return {"weights": 2.0, "gradients": grads, "optimizer": (12 if precision == "bf16" else 16) / dp}
-    return {"weights": 2 / dp, "gradients": grads, "optimizer": 16 / dp}
+    weights = 2 / dp if zero == 3 else 2.0
+    if precision == "bf16":
+        grads = 4.0 if zero == 1 else 4 / dp
+        backward = {"weights": weights, "gradients": grads, "optimizer": 12 / dp}
+        step = {"weights": weights, "gradients": grads, "optimizer": (16 if zero == 3 else 12) / dp}
+    else:
+        backward = {"weights": weights, "gradients": 2.0 if zero == 1 else 2 / dp, "optimizer": 12 / dp}
+        step = {"weights": weights, "gradients": 2 / dp, "optimizer": 16 / dp}
+    return max(backward, step, key=lambda terms: sum(terms.values()))
 
 
 def ring(n: int, kind: str) -> float:
