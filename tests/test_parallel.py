@@ -152,8 +152,8 @@ def test_tensor_parallel_trains_as_the_unsplit_model(unsplit):
         torch.testing.assert_close(torch.from_numpy(split_weights[name]), torch.from_numpy(w), rtol=1e-4, atol=1e-5, msg=name)
 
 
-def test_the_vocabulary_parallel_output_gathers_the_unsplit_logits():
-    assert run_ranks(2, _logits)[0] is True
+def test_the_vocabulary_parallel_output_gathers_the_unsplit_logits(split_runs):
+    assert all(ranks["logits"] is True for ranks in split_runs[1])  # T=4
 
 
 def _logits(rank, world):
@@ -304,8 +304,8 @@ STATE_SETTINGS = [("bf16", 1, True), ("fp16", 1, False), ("fp16", 2, False), ("b
 
 
 def _every_layout(rank, world, root):
-    """Each of LAYOUTS (`_deepspeed_run`), then the optimizers' bytes (`_state_bytes`), in one set of processes:
-    a set of 4 costs 10 s to start, more than a layout's run."""
+    """Each of LAYOUTS (`_deepspeed_run`), the optimizers' bytes (`_state_bytes`) and the vocabulary-parallel
+    logits (`_logits`), in one set of processes: a set of 4 costs 10 s to start, more than a run."""
     from pathlib import Path
 
     out = {}
@@ -314,6 +314,7 @@ def _every_layout(rank, world, root):
         out[(tp, pp, zero)] = _deepspeed_run(rank, world, tp, pp, str(where / "initial") if pp > 1 else None, zero,
                                              str(where / "checkpoints") if dp > 1 else None)
     out["state"] = _state_bytes(rank, world, STATE_SETTINGS)
+    out["logits"] = _logits(rank, world)  # T=4
     return out
 
 
