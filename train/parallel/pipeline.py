@@ -245,6 +245,7 @@ def export_model(module, groups: Groups, config: OPTConfig, out_dir: str | Path,
     dist.barrier(group=groups.pipeline)  # ... and every stage's
     if groups.rank != 0:
         return
+    out.mkdir(parents=True, exist_ok=True)
     if len(finals) == 1:
         (out / INDEX).unlink(missing_ok=True)
     else:
