@@ -4,8 +4,11 @@ OPT's recipe (opt-facts.md): each document `encode(text.rstrip()) + [</s>]`, doc
 with a seed, concatenated, cut into blocks of seq_len + 1 across document boundaries, the last
 partial block dropped. At 180B tokens nothing here may need the whole corpus in one process:
 
-1. The tokenizer: trained on a seeded sample of row groups (`kind: train`) or read from GPT-2's
-   files (`kind: gpt2`), in a Ray task; saved in the output beside the shards.
+1. The tokenizer: trained on a seeded sample of the normalize stage's row groups (`kind: train`) or
+   read from GPT-2's files (`kind: gpt2`), in a Ray task; saved in the output beside the shards.
+   Sampled before dedup and the screen, not from this stage's input: every ablation of them (and of
+   this stage's settings other than the tokenizer's) gets the same tokenizer, byte for byte, so that
+   a loss per token means the same thing in each.
 2. Encode and shuffle: Ray Data `map_batches` runs `encode_batch` over runs of row groups (one
    thread per Ray CPU), writes each run's tokens to a flat file, and gives every document a
    64-bit key, a seeded hash of its source and id. The key's bucket (its top bits, scaled to B
@@ -260,15 +263,15 @@ def run(ctx: StageContext) -> StageResult:
     import ray.data
 
     config: TokenizeConfig = ctx.section
-    (upstream,) = ctx.inputs  # the kept documents: screen's once it is built, dedup's until then
+    upstream = "screen"  # the kept documents
     parts = input_parts(ctx.inputs, upstream)
     sources = [s.name for s in ctx.config.sources]
     block = config.seq_len + 1
     output = ctx.output
 
     t0 = time.perf_counter()
-    tok_result = run_tasks(tokenizer_task, [{
-        "tokenizer": dataclasses.asdict(config.tokenizer), "parts": parts, "seed": config.seed, "output": str(output)}])[0]
+    tok_result = run_tasks(tokenizer_task, [{"tokenizer": dataclasses.asdict(config.tokenizer), "seed": config.seed,
+                                             "parts": input_parts(ctx.inputs, "normalize"), "output": str(output)}])[0]
     tok_path = str(output / tokenizers.FILE)
     tok = tokenizers.load(tok_path)
     vocab_size = tokenizers.padded_vocab_size(tok)
@@ -319,7 +322,7 @@ def run(ctx: StageContext) -> StageResult:
         "format": FORMAT, "seq_len": config.seq_len, "block": block, "dtype": dtype,
         "vocab_size": vocab_size, "tokenizer_vocab_size": tok.get_vocab_size(),
         "tokenizer": {"file": tokenizers.FILE, "kind": config.tokenizer.kind, "name": tokenizer_name(config, tok),
-                      "sampled_bytes": tok_result["sampled_bytes"]},
+                      "sampled_bytes": tok_result["sampled_bytes"], "sampled_from": "normalize"},
         "bos_id": tokenizers.BOS, "pad_id": tokenizers.PAD, "eos_id": tokenizers.EOS, "unk_id": tokenizers.UNK,
         "seed": config.seed, "validation_fraction": config.validation_fraction,
         "sequences": train_split["sequences"], "train": train_split, "validation": validation,

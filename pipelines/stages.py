@@ -46,7 +46,9 @@ STAGES: tuple[Stage, ...] = (
                 "train.stage", "train.loop", "train.loader", "train.optim", "train.build", "train.parallel",
                 "train.plan.network", "train.plan.hardware", "model.opt", "model.configs"),
           external=lambda config: tokenizer_files_identity(config.screen.tokenizer)),
-    Stage("tokenize", ("screen",), "tokenize", run=tokenize.run, code=("corpus.tokenize", "corpus.tokenizer", "corpus.parts"),
+    # normalize's output too: a trained tokenizer is sampled from it, before dedup and the screen, so that their
+    # ablations all get the same tokenizer (corpus/tokenize.py)
+    Stage("tokenize", ("screen", "normalize"), "tokenize", run=tokenize.run, code=("corpus.tokenize", "corpus.tokenizer", "corpus.parts"),
           external=lambda config: tokenizer_files_identity(config.tokenize.tokenizer)),
     Stage("train", ("tokenize",), "train", run=train_stage.run, resumable=True,
           code=("train.stage", "train.loop", "train.loader", "train.checkpoint", "train.optim", "train.autopilot",

@@ -27,6 +27,10 @@ def test_a_screen_ablation_reruns_the_screen_and_downstream_only(sample_run, tmp
                           "train": "ran"}
         off = {stage: manifest(wd, stage) for stage in base}
         assert off["dedup"]["fingerprint"] == base["dedup"]["fingerprint"]
+        # One tokenizer for both (trained on normalize's output, which the screen does not change): a loss per token
+        # means the same thing in each column.
+        base_tok, off_tok = (Path(m["tokenize"]["output"]) / "tokenizer.json" for m in (base, off))
+        assert base_tok != off_tok and base_tok.read_bytes() == off_tok.read_bytes()
         assert off["screen"]["counts"]["rows_out"] == off["screen"]["counts"]["rows_in"] == base["screen"]["counts"]["rows_in"]
         assert base["screen"]["counts"]["dropped"] > 0 and off["screen"]["proxy_runs"] == []
 

@@ -133,8 +133,8 @@ def run_stage(sample_run, tmp_path, **changes) -> tuple[Path, dict]:
     config = load_config(wd.parent / "sample.yaml")
     for key, value in changes.items():
         setattr(config.tokenize, key, value)
-    ctx = StageContext("tokenize", config, config.tokenize, {"screen": manifest(wd, "screen")}, tmp_path,
-                       logging.getLogger("test"), "")
+    inputs = {stage: manifest(wd, stage) for stage in ("screen", "normalize")}
+    ctx = StageContext("tokenize", config, config.tokenize, inputs, tmp_path, logging.getLogger("test"), "")
     result = tokenize.run(ctx)
     assert result.rows_in == result.rows_out == manifest(wd, "screen")["counts"]["rows_out"]
     assert not (tmp_path / "streams").exists() and not (tmp_path / "encoded").exists()  # scratch removed
