@@ -5,7 +5,8 @@ config file as it is). For each ablation and stage, the newest stage run among i
 counts (ran or cache hit: a cache hit logs the counts of the output it reuses), so an ablation
 built over several invocations (`--only dedup`, then the rest) is still one column. The table:
 rows in and out and every reason rows left, per stage; the subsets the screen dropped; tokens
-per source; final training and validation losses; grad-norm spikes and autopilot interventions.
+per source; final training loss (labelled: each ablation's own data, so not a comparison of
+corpora) and validation losses; grad-norm spikes and autopilot interventions.
 The PNG: each ablation's training loss against the step.
 
 MLflow's own UI shows the same runs: every run carries the `ablation` tag (Group by: ablation).
@@ -23,6 +24,9 @@ if __package__ in (None, ""):  # run as a script: make the project importable wi
 
 from core.config import ConfigError, load_config
 from pipelines.stages import CHECKS, STAGES
+
+
+TRAIN_LOSS_ROW = "train final loss (own data: not comparable)"
 
 
 @dataclass
@@ -98,7 +102,8 @@ def rows(ablations: list[Ablation]) -> list[tuple[str, list[str]]]:
     for key in keys("tokenize", lambda run, key: key.startswith("tokens.train.")):
         add(f"tokens {key.removeprefix('tokens.train.')}", "tokenize", key)
     add("train steps", "train", "steps")
-    add("train final loss", "train", "final_loss", lambda v: f"{v:.4f}")
+    # each ablation's loss on its own training data: which corpus is better, it does not say
+    add(TRAIN_LOSS_ROW, "train", "final_loss", lambda v: f"{v:.4f}")
     for key in keys("train", lambda run, key: key.startswith("val_loss")):
         add(f"validation loss{key.removeprefix('val_loss').replace('.', ' ')}", "train", key, lambda v: f"{v:.4f}")
     add("grad-norm spikes", "train", "spikes")

@@ -53,7 +53,7 @@ def test_a_screen_ablation_reruns_the_screen_and_downstream_only(sample_run, tmp
         assert cells["screen dropped subsets"] == ["HackerNews", "none"]
         base_pile, off_pile = (int(c.replace(",", "")) for c in cells["tokens pile"])
         assert base_pile < off_pile  # HackerNews's tokens are back
-        assert cells["train final loss"] == [f"{m['final_loss']:.4f}" for m in (base["train"], off["train"])]
+        assert cells[compare.TRAIN_LOSS_ROW] == [f"{m['final_loss']:.4f}" for m in (base["train"], off["train"])]
         assert "tokens ccnews" in cells and "validation loss ccnews" in cells and "grad-norm spikes" in cells
         assert "no-screen: screen.enabled: True -> False" in table
         assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
