@@ -72,9 +72,18 @@ def file_names(n: int) -> list[str]:
     return [WEIGHTS] if n == 1 else [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
 
 
-def write_index(out: Path, weight_map: dict[str, str], total_bytes: int) -> None:
-    (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total_bytes}, "weight_map": weight_map},
-                                        indent=2) + "\n")
+def write_metadata(out: Path, config: OPTConfig, dtype: torch.dtype, weight_map: dict[str, str], total_bytes: int,
+                   save_tokenizer: Callable[[Path], object] | None = None) -> None:
+    """Beside weights files already written: the index (none, and a stale one removed, when one file holds
+    them all), config.json and, when given, the tokenizer's files."""
+    if len(set(weight_map.values())) > 1:
+        (out / INDEX).write_text(json.dumps({"metadata": {"total_size": total_bytes}, "weight_map": weight_map},
+                                            indent=2) + "\n")
+    else:
+        (out / INDEX).unlink(missing_ok=True)
+    (out / "config.json").write_text(json.dumps(hf_config(config, dtype), indent=2) + "\n")
+    if save_tokenizer is not None:
+        save_tokenizer(out)
 
 
 def _starts_file(pending_bytes: int, size: int, max_bytes: int) -> bool:
@@ -108,21 +117,17 @@ class WeightsWriter:
         self.files.append((path, list(self.pending)))
         self.pending, self.pending_bytes = {}, 0
 
-    def close(self) -> torch.dtype:
-        """The files under their final names (and the index, for more than one); the weights' dtype."""
+    def close(self) -> tuple[torch.dtype, dict[str, str]]:
+        """The files under their final names; the weights' dtype and which file holds each tensor."""
         if self.pending or not self.files:
             self._flush()
         if len(self.dtypes) > 1:
             raise ValueError(f"the weights are of several dtypes {sorted(map(str, self.dtypes))}: one config cannot say which")
-        finals, weight_map = file_names(len(self.files)), {}
-        for (path, names), final in zip(self.files, finals):
+        weight_map = {}
+        for (path, names), final in zip(self.files, file_names(len(self.files))):
             path.rename(self.out / final)
             weight_map.update(dict.fromkeys(names, final))
-        if len(finals) == 1:
-            (self.out / INDEX).unlink(missing_ok=True)
-        else:
-            write_index(self.out, weight_map, self.total_bytes)
-        return next(iter(self.dtypes), torch.float32)
+        return next(iter(self.dtypes), torch.float32), weight_map
 
 
 def save_pretrained(model: OPT, out_dir: str | Path, save_tokenizer: Callable[[Path], object] | None = None, *,
@@ -141,10 +146,8 @@ def save_pretrained(model: OPT, out_dir: str | Path, save_tokenizer: Callable[[P
             if writer is not None:
                 writer.add({PREFIX + names[id(p)]: p for p in part.parameters()})
     if writer is not None:
-        dtype = writer.close()
-        (out / "config.json").write_text(json.dumps(hf_config(model.config, dtype), indent=2) + "\n")
-        if save_tokenizer is not None:
-            save_tokenizer(out)
+        dtype, weight_map = writer.close()
+        write_metadata(out, model.config, dtype, weight_map, writer.total_bytes, save_tokenizer)
     return out
 
 

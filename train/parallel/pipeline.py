@@ -23,7 +23,6 @@ DeepSpeed broadcasts the first's at start, sums the two gradients every step
 
 from __future__ import annotations
 
-import json
 import os
 from functools import partial
 from pathlib import Path
@@ -35,7 +34,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from model.configs import OPTConfig
-from model.hf import INDEX, PREFIX, SHARD_BYTES, export_parts, file_names, hf_config, shard_plan, write_index
+from model.hf import PREFIX, SHARD_BYTES, export_parts, file_names, shard_plan, write_metadata
 from model.opt import OPT, POSITION_OFFSET, Block, TokenEmbedding, init_seeded
 from train.parallel.groups import Groups, check_split, split_block, split_embedding, unsplit
 
@@ -246,14 +245,8 @@ def export_model(module, groups: Groups, config: OPTConfig, out_dir: str | Path,
     if groups.rank != 0:
         return
     out.mkdir(parents=True, exist_ok=True)
-    if len(finals) == 1:
-        (out / INDEX).unlink(missing_ok=True)
-    else:
-        weight_map = {PREFIX + name: final for final, file in zip(finals, plan) for name in file}
-        write_index(out, weight_map, sum(numel for _, numel in order) * width)
-    (out / "config.json").write_text(json.dumps(hf_config(config, dtype), indent=2) + "\n")
-    if save_tokenizer is not None:
-        save_tokenizer(out)
+    weight_map = {PREFIX + name: final for final, file in zip(finals, plan) for name in file}
+    write_metadata(out, config, dtype, weight_map, sum(numel for _, numel in order) * width, save_tokenizer)
 
 
 def _owners(mine: dict, groups: Groups) -> dict[str, int]:
