@@ -85,17 +85,23 @@ def taking_writes(engine, copy: bool) -> Iterator[list[tuple[object, Path]]]:
     once. With `copy`, each state is copied to host memory first (`host_copy`): training may change the
     tensors as soon as this returns."""
     taken: list[tuple[object, Path]] = []
-    ckpt_engine = engine.checkpoint_engine
-    original = ckpt_engine.save
 
     def save(state_dict, path, *args, **kwargs):
         taken.append((host_copy(state_dict, {}) if copy else state_dict, Path(path)))
 
-    ckpt_engine.save = save
-    try:
+    with _replaced(engine.checkpoint_engine, "save", save):
         yield taken
+
+
+@contextlib.contextmanager
+def _replaced(ckpt_engine, name: str, method) -> Iterator[None]:
+    """DeepSpeed's checkpoint engine with `method` in place of its `name` method, for the duration."""
+    original = getattr(ckpt_engine, name)
+    setattr(ckpt_engine, name, method)
+    try:
+        yield
     finally:
-        ckpt_engine.save = original
+        setattr(ckpt_engine, name, original)
 
 
 def host_copy(obj, memo: dict):
@@ -249,17 +255,13 @@ def reading_once(engine, data_group):
     only and broadcast to the others (collectives.read_once); each rank's own files (its ZeRO partition)
     are read where they are. At 175B that is one read of the model per restart where each of the 31
     replicas read it: 0.35 TB from storage instead of 10.9 TB (docs/scale.md, "Restarts")."""
-    ckpt_engine = engine.checkpoint_engine
-    original = ckpt_engine.load
+    original = engine.checkpoint_engine.load
 
     def load(path, map_location=None, *args, **kwargs):
         return read_once(lambda: original(path, map_location, *args, **kwargs), str(path), data_group)
 
-    ckpt_engine.load = load
-    try:
+    with _replaced(engine.checkpoint_engine, "load", load):
         yield
-    finally:
-        ckpt_engine.load = original
 
 
 def load_latest(engine, root: Path, on_skip=None, accept=None, data_group=None) -> dict | None:

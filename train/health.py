@@ -125,8 +125,9 @@ def probe(nodes: list[str], run_dir: Path, memory_mb: int = 256, collective: boo
         try:
             out.append(Probe(**ray.get(ref, timeout=600)))
         except Exception as error:  # a node that cannot run its probe is not one to train on
+            first_line = (str(error).strip().splitlines() or [""])[0][:200]
             out.append(Probe(node=node, host="?", device="?", matmul_tflops=0.0, memory_ok=False, allreduce_gbps=0.0,
-                             error=f"{type(error).__name__}: {str(error).strip().splitlines()[0][:200] if str(error).strip() else ''}"))
+                             error=f"{type(error).__name__}: {first_line}"))
     return out
 
 

@@ -134,7 +134,7 @@ def interventions(logbook: list[dict]) -> list[dict]:
 
 def checkpoint_times(metrics_file: Path) -> dict[str, float]:
     """The saves' blocked and write seconds, summed over the run (each save's are in metrics.jsonl and MLflow)."""
-    rows = [json.loads(line) for line in metrics_file.read_text().splitlines()]
+    rows = goodput.read_jsonl(metrics_file)
     return {key: round(sum(r[key] for r in rows if key in r), 3)
             for key in ("checkpoint.blocked_seconds", "checkpoint.write_seconds")}
 

@@ -214,6 +214,11 @@ class Prediction:
         return row
 
 
+def gradient_bytes(precision: str, zero: int) -> int:
+    """Bytes per gradient element the engine sums and reduces: fp32 for bf16 under ZeRO >= 1 (train/optim.py)."""
+    return 4 if precision == "bf16" and zero >= 1 else 2
+
+
 def state_bytes(precision: str, zero: int, dp: int) -> dict[str, float]:
     """Bytes per parameter that DeepSpeed 0.19's optimizer holds for the weights, gradients and optimizer
     states at its peak, with `dp` data-parallel ranks: the larger of two moments of a step (Adam's m and v
@@ -232,14 +237,14 @@ def state_bytes(precision: str, zero: int, dp: int) -> dict[str, float]:
     - ZeRO-0 (fp32, and bf16 with its own wrapper): counted as fp16 mixed precision, whole."""
     if zero == 0:
         return {"weights": 2.0, "gradients": 2.0, "optimizer": 16.0}
-    weights = 2 / dp if zero == 3 else 2.0
+    weights, width = 2 / dp if zero == 3 else 2.0, gradient_bytes(precision, zero)
     if precision == "bf16":
-        grads = 4.0 if zero == 1 else 4 / dp
+        grads = width if zero == 1 else width / dp
         backward = {"weights": weights, "gradients": grads, "optimizer": 12 / dp}
         step = {"weights": weights, "gradients": grads, "optimizer": (16 if zero == 3 else 12) / dp}
     else:
-        backward = {"weights": weights, "gradients": 2.0 if zero == 1 else 2 / dp, "optimizer": 12 / dp}
-        step = {"weights": weights, "gradients": 2 / dp, "optimizer": 16 / dp}
+        backward = {"weights": weights, "gradients": width if zero == 1 else width / dp, "optimizer": 12 / dp}
+        step = {"weights": weights, "gradients": width / dp, "optimizer": 16 / dp}
     return max(backward, step, key=lambda terms: sum(terms.values()))
 
 
@@ -372,7 +377,7 @@ def _data_parallel(st: _Step, params: float, per_mb: dict[str, float]) -> tuple[
     """Seconds of data-parallel communication per step, on the largest stage's parameters: (reduce once per
     step, gather once per step, every micro-batch, what is left exposed after overlap)."""
     dp, zero, m = st.layout.dp, st.layout.zero, st.micro_batches
-    grads, weights = (4 if st.work.precision == "bf16" and zero >= 1 else 2) * params, 2 * params
+    grads, weights = gradient_bytes(st.work.precision, zero) * params, 2 * params
     if zero == 0:
         reduce_step, gather_step, every_mb = ring(dp, "all-reduce") * grads, 0.0, 0.0
     elif zero == 1 and st.work.precision == "bf16":
@@ -412,8 +417,9 @@ def predict(layout: Layout, work: Workload, cluster: Cluster) -> Prediction:
         raise LayoutError(f"{layout}: {reason}")
     st = _step(layout, work, cluster)
     gpu, pp, dp, zero, m = cluster.gpu, layout.pp, layout.dp, layout.zero, st.micro_batches
-    stage = max(st.stages, key=lambda i: sum(_memory_of(st, i).values()))
-    memory = _memory_of(st, stage)
+    memories = {i: _memory_of(st, i) for i in st.stages}
+    stage = max(memories, key=lambda i: sum(memories[i].values()))
+    memory = memories[stage]
     per_mb = max((_micro_batch_times(st, i) for i in st.stages),
                  key=lambda t: t["compute"] + t["tensor parallel"] + t["pipeline sends"])
     slot = per_mb["compute"] + per_mb["tensor parallel"] + per_mb["pipeline sends"]
