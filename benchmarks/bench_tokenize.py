@@ -79,7 +79,7 @@ def stage(args: argparse.Namespace, out: Path, cores: int) -> None:
     config.write_text(
         f"workdir: {out}/work\n"
         f"sources: [{{name: pile, format: pile, paths: ['{out}/pile/*.jsonl.zst']}}]\n"
-        "tokenize: {seq_len: 2048, validation_fraction: 0.0025, tokenizer: {kind: train, vocab_size: 8192, train_bytes: 16000000}}\n")
+        "tokenize: {seq_len: 2048, tokenizer: {kind: train, vocab_size: 8192, train_bytes: 16000000}}\n")
     if not (out / "work" / "dedup" / "manifest.json").is_file():
         full(config, "--only", "ingest,normalize,dedup")
     runs = {}
@@ -89,7 +89,7 @@ def stage(args: argparse.Namespace, out: Path, cores: int) -> None:
     output = manifest(out / "work", "tokenize")["output"]
     bare, tokens = bare_encode(str(Path(output) / tokenizer.FILE), manifest(out / "work", "dedup")["output"])
     index = json.loads((Path(output) / INDEX).read_text())
-    assert tokens == index["train"]["tokens"] + sum(v["tokens"] for v in index["validation"].values())
+    assert tokens == index["train"]["tokens"]  # dedup's output: the evaluation set left at normalize
 
     print(f"{text_bytes / 1e6:.0f} MB of text, {tokens / 1e6:.1f}M tokens (seq_len {SEQ_LEN}, vocab {index['tokenizer_vocab_size']})")
     print()
@@ -120,7 +120,7 @@ def make_shards(folder: Path, sequences: int, seq_len: int = SEQ_LEN, vocab: int
         shards.append({"file": f"train/{k:05d}.arrow", "sequences": n})
     (folder / INDEX).write_text(json.dumps({
         "format": FORMAT, "seq_len": seq_len, "block": block, "dtype": "uint16", "vocab_size": vocab, "eos_id": 2,
-        "sequences": sequences, "train": {"sequences": sequences, "shards": shards}, "validation": {}}))
+        "sequences": sequences, "train": {"sequences": sequences, "shards": shards}, "eval": {"units": []}}))
 
 
 def loader_rate(folder: Path, batches: int, batch: int) -> tuple[float, float, float]:

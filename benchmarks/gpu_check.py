@@ -78,7 +78,7 @@ def learnable_shards(folder: Path, sequences: int, seq_len: int, vocab: int) -> 
     (folder / INDEX).write_text(json.dumps({
         "format": FORMAT, "seq_len": seq_len, "block": seq_len + 1, "dtype": "uint16", "vocab_size": vocab, "eos_id": 2,
         "sequences": sequences, "train": {"sequences": sequences, "shards": [{"file": "train/00000.arrow", "sequences": sequences}]},
-        "validation": {}}))
+        "eval": {"units": []}}))
 
 
 def steps_of(output: Path) -> list[dict]:

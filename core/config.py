@@ -170,6 +170,19 @@ class NormalizeConfig:
 
 
 @dataclass
+class EvalConfig:
+    """The held-out evaluation set (corpus/evalset.py): drawn at normalize, before dedup and the screen, so that
+    every data ablation is evaluated on the same documents."""
+
+    fraction: float = 0.0025  # of each source's (and so each subset's) documents; OPT held out ~200 MB of ~800 GB
+    seed: int = 0  # the draw is a seeded hash of (source, id): a document is in or out whatever else changes
+
+    def validate(self, key: str) -> None:
+        if not 0.0 <= self.fraction < 1.0:
+            raise ConfigError(f"{key}.fraction", f"expected a fraction in [0, 1), got {self.fraction}")
+
+
+@dataclass
 class DedupConfig:
     """dedup/minhash.py says why 5-word shingles; dedup/lsh.py how bands and rows are chosen."""
 
@@ -313,12 +326,9 @@ class TokenizeConfig:
     seq_len: int = 2048  # OPT; blocks are seq_len + 1 tokens (input and shifted target)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     seed: int = 0
-    validation_fraction: float = 0.0025  # OPT: ~200 MB of ~800 GB
 
     def validate(self, key: str) -> None:
         _at_least(self, key, 1, "seq_len")
-        if not 0.0 <= self.validation_fraction < 1.0:
-            raise ConfigError(f"{key}.validation_fraction", f"expected a fraction in [0, 1), got {self.validation_fraction}")
 
 
 @dataclass
@@ -443,9 +453,11 @@ class TrainConfig:
     # A save blocks training only while the state is copied to host memory; a thread writes, hashes and
     # publishes it (false: every rank waits for the whole write, as OPT-175B's did: about 100 s at 175B).
     background_checkpoints: bool = True
-    eval_every: int = 100  # steps between validation losses per source (0: only at the end)
-    eval_batches: int = 10  # validation batches (of micro_batch_size sequences per worker) per source, at most
-    eval_micro_batch_size: int | None = None  # sequences per validation forward; None: 4 x micro_batch_size
+    eval_every: int = 100  # steps between evaluations on the whole held-out set (0: only at the end)
+    eval_micro_batch_size: int | None = None  # sequences per evaluation forward; None: 4 x micro_batch_size
+    # Training runs of the same data and settings, seeds seed, seed + 1, ...: the first is the run (checkpoints,
+    # export); the others are evaluated only, so that pipelines/compare.py knows the seed-to-seed noise.
+    seeds: int = 1
     # Restarts: OPT-175B's run restarted over 100 times, so a worker that dies is restarted from the newest
     # checkpoint that verifies without a limit (-1) by default; a fault that recurs before the next checkpoint
     # max_stalled_restarts times in a row is a bug, not bad luck, and fails the stage.
@@ -471,7 +483,7 @@ class TrainConfig:
 
     def validate(self, key: str) -> None:
         _at_least(self, key, 1, "num_workers", "micro_batch_size", "max_steps", "global_batch_tokens",
-                  "keep_checkpoints", "eval_batches", "eval_micro_batch_size")
+                  "keep_checkpoints", "eval_micro_batch_size", "seeds")
         _at_least(self, key, 0, "checkpoint_every", "gpus_per_worker", "warmup_tokens", "eval_every", "weight_decay",
                   "keep_healthy", "max_stalled_restarts")
         _at_least(self, key, -1, "max_failures")
@@ -510,6 +522,7 @@ class PipelineConfig:
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
     ingest: IngestConfig = field(default_factory=IngestConfig)
     normalize: NormalizeConfig = field(default_factory=NormalizeConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
     dedup: DedupConfig = field(default_factory=DedupConfig)
     screen: ScreenConfig = field(default_factory=ScreenConfig)
     tokenize: TokenizeConfig = field(default_factory=TokenizeConfig)

@@ -12,6 +12,10 @@ OPT did "ad-hoc whitespace normalization" and removed "repetitive non-informativ
 4. `chapter_headings`: lone "Chapter One" / "CHAPTER IV." lines at the start of a book removed.
 5. minimum length: a document shorter than `min_chars` characters is dropped, with the reason.
 
+Then the held-out evaluation set is drawn from the documents kept (corpus/evalset.py): `eval.fraction`
+of each source, by a seeded hash of (source, id), set aside in `eval/` with its fingerprint in the
+manifest. Every later stage, and so every data ablation, sees the rest.
+
 `normalize_text` is idempotent (normalize(normalize(x)) == normalize(x); the tests check it with
 hypothesis on random unicode): it repeats the rules until the text stops changing.
 """
@@ -25,9 +29,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import ftfy
+from corpus import evalset
 from corpus.parts import (DOCUMENT_SCHEMA, DROPPED_SCHEMA, Parts, check_read, check_written, input_parts, iter_rows,
                           parquet_bytes, row_group_ranges, run_tasks, task_bytes)
-from core.config import NormalizeConfig
+from core.config import EvalConfig, NormalizeConfig
 from core.dag import StageContext, StageResult
 
 RULES = ("ftfy", "whitespace", "gutenberg", "chapter_headings")
@@ -122,9 +127,11 @@ TASK_BYTES = 64 << 20  # of ingest's documents per task, at most
 
 
 def normalize_task(task: dict) -> dict:
-    """One part of ingest's documents -> normalized documents and dropped ones, with counts per rule."""
-    config = NormalizeConfig(**task["config"])
+    """One part of ingest's documents -> normalized documents, the evaluation set's and dropped ones, with counts
+    per rule and the sum of the evaluation documents' hashes (`eval_hash`)."""
+    config, held_out = NormalizeConfig(**task["config"]), EvalConfig(**task["eval"])
     docs = Parts(task["output"], task["stem"], DOCUMENT_SCHEMA)
+    evaluation = Parts(task["eval_folder"], task["stem"], DOCUMENT_SCHEMA)
     dropped = Parts(task["dropped"], task["stem"], DROPPED_SCHEMA)
     counts: collections.Counter = collections.Counter()
     for row in iter_rows(task["path"], row_groups=task["row_groups"]):
@@ -135,23 +142,31 @@ def normalize_task(task: dict) -> dict:
             dropped.add({**row, "reason": out.dropped}, len(row["text"]))
             counts["dropped"] += 1
             counts[f"dropped.{out.dropped}"] += 1
+            continue
+        counts.update(f"changed.{rule}" for rule in out.changed_by)  # of the documents kept
+        counts["chars_out"] += len(out.text)
+        if evalset.drawn([row["source"]], [row["id"]], held_out.fraction, held_out.seed)[0]:
+            evaluation.add({**row, "text": out.text}, len(out.text))
+            counts[evalset.REASON] += 1
+            counts[f"eval.documents.{row['source']}"] += 1
+            counts["eval_hash"] += evalset.document_hash(row["source"], row["id"], out.text)
         else:
             docs.add({**row, "text": out.text}, len(out.text))
-            counts.update(f"changed.{rule}" for rule in out.changed_by)  # of the documents kept
             counts["rows_out"] += 1
-            counts["chars_out"] += len(out.text)
     docs.close()
+    evaluation.close()
     dropped.close()
     return dict(counts)
 
 
 def run(ctx: StageContext) -> StageResult:
     """Ingest's parts in runs of row groups, one Ray Data task each; part names carry over."""
-    folders = {"output": str(ctx.output), "dropped": str(ctx.aside("dropped"))}
-    config = dataclasses.asdict(ctx.section)
+    folders = {"output": str(ctx.output), "dropped": str(ctx.aside("dropped")), "eval_folder": str(ctx.aside(evalset.REASON))}
+    config, held_out = dataclasses.asdict(ctx.section), dataclasses.asdict(ctx.config.eval)
     parts = input_parts(ctx.inputs, "ingest")
     target = task_bytes(parquet_bytes(parts), TASK_BYTES)
-    tasks = [{"path": p, "row_groups": groups, "stem": f"{Path(p).stem}-{groups[0]:05d}", "config": config, **folders}
+    tasks = [{"path": p, "row_groups": groups, "stem": f"{Path(p).stem}-{groups[0]:05d}", "config": config,
+              "eval": held_out, **folders}
              for p, groups in row_group_ranges(parts, target)]
     counts: collections.Counter = collections.Counter()
     for result in run_tasks(normalize_task, tasks, stage="normalize"):
@@ -159,7 +174,13 @@ def run(ctx: StageContext) -> StageResult:
     check_read(counts["rows_in"], ctx.inputs, "ingest")
     check_written(ctx.output, counts["rows_out"], "rows_out")
     check_written(folders["dropped"], counts["dropped"], "dropped")
-    metrics = {k: v for k, v in counts.items() if k not in ("rows_in", "rows_out", "dropped")}
+    check_written(folders["eval_folder"], counts[evalset.REASON], "held out for evaluation")
+    total = counts.pop("eval_hash", 0)
+    fingerprint = evalset.fingerprint(total, counts[evalset.REASON])
+    ctx.log.info("evaluation set: %d documents, fingerprint %s", counts[evalset.REASON], fingerprint)
+    metrics = {k: v for k, v in counts.items() if k not in ("rows_in", "rows_out", "dropped", evalset.REASON)}
     for rule in RULES:
         metrics.setdefault(f"changed.{rule}", 0)
-    return StageResult(counts["rows_in"], counts["rows_out"], {"dropped": counts["dropped"]}, metrics)
+    return StageResult(counts["rows_in"], counts["rows_out"], {"dropped": counts["dropped"], evalset.REASON: counts[evalset.REASON]},
+                       metrics, fields={"eval": {"fingerprint": fingerprint, "documents": counts[evalset.REASON],
+                                                 **held_out}})

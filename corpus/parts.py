@@ -101,6 +101,18 @@ def input_parts(inputs: dict[str, dict], upstream: str) -> list[str]:
     return parts
 
 
+def aside_parts(inputs: dict[str, dict], upstream: str, reason: str) -> list[str]:
+    """The Parquet parts an input stage set aside for `reason` (beside its output), checked as `input_parts`
+    checks the output: the rows there are the rows it committed under that reason."""
+    manifest = inputs[upstream]
+    folder, committed = Path(manifest["output"]).parent / reason, manifest["counts"].get(reason, 0)
+    parts = parquet_files(folder)
+    found = sum(pq.ParquetFile(p).metadata.num_rows for p in parts)
+    if found != committed:
+        raise RuntimeError(f"{folder}: {found} rows in {len(parts)} part(s), but {upstream} committed {committed} as {reason!r}")
+    return parts
+
+
 def rows_in_folder(folder: str | os.PathLike) -> int:
     """Rows in a folder's parts, from their footers (nothing is read)."""
     return sum(pq.ParquetFile(p).metadata.num_rows for p in parquet_files(folder))

@@ -16,15 +16,17 @@ partial block dropped. At 180B tokens nothing here may need the whole corpus in 
    are): the tokens themselves never go through the shuffle. Each bucket, sorted by key, gathers
    its documents' tokens into one flat stream file. Bucket order then key order is key order whatever
    B is, so the document order is a pure function of (documents, seed), not of the cluster.
-   A second seeded draw per document sends `validation_fraction` of each source to a held-out
-   stream of its own (in proportion to the source's size, and reported per source).
 3. Pack: the train streams laid end to end are cut into blocks of seq_len + 1 tokens; shard
    tasks copy whole blocks into Arrow IPC files (one fixed-size-list column, uint16 when the
    vocabulary fits). The tail that does not fill a block is dropped, counted, and the
-   documents it came from are named in index.json. The same for each source's validation stream.
+   documents it came from are named in index.json.
+4. The evaluation set (normalize's, corpus/evalset.py), in a Ray task: each (source, subset)'s
+   documents in id order, as windows that score every token once, in `eval/NNNNN.arrow`, with the
+   UTF-8 bytes they encode and the set's fingerprint in index.json. Nothing is dropped from it.
 
 index.json is the contract with training (design.md): seq_len, vocab_size, tokenizer, eos id,
-sequences, token counts per source and subset, and every shard with its row count.
+sequences, token counts per source and subset, every shard with its row count, and the evaluation
+set's units.
 """
 
 from __future__ import annotations
@@ -44,8 +46,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from corpus import evalset
 from corpus import tokenizer as tokenizers
-from corpus.parts import check_read, input_parts, parquet_bytes, row_group_ranges, run_tasks, task_bytes
+from corpus.parts import aside_parts, check_read, input_parts, parquet_bytes, row_group_ranges, run_tasks, task_bytes
 from core.config import TokenizeConfig
 from core.dag import StageContext, StageResult
 from core.engines import groupby
@@ -63,7 +66,7 @@ TAIL_DOCS = 64  # a stream reports at most this many of its last documents (for 
 
 
 def document_keys(sources: list[str], ids: list[str], seed: int) -> tuple[np.ndarray, np.ndarray]:
-    """(shuffle key uint64, validation draw in [0, 1)) per document: seeded hashes of (source, id)."""
+    """(shuffle key uint64, a second draw in [0, 1)) per document: seeded hashes of (source, id)."""
     salt = seed.to_bytes(8, "little", signed=True)
     digests = b"".join(hashlib.blake2b(f"{s}\0{i}".encode(), digest_size=16, key=salt).digest()
                        for s, i in zip(sources, ids))
@@ -118,8 +121,7 @@ def sample_row_groups(parts: list[str], budget: int, seed: int) -> list[tuple[st
 # --------------------------------------------------------------------------- phase 2: encode + shuffle
 
 
-def encode_task(batch: dict, tokenizer_path: str, seed: int, buckets: int, validation_fraction: float,
-                sources: list[str], dtype: str, scratch: str):
+def encode_task(batch: dict, tokenizer_path: str, seed: int, buckets: int, dtype: str, scratch: str):
     """One run of row groups -> its tokens in one flat file, and a small row per document (its key,
     shuffle group and where its tokens are): only these rows go through the shuffle (a map_batches
     generator)."""
@@ -138,10 +140,8 @@ def encode_task(batch: dict, tokenizer_path: str, seed: int, buckets: int, valid
                 out.write(np.fromiter(itertools.chain.from_iterable(encoded), dtype, int(lengths.sum())).tobytes())
                 offsets = written + np.cumsum(lengths) - lengths
                 written += int(lengths.sum())
-                keys, draws = document_keys(source, ids, seed)
+                keys, _ = document_keys(source, ids, seed)
                 group = bucket_of(keys, buckets)
-                held_out = draws < validation_fraction
-                group[held_out] = buckets + np.array([sources.index(s) for s in source], np.int64)[held_out]
                 yield pa.table({
                     "id": chunk.column("id"), "source": chunk.column("source"), "subset": chunk.column("subset"),
                     "key": pa.array(keys, pa.uint64()), "group": pa.array(group, pa.int64()),
@@ -256,6 +256,34 @@ def token_counts(summaries: list[dict]) -> tuple[dict, dict]:
     return by_source, by_subset
 
 
+# --------------------------------------------------------------------------- 4: the evaluation set
+
+
+def eval_task(task: dict) -> dict:
+    """The evaluation set's documents -> one file of windows per (source, subset), and what index.json says of
+    each: its documents, the UTF-8 bytes their tokens encode, the tokens scored, the windows."""
+    os.environ["TOKENIZERS_PARALLELISM"] = "true"
+    tok = tokenizers.load(task["tokenizer"])
+    columns = ["id", "text", "source", "subset"]
+    table = pa.concat_tables([pq.read_table(p, columns=columns) for p in task["parts"]]) if task["parts"] else \
+        pa.table({c: pa.array([], pa.string()) for c in columns})
+    table = table.take(pc.sort_indices(table, [("source", "ascending"), ("subset", "ascending"), ("id", "ascending")]))
+    units: dict[tuple[str, str], list[int]] = collections.defaultdict(list)
+    for i, (source, subset) in enumerate(zip(table["source"].to_pylist(), table["subset"].to_pylist())):
+        units[source, subset or ""].append(i)
+    out = []
+    for number, ((source, subset), rows) in enumerate(sorted(units.items())):
+        texts = table["text"].take(pa.array(rows)).to_pylist()
+        encoded = tokenizers.encode_documents(tok, texts)
+        windows = evalset.windows(encoded, tokenizers.EOS, tokenizers.PAD, task["block"])
+        name = f"eval/{number:05d}.arrow"
+        size = write_rows(Path(task["output"]) / name, windows.astype(task["dtype"]))
+        out.append({"source": source, "subset": subset, "documents": len(rows),
+                    "bytes": sum(len(t.rstrip().encode()) for t in texts), "tokens": sum(map(len, encoded)),
+                    "sequences": len(windows), "shards": [{"file": name, "sequences": len(windows), "bytes": size}]})
+    return {"units": out}
+
+
 # --------------------------------------------------------------------------- the stage
 
 
@@ -292,28 +320,21 @@ def run(ctx: StageContext) -> StageResult:
         keys = ray.data.from_items([{"task": t} for t in tasks], override_num_blocks=len(tasks)).map_batches(
             encode_task, batch_size=1, fn_kwargs={
                 "tokenizer_path": tok_path, "seed": config.seed, "buckets": buckets, "scratch": str(scratch),
-                "validation_fraction": config.validation_fraction, "sources": sources, "dtype": dtype}).materialize()
+                "dtype": dtype}).materialize()
         # Materialized first (small rows): streamed into the groupby, encoding ran on fewer cores.
-        grouped = groupby(keys, "group", keys.size_bytes(), ctx.config.ray, num_partitions=buckets + len(sources)).map_groups(
+        grouped = groupby(keys, "group", keys.size_bytes(), ctx.config.ray, num_partitions=buckets).map_groups(
             write_stream, batch_format="pyarrow",
             fn_kwargs={"scratch": str(scratch), "streams": str(streams), "dtype": dtype, "block_tokens": block})
         summaries = sorted((json.loads(r["summary"]) for r in grouped.take_all()), key=lambda s: s["group"])
     t2 = time.perf_counter()
-    train = [s for s in summaries if s["group"] < buckets]
-    held_out = {sources[s["group"] - buckets]: s for s in summaries if s["group"] >= buckets}
-
     per_shard = max(1, SHARD_BYTES // (block * np.dtype(dtype).itemsize))
-    train_split = pack(train, streams, output, "train", block, dtype, per_shard)
-    train_split["by_source"], train_split["by_subset"] = token_counts(train)
-    validation = {}
-    for source in sources:
-        if source not in held_out:
-            continue
-        split = pack([held_out[source]], streams, output, f"valid/{source}", block, dtype, per_shard)
-        split["by_subset"] = token_counts([held_out[source]])[1].get(source, {})
-        validation[source] = split
+    train_split = pack(summaries, streams, output, "train", block, dtype, per_shard)
+    train_split["by_source"], train_split["by_subset"] = token_counts(summaries)
     shutil.rmtree(streams)
     shutil.rmtree(scratch)
+    evaluation = {**ctx.inputs["normalize"].get("eval", {}), **run_tasks(eval_task, [{
+        "tokenizer": tok_path, "block": block, "dtype": dtype, "output": str(output),
+        "parts": aside_parts(ctx.inputs, "normalize", evalset.REASON)}])[0]}
 
     t3 = time.perf_counter()
     documents = sum(s["documents"] for s in summaries)
@@ -324,27 +345,29 @@ def run(ctx: StageContext) -> StageResult:
         "tokenizer": {"file": tokenizers.FILE, "kind": config.tokenizer.kind, "name": tokenizer_name(config, tok),
                       "sampled_bytes": tok_result["sampled_bytes"], "sampled_from": "normalize"},
         "bos_id": tokenizers.BOS, "pad_id": tokenizers.PAD, "eos_id": tokenizers.EOS, "unk_id": tokenizers.UNK,
-        "seed": config.seed, "validation_fraction": config.validation_fraction,
-        "sequences": train_split["sequences"], "train": train_split, "validation": validation,
+        "seed": config.seed, "sequences": train_split["sequences"], "train": train_split, "eval": evaluation,
     }
     (output / INDEX).write_text(json.dumps(index, indent=2) + "\n")
-    empty = [s for s in sources if validation.get(s, {}).get("sequences", 0) == 0]
-    if config.validation_fraction > 0 and empty:
-        ctx.log.warning("no validation sequences for %s (too few held-out tokens for one block of %d)", empty, block)
+    missing = sorted(set(sources) - {u["source"] for u in evaluation["units"]})
+    if missing:
+        ctx.log.warning("the evaluation set has no documents of %s (eval.fraction %s)", ", ".join(missing),
+                        evaluation.get("fraction"))
 
     metrics = {
         "documents.train": train_split["documents"], "tokens.train": train_split["tokens"],
         "sequences.train": train_split["sequences"], "dropped_tail_tokens.train": train_split["dropped_tail_tokens"],
-        "documents.valid": sum(v["documents"] for v in validation.values()),
-        "tokens.valid": sum(v["tokens"] for v in validation.values()),
-        "sequences.valid": sum(v["sequences"] for v in validation.values()),
+        "documents.eval": sum(u["documents"] for u in evaluation["units"]),
+        "tokens.eval": sum(u["tokens"] for u in evaluation["units"]),
+        "bytes.eval": sum(u["bytes"] for u in evaluation["units"]),
+        "sequences.eval": sum(u["sequences"] for u in evaluation["units"]),
         "vocab_size": vocab_size, "buckets": buckets,
         "seconds.tokenizer": t1 - t0, "seconds.encode_shuffle": t2 - t1, "seconds.pack": t3 - t2,
     }
     for source, counts in train_split["by_source"].items():
         metrics[f"tokens.train.{source}"] = counts["tokens"]
-    for source, split in validation.items():
-        metrics[f"tokens.valid.{source}"] = split["tokens"]
+    for unit in evaluation["units"]:
+        key = f"tokens.eval.{unit['source']}"
+        metrics[key] = metrics.get(key, 0) + unit["tokens"]
     return StageResult(documents, documents, {}, metrics)
 
 

@@ -31,6 +31,13 @@ its own part, not a join) and what removal matches on.
    highest Jaccard (ties: the preferred one), the evidence. Chains a~b~c are one component. Up to
    `SMALL_GRAPH_EDGES` checked pairs and copies, all this in one task instead (the same rows: tests/test_dedup.py).
 6. Output: one task per part drops its removed rows by key against a sorted array.
+
+The evaluation set (corpus/evalset.py, set aside by normalize) takes part as parts of its own, after
+normalize's: its documents are preferred over any other as a text's kept copy and as a component's
+kept document, and are never removed. A training document whose component is kept as an evaluation
+document (a copy, a verified near-duplicate, or one through a chain of them) goes to `near_eval/`
+instead of `duplicates/`, with that document as `kept_id`: a copy of an evaluation document never
+trains the model. Only normalize's parts are written to the output.
 """
 
 from __future__ import annotations
@@ -47,7 +54,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from corpus.parts import (DOCUMENT_SCHEMA, Parts, check_read, check_written, input_parts, parquet_bytes, parquet_files,
+from corpus import evalset
+from corpus.parts import (DOCUMENT_SCHEMA, Parts, aside_parts, check_read, check_written, input_parts, parquet_bytes, parquet_files,
                           rows_in_folder, run_tasks)
 from dedup.lsh import band_keys, choose_banding
 from dedup.minhash import MinHasher, jaccard_of_sets
@@ -77,8 +85,11 @@ GRAPH_SCHEMA = pa.schema([("a_key", pa.int64()), ("b_key", pa.int64()), ("a", pa
                           ("a_source", pa.string()), ("b_source", pa.string()), ("jaccard", pa.float64()), ("copy", pa.bool_())])
 # Rows of the join of edges with their first document's label: an edge (kind "edge") or a label (kind "label").
 LABEL_JOIN_SCHEMA = pa.schema([("part", pa.int64()), ("kind", pa.string()), ("root", pa.int64()), *GRAPH_SCHEMA])
-ASSEMBLED_SCHEMA = pa.schema([*DUPLICATE_SCHEMA, ("key", pa.int64()), ("cluster_size", pa.int64())])
-TALLY_SCHEMA = pa.schema([("source", pa.string()), ("kept_source", pa.string()), ("size", pa.int64()), ("n", pa.int64())])
+ASSEMBLED_SCHEMA = pa.schema([*DUPLICATE_SCHEMA, ("key", pa.int64()), ("cluster_size", pa.int64()), ("reason", pa.string())])
+TALLY_SCHEMA = pa.schema([("source", pa.string()), ("kept_source", pa.string()), ("reason", pa.string()), ("size", pa.int64()),
+                          ("n", pa.int64())])
+DUPLICATE = "duplicate"  # the reason, and (in the plural) its folder, of a document removed as another's near-duplicate
+FOLDERS = {DUPLICATE: "duplicates", evalset.NEAR: evalset.NEAR}
 
 
 def part_of(values: np.ndarray, partitions: int) -> np.ndarray:
@@ -105,9 +116,10 @@ def index_task(task: dict) -> dict:
     digest = b"".join(hashlib.blake2b(t.encode(), digest_size=16).digest() for t in table["text"].to_pylist())
     h = np.frombuffer(digest, dtype=np.uint64).reshape(n, 2) if n else np.zeros((0, 2), dtype=np.uint64)
     priority = task["priority"]
+    prio = [-1] * n if task["eval"] else [priority.get(s, len(priority)) for s in table["source"].to_pylist()]
     out = pa.table({"part": pa.array((h[:, 0] % np.uint64(task["partitions"])).astype(np.int32)),
                     "key": pa.array(keys_of(task["part"], n)), "h1": pa.array(h[:, 0]), "h2": pa.array(h[:, 1]),
-                    "prio": pa.array([priority.get(s, len(priority)) for s in table["source"].to_pylist()], pa.int32()),
+                    "prio": pa.array(prio, pa.int32()),
                     "id": table["id"], "source": table["source"]})
     Path(task["out"]).mkdir(parents=True, exist_ok=True)
     pq.write_table(out, Path(task["out"]) / f"index-{task['part']:05d}.parquet")
@@ -422,21 +434,22 @@ def rooted(edges: pa.Table, root: np.ndarray, partitions: int) -> pa.Table:
         .append_column("part", pa.array(part_of(root, partitions)))
 
 
-def assemble_components(group: pa.Table, priority: dict[str, int]) -> pa.Table:
-    """The edges of whole components (each with its component's root) -> a `duplicates/` row for every
-    document but each component's kept one, with the document's key, and the component's size on the
-    first row of each component (0 on the others).
+def assemble_components(group: pa.Table, priority: dict[str, int], first_eval: int) -> pa.Table:
+    """The edges of whole components (each with its component's root) -> a row for every document but each
+    component's kept one and the evaluation set's (parts from `first_eval` on), with the document's key, its
+    reason (`duplicate`, or `near_eval` where the kept one is an evaluation document), and the component's
+    size on the first row of each component (0 on the others).
 
-    The kept document is the component's smallest (source order, id); an exact copy goes `via` its
-    text's kept copy with Jaccard 1.0, any other document via its verified neighbour of highest
-    Jaccard (ties: the preferred neighbour)."""
+    The kept document is the component's smallest (evaluation set first, source order, id); an exact copy
+    goes `via` its text's kept copy with Jaccard 1.0, any other document via its verified neighbour of
+    highest Jaccard (ties: the preferred neighbour)."""
     name: dict[int, tuple[str, str]] = {}
     root_of: dict[int, int] = {}
     copy_of: dict[int, int] = {}
     best: dict[int, tuple[float, int]] = {}
 
-    def rank(k: int) -> tuple[int, str, int]:  # smaller = preferred: source order, then id (then key, for ties)
-        return priority.get(name[k][1], len(priority)), name[k][0], k
+    def rank(k: int) -> tuple[bool, int, str, int]:  # smaller = preferred: the evaluation set, source order, id, key
+        return k >> ROW_BITS < first_eval, priority.get(name[k][1], len(priority)), name[k][0], k
 
     columns = [group[c].to_pylist() for c in ("a_key", "b_key", "a", "b", "a_source", "b_source", "jaccard", "copy", "root")]
     for a_key, b_key, a, b, a_source, b_source, _, _, root in zip(*columns):
@@ -459,21 +472,22 @@ def assemble_components(group: pa.Table, priority: dict[str, int]) -> pa.Table:
     for node in sorted(root_of, key=lambda k: (root_of[k], k)):
         root = root_of[node]
         keep = kept[root]
-        if node == keep:
+        if node == keep or node >> ROW_BITS >= first_eval:  # the evaluation set is fixed: nothing leaves it here
             continue
         j, via = (1.0, copy_of[node]) if node in copy_of else best[node]
         out.append({"id": name[node][0], "source": name[node][1], "kept_id": name[keep][0], "kept_source": name[keep][1],
-                    "jaccard": j, "via": name[via][0], "key": node, "cluster_size": 0 if root in first else size[root]})
+                    "jaccard": j, "via": name[via][0], "key": node, "cluster_size": 0 if root in first else size[root],
+                    "reason": evalset.NEAR if keep >> ROW_BITS >= first_eval else DUPLICATE})
         first.add(root)
     return pa.Table.from_pylist(out, schema=ASSEMBLED_SCHEMA)
 
 
 def tally(batch: pa.Table) -> pa.Table:
-    """Assembled rows -> counts: documents removed per (source, kept source), clusters per size."""
-    removed = collections.Counter(zip(batch["source"].to_pylist(), batch["kept_source"].to_pylist()))
+    """Assembled rows -> counts: documents removed per (source, kept source, reason), clusters per size."""
+    removed = collections.Counter(zip(batch["source"].to_pylist(), batch["kept_source"].to_pylist(), batch["reason"].to_pylist()))
     sizes = collections.Counter(s for s in batch["cluster_size"].to_pylist() if s)
-    rows = [{"source": s, "kept_source": k, "size": 0, "n": n} for (s, k), n in removed.items()]
-    rows += [{"source": None, "kept_source": None, "size": s, "n": n} for s, n in sizes.items()]
+    rows = [{"source": s, "kept_source": k, "reason": r, "size": 0, "n": n} for (s, k, r), n in removed.items()]
+    rows += [{"source": None, "kept_source": None, "reason": None, "size": s, "n": n} for s, n in sizes.items()]
     return pa.Table.from_pylist(rows, schema=TALLY_SCHEMA)
 
 
@@ -483,43 +497,50 @@ def keys_by_part(batch: pa.Table) -> pa.Table:
     return pa.table({"part": pa.array(keys >> ROW_BITS), "key": pa.array(keys)})
 
 
-def assemble_in_one_task(candidates: str, exact: str, threshold: float, priority: dict[str, int], duplicates: str,
-                         removed: str) -> tuple[list[dict], int]:
-    """The small graph's path: components, kept documents, `duplicates/` and each part's removed rows, in
-    one Ray task (memory ~ the duplicate documents). Returns (tally rows, edges)."""
+def assemble_in_one_task(candidates: str, exact: str, threshold: float, priority: dict[str, int], first_eval: int,
+                         folders: dict[str, str], removed: dict[str, str]) -> tuple[list[dict], int]:
+    """The small graph's path: components, kept documents, `duplicates/`, `near_eval/` and each part's removed
+    rows (per reason), in one Ray task (memory ~ the duplicate documents). Returns (tally rows, edges)."""
     near = [near_edges(pq.read_table(p), threshold) for p in parquet_files(candidates)]
     copies = [copy_edges(pq.read_table(p)) for p in parquet_files(exact)]
     graph = pa.concat_tables([GRAPH_SCHEMA.empty_table(), *near, *copies])
     undirected = _undirected(graph)
     labels = components_in_one_task(undirected["u"].to_numpy(), undirected["v"].to_numpy()) if graph.num_rows else {}
     root = np.array([labels[k] for k in graph["a_key"].to_pylist()], dtype=np.int64)
-    assembled = assemble_components(rooted(graph, root, 1), priority)
-    parts = Parts(duplicates, "duplicates", DUPLICATE_SCHEMA)
-    for row in assembled.select(DUPLICATE_SCHEMA.names).to_pylist():
-        parts.add(row)
-    parts.close()
-    Path(removed).mkdir(parents=True, exist_ok=True)
-    keys = assembled["key"].to_numpy()
-    for part in np.unique(keys >> ROW_BITS).tolist():
-        write_by_part(pa.table({"key": keys[(keys >> ROW_BITS) == part]}), removed)
+    assembled = assemble_components(rooted(graph, root, 1), priority, first_eval)
+    for reason, folder in folders.items():
+        mine = assembled.filter(pc.equal(assembled["reason"], reason))
+        parts = Parts(folder, FOLDERS[reason], DUPLICATE_SCHEMA)
+        for row in mine.select(DUPLICATE_SCHEMA.names).to_pylist():
+            parts.add(row)
+        parts.close()
+        Path(removed[reason]).mkdir(parents=True, exist_ok=True)
+        keys = mine["key"].to_numpy()
+        for part in np.unique(keys >> ROW_BITS).tolist():
+            write_by_part(pa.table({"key": keys[(keys >> ROW_BITS) == part]}), removed[reason])
     return tally(assembled).to_pylist(), graph.num_rows
 
 
-def assemble_on_ray(graph, labels, grouped, partitions: int, priority: dict[str, int], duplicates: str,
-                    removed: str) -> list[dict]:
+def assemble_on_ray(graph, labels, grouped, partitions: int, priority: dict[str, int], first_eval: int,
+                    folders: dict[str, str], removed: dict[str, str]) -> list[dict]:
     """The large graph's path after `components_on_ray`: a groupby joins each edge with its first document's
     label, another brings each component's edges to one task (`assemble_components`), and a third writes
     each part's removed rows. `grouped(ds, phase)`: the stage's groupby on "part", which counts the bytes.
-    Writes `duplicates/` and returns the tally rows."""
+    Writes `duplicates/` and `near_eval/` and returns the tally rows."""
     kw = {"partitions": partitions}
     joined = graph.map_batches(edges_keyed, batch_format="pyarrow", fn_kwargs=kw) \
         .union(labels.map_batches(labels_keyed, batch_format="pyarrow", fn_kwargs=kw))
     by_root = grouped(joined, "components").map_groups(with_roots, batch_format="pyarrow", fn_kwargs=kw)
     assembled = grouped(by_root, "components").map_groups(
-        assemble_components, batch_format="pyarrow", fn_kwargs={"priority": priority}).materialize()
-    assembled.select_columns(DUPLICATE_SCHEMA.names).write_parquet(duplicates)
-    grouped(assembled.map_batches(keys_by_part, batch_format="pyarrow"), "components").map_groups(
-        write_by_part, batch_format="pyarrow", fn_kwargs={"folder": removed}).materialize()
+        assemble_components, batch_format="pyarrow", fn_kwargs={"priority": priority, "first_eval": first_eval}).materialize()
+    for reason, folder in folders.items():
+        mine = assembled.map_batches(lambda b, r=reason: b.filter(pc.equal(b["reason"], r)), batch_format="pyarrow").materialize()
+        Path(removed[reason]).mkdir(parents=True, exist_ok=True)
+        if not mine.count():
+            continue
+        mine.select_columns(DUPLICATE_SCHEMA.names).write_parquet(folder)
+        grouped(mine.map_batches(keys_by_part, batch_format="pyarrow"), "components").map_groups(
+            write_by_part, batch_format="pyarrow", fn_kwargs={"folder": removed[reason]}).materialize()
     return assembled.map_batches(tally, batch_format="pyarrow").take_all()
 
 
@@ -528,7 +549,8 @@ def assemble_on_ray(graph, labels, grouped, partitions: int, priority: dict[str,
 
 def filter_task(task: dict) -> dict:
     """One part minus its removed rows (by row number, against the part's sorted array), a row group at a time."""
-    gone = removed_rows(Path(task["removed"]), task["part"])
+    by_reason = {reason: removed_rows(Path(folder), task["part"]) for reason, folder in task["removed"].items()}
+    gone = np.sort(np.concatenate(list(by_reason.values())))
     docs = Parts(task["output"], task["stem"], DOCUMENT_SCHEMA)
     parquet, start = pq.ParquetFile(task["path"]), 0
     for i in range(parquet.num_row_groups):
@@ -539,7 +561,7 @@ def filter_task(task: dict) -> dict:
             docs.add(row, len(row["text"]))
         start += table.num_rows
     docs.close()
-    return {"rows_in": start, "rows_out": start - len(gone), "duplicate": len(gone)}
+    return {"rows_in": start, "rows_out": start - len(gone), **{reason: len(rows) for reason, rows in by_reason.items()}}
 
 
 def run(ctx: StageContext) -> StageResult:
@@ -551,7 +573,9 @@ def run(ctx: StageContext) -> StageResult:
     bands, rows = (cfg.bands, cfg.rows) if cfg.bands else choose_banding(cfg.num_perm, cfg.threshold)
     parts = input_parts(ctx.inputs, "normalize")
     if not parts:  # normalize kept nothing
-        return StageResult(0, 0, {"duplicate": 0})
+        return StageResult(0, 0, {DUPLICATE: 0, evalset.NEAR: 0})
+    first_eval = len(parts)  # the evaluation set's parts come after normalize's output's
+    training, parts = parts, parts + aside_parts(ctx.inputs, "normalize", evalset.REASON)
     nbytes = parquet_bytes(parts)
     partitions = max(1, -(-nbytes // PARTITION_BYTES))
     work = ctx.folder / "work"
@@ -565,7 +589,8 @@ def run(ctx: StageContext) -> StageResult:
         return groupby(ds, "part", size, ctx.config.ray, num_partitions=max(1, -(-size // PARTITION_BYTES)))
 
     def tasks(out: str, **extra) -> list[dict]:
-        return [{"path": p, "part": i, "out": str(work / out), "partitions": partitions, **extra} for i, p in enumerate(parts)]
+        return [{"path": p, "part": i, "out": str(work / out), "partitions": partitions, "eval": i >= first_eval, **extra}
+                for i, p in enumerate(parts)]
 
     with Bar("dedup", "phases", 6) as bar:  # exact; bands and candidates; candidate documents; verification; components; output
         run_tasks(index_task, tasks("index", priority=priority))
@@ -600,11 +625,12 @@ def run(ctx: StageContext) -> StageResult:
                 .write_parquet(str(candidates))
         bar.update_to(4)
 
-        duplicates, removed, rounds = ctx.aside("duplicates"), work / "removed", 0
+        folders = {reason: str(ctx.aside(folder)) for reason, folder in FOLDERS.items()}
+        removed, rounds = {reason: str(work / f"removed-{reason}") for reason in FOLDERS}, 0
         checked, copied = rows_in_folder(candidates), rows_in_folder(exact)  # from the footers
         if checked + copied <= SMALL_GRAPH_EDGES:  # at most that many edges: one task
             tallies, edges = ray.get(ray.remote(assemble_in_one_task).remote(
-                str(candidates), str(exact), cfg.threshold, priority, str(duplicates), str(removed)))
+                str(candidates), str(exact), cfg.threshold, priority, first_eval, folders, removed))
         else:
             near = ray.data.read_parquet(str(candidates)).map_batches(near_edges, batch_format="pyarrow",
                                                                        fn_kwargs={"threshold": cfg.threshold}) \
@@ -613,34 +639,37 @@ def run(ctx: StageContext) -> StageResult:
                 if copied else None
             graph = (near.union(copies) if near is not None and copies is not None else near or copies).materialize()
             edges, tallies = graph.count(), []
-            Path(removed).mkdir(parents=True)
+            for folder in removed.values():
+                Path(folder).mkdir(parents=True)
             if edges:
                 undirected = graph.map_batches(_undirected, batch_format="pyarrow").materialize()
                 shuffled["components"] = undirected.size_bytes()
                 labels, rounds = components_on_ray(undirected, undirected.size_bytes(), ctx.config.ray, partitions)
-                tallies = assemble_on_ray(graph, labels, grouped, partitions, priority, str(duplicates), str(removed))
-        found = {"verified_pairs": edges, "rounds": rounds, "removed": collections.Counter(), "cluster_sizes": collections.Counter(),
+                tallies = assemble_on_ray(graph, labels, grouped, partitions, priority, first_eval, folders, removed)
+        found = {"verified_pairs": edges, "rounds": rounds, "removed": collections.Counter(), "near_eval": collections.Counter(),
+                 "cluster_sizes": collections.Counter(),
                  "candidate_pairs": checked, "exact_duplicates": copied}
         for t in tallies:
             if t["size"]:
                 found["cluster_sizes"][t["size"]] += t["n"]
             else:
-                found["removed"][(t["source"], t["kept_source"])] += t["n"]
+                found["removed" if t["reason"] == DUPLICATE else "near_eval"][(t["source"], t["kept_source"])] += t["n"]
         bar.update()
 
         counts: collections.Counter = collections.Counter()
-        for result in run_tasks(filter_task, [{"path": p, "part": i, "stem": Path(p).stem, "removed": str(removed),
-                                               "output": str(ctx.output)} for i, p in enumerate(parts)]):
+        for result in run_tasks(filter_task, [{"path": p, "part": i, "stem": Path(p).stem, "removed": removed,
+                                               "output": str(ctx.output)} for i, p in enumerate(training)]):
             counts.update(result)
         bar.update()
-    check_written(duplicates, counts["duplicate"], "duplicates removed")
+    check_written(folders[DUPLICATE], counts[DUPLICATE], "duplicates removed")
+    check_written(folders[evalset.NEAR], counts[evalset.NEAR], "near-duplicates of the evaluation set removed")
     check_written(ctx.output, counts["rows_out"], "documents kept")
     check_read(counts["rows_in"], ctx.inputs, "normalize")
     shutil.rmtree(work, ignore_errors=True)
     found.update(shuffled=shuffled, candidate_fraction=candidate_documents / counts["rows_in"],
                  clusters=sum(found["cluster_sizes"].values()))
-    return StageResult(counts["rows_in"], counts["rows_out"], {"duplicate": counts["duplicate"]},
-                       _metrics(found, bands, rows, ctx))
+    return StageResult(counts["rows_in"], counts["rows_out"], {DUPLICATE: counts[DUPLICATE], evalset.NEAR: counts[evalset.NEAR]},
+                       _metrics(found, bands, rows, ctx), fields={"eval": ctx.inputs["normalize"].get("eval")})
 
 
 def lsh_threshold(bands: int, rows: int) -> float:
@@ -659,6 +688,10 @@ def _metrics(found: dict, bands: int, rows: int, ctx: StageContext) -> dict:
         metrics[f"duplicates.{source}.of.{kept}"] = n
         by_source[source] += n
     metrics.update({f"duplicates.{source}": n for source, n in by_source.items()})
+    near: collections.Counter = collections.Counter()
+    for (source, _), n in found["near_eval"].items():
+        near[source] += n
+    metrics.update({f"near_eval.{source}": n for source, n in near.items()})
     sizes = {int(k): v for k, v in found["cluster_sizes"].items()}
     (ctx.folder / "cluster_sizes.json").write_text(json.dumps(dict(sorted(sizes.items()))) + "\n")
     _log_histogram(sizes, ctx)

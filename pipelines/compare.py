@@ -3,11 +3,22 @@
 An ablation is every pipeline run tagged with its name (`full.py --ablation NAME`; "base" for the
 config file as it is). For each ablation and stage, the newest stage run among its pipeline runs
 counts (ran or cache hit: a cache hit logs the counts of the output it reuses), so an ablation
-built over several invocations (`--only dedup`, then the rest) is still one column. The table:
-rows in and out and every reason rows left, per stage; the subsets the screen dropped; tokens
-per source; final training loss (labelled: each ablation's own data, so not a comparison of
-corpora) and validation losses; grad-norm spikes and autopilot interventions.
-The PNG: each ablation's training loss against the step.
+built over several invocations (`--only dedup`, then the rest) is still one column.
+
+The first table: rows in and out and every reason rows left, per stage; the subsets the screen
+dropped; tokens per source; final training loss (labelled: each ablation's own data, so not a
+comparison of corpora); grad-norm spikes and autopilot interventions.
+
+The second: bits per byte on the held-out evaluation set (corpus/evalset.py), for the whole set,
+each source and each subset, as the mean over the training seeds (`train.seeds`) with its interval,
+and for each ablation its difference from the first (base) with a verdict: `worse` or `better` when
+the difference's interval excludes 0, else `within noise`. The intervals are Student t over the
+seeds (paired when both ran the same seeds, as by default, Welch's otherwise) at a 5% family-wise
+error rate: Bonferroni over every row and ablation of the table, so that a null ablation says
+`within noise` on all of its rows 95% of the time. One seed gives no interval and no verdict.
+Runs evaluated on different sets (their `eval.fingerprint` tags differ) are refused.
+
+The PNG: bits per byte per row with the intervals, and each ablation's training loss against the step.
 
 MLflow's own UI shows the same runs: every run carries the `ablation` tag (Group by: ablation).
 """
@@ -22,11 +33,18 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the project importable without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import numpy as np
+
 from core.config import ConfigError, load_config
 from pipelines.stages import CHECKS, STAGES
 
 
 TRAIN_LOSS_ROW = "train final loss (own data: not comparable)"
+ALPHA = 0.05  # the table's family-wise error rate
+
+
+class Incomparable(ValueError):
+    """Ablations that were not evaluated on the same held-out set."""
 
 
 @dataclass
@@ -36,6 +54,9 @@ class Ablation:
     pipeline_runs: list[str] = field(default_factory=list)
     stages: dict[str, object] = field(default_factory=dict)  # stage -> its newest MLflow run
     loss: list[tuple[int, float]] = field(default_factory=list)  # (step, training loss)
+    fingerprint: str | None = None  # the evaluation set's (the train run's `eval.fingerprint` tag)
+    bpb: dict[str, list[float]] = field(default_factory=dict)  # row ("" for the whole set) -> one value per seed
+    seeds: list[int] = field(default_factory=list)
 
 
 def collect(client, experiment_id: str, names: list[str] | None) -> list[Ablation]:
@@ -68,7 +89,118 @@ def collect(client, experiment_id: str, names: list[str] | None) -> list[Ablatio
             history = client.get_metric_history(source, "loss")
             by_step = {m.step: m.value for m in sorted(history, key=lambda m: m.timestamp)}  # a redone step: its last value
             ablation.loss = sorted(by_step.items())
+            tags = client.get_run(source).data.tags
+            ablation.fingerprint = tags.get("eval.fingerprint")
+            ablation.seeds = [int(s) for s in tags.get("eval.seeds", "").split(",") if s]
+            ablation.bpb = seed_values(train.data.metrics, ablation.seeds)
     return chosen
+
+
+def seed_values(metrics: dict[str, float], seeds: list[int]) -> dict[str, list[float]]:
+    """`seed<s>/eval.bpb[.<row>]` metrics -> {row: [value for each seed]} (rows every seed has)."""
+    out: dict[str, list[float]] = {}
+    for seed in seeds:
+        prefix = f"seed{seed}/eval.bpb"
+        for key, value in metrics.items():
+            if key == prefix or key.startswith(prefix + "."):
+                out.setdefault(key[len(prefix) + 1:], []).append(value)
+    return {row: values for row, values in out.items() if len(values) == len(seeds)}
+
+
+def check_comparable(ablations: list[Ablation]) -> None:
+    """One evaluation set for every ablation with a training run, or Incomparable naming two that differ."""
+    trained = [a for a in ablations if a.stages.get("train") is not None]
+    for a in trained[1:]:
+        if a.fingerprint != trained[0].fingerprint:
+            raise Incomparable(f"{trained[0].name} was evaluated on eval.fingerprint={trained[0].fingerprint} and {a.name} on "
+                               f"eval.fingerprint={a.fingerprint}: different held-out sets (eval.* or normalize settings), "
+                               "so their bits per byte do not compare")
+
+
+@dataclass
+class Difference:
+    delta: float  # the ablation's mean minus the base's
+    half: float  # the half-width of its interval (nan: no interval)
+    verdict: str  # worse, better, within noise, or "no interval (...)"
+
+
+def interval(values: list[float], alpha: float) -> float:
+    """The half-width of the mean's two-sided (1 - alpha) Student t interval (nan under two values)."""
+    from scipy import stats
+
+    n = len(values)
+    if n < 2:
+        return float("nan")
+    return float(stats.t.ppf(1 - alpha / 2, n - 1) * np.std(values, ddof=1) / np.sqrt(n))
+
+
+def difference(base: list[float], other: list[float], paired: bool, alpha: float) -> Difference:
+    """The ablation's difference from the base over seeds, its (1 - alpha) interval and the verdict: paired t over
+    the per-seed differences when both ran the same seeds, else Welch's t."""
+    from scipy import stats
+
+    delta = float(np.mean(other) - np.mean(base))
+    if paired:
+        diffs = np.subtract(other, base)
+        n = len(diffs)
+        if n < 2:
+            return Difference(delta, float("nan"), "no interval (1 seed)")
+        half = float(stats.t.ppf(1 - alpha / 2, n - 1) * np.std(diffs, ddof=1) / np.sqrt(n))
+    else:
+        if min(len(base), len(other)) < 2:
+            return Difference(delta, float("nan"), "no interval (1 seed)")
+        va, vb = np.var(other, ddof=1) / len(other), np.var(base, ddof=1) / len(base)
+        se = float(np.sqrt(va + vb))
+        df = (va + vb) ** 2 / (va ** 2 / (len(other) - 1) + vb ** 2 / (len(base) - 1)) if se > 0 else 1.0
+        half = float(stats.t.ppf(1 - alpha / 2, df) * se)
+    if delta - half > 0:
+        return Difference(delta, half, "worse")
+    if delta + half < 0:
+        return Difference(delta, half, "better")
+    return Difference(delta, half, "within noise")
+
+
+def bpb_rows(ablations: list[Ablation]) -> list[str]:
+    """Every row any ablation has: the whole set first, then sources and their subsets, alphabetically."""
+    found = {row for a in ablations for row in a.bpb}
+    return sorted(found, key=lambda r: (r != "", r.split(".")[0], "." in r, r))
+
+
+def bpb_table(ablations: list[Ablation]) -> str:
+    """The second table (bits per byte, differences, verdicts); "" when no ablation has an evaluation."""
+    with_eval = [a for a in ablations if a.bpb]
+    if not with_eval:
+        return ""
+    base, others = with_eval[0], with_eval[1:]
+    rows = bpb_rows(with_eval)
+    comparisons = max(1, len(rows) * len(others))
+    alpha = ALPHA / comparisons
+    header = ["bits per byte", *(a.name for a in with_eval)]
+    for a in others:
+        header += [f"vs {base.name}: {a.name}", "verdict"]
+    body = []
+    for row in rows:
+        cells = [row or "all"]
+        for a in with_eval:
+            values = a.bpb.get(row)
+            half = interval(values, ALPHA) if values else float("nan")
+            cells.append("-" if not values else f"{np.mean(values):.4f}" + (f"±{half:.4f}" if np.isfinite(half) else ""))
+        for a in others:
+            if row not in a.bpb or row not in base.bpb:
+                cells += ["-", "-"]
+                continue
+            d = difference(base.bpb[row], a.bpb[row], a.seeds == base.seeds, alpha)
+            cells += [f"{d.delta:+.4f}" + (f"±{d.half:.4f}" if np.isfinite(d.half) else ""), d.verdict]
+        body.append(cells)
+    widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
+    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in [header, *body]]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    seeds = "; ".join(f"{a.name}: seeds {','.join(map(str, a.seeds))}" for a in with_eval)
+    lines += ["", f"evaluation set eval.fingerprint={base.fingerprint}; {seeds}.",
+              f"Each column: the mean over its seeds ± its 95% interval. vs {base.name}: the difference ± its interval at a "
+              f"{ALPHA:.0%} family-wise error rate ({'paired' if all(a.seeds == base.seeds for a in others) else 'Welch'} t "
+              f"over seeds, Bonferroni over {comparisons} rows x ablations); worse or better: the interval excludes 0."]
+    return "\n".join(lines)
 
 
 def rows(ablations: list[Ablation]) -> list[tuple[str, list[str]]]:
@@ -104,8 +236,7 @@ def rows(ablations: list[Ablation]) -> list[tuple[str, list[str]]]:
     add("train steps", "train", "steps")
     # each ablation's loss on its own training data: which corpus is better, it does not say
     add(TRAIN_LOSS_ROW, "train", "final_loss", lambda v: f"{v:.4f}")
-    for key in keys("train", lambda run, key: key.startswith("val_loss")):
-        add(f"validation loss{key.removeprefix('val_loss').replace('.', ' ')}", "train", key, lambda v: f"{v:.4f}")
+    add("eval loss per token (whole set)", "train", "eval.loss", lambda v: f"{v:.4f}")
     add("grad-norm spikes", "train", "spikes")
     add("grad-norm mean excess %", "train", "spike_excess", lambda v: f"{v:.2f}")
     add("interventions", "train", "interventions")
@@ -134,23 +265,38 @@ def table(ablations: list[Ablation]) -> str:
 
 
 def plot(ablations: list[Ablation], path: Path) -> Path | None:
+    """Bits per byte per row, each ablation's mean with its 95% interval over seeds; and the training losses."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     curves = [a for a in ablations if a.loss]
-    if not curves:
+    scored = [a for a in ablations if a.bpb]
+    if not curves and not scored:
         return None
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    fig, (bars, losses) = plt.subplots(1, 2, figsize=(14, 5), gridspec_kw={"width_ratios": [3, 2]})
+    rows = bpb_rows(scored)
+    for k, a in enumerate(scored):
+        x = np.arange(len(rows)) + (k - (len(scored) - 1) / 2) * 0.8 / max(1, len(scored))
+        means = [np.mean(a.bpb[r]) if r in a.bpb else np.nan for r in rows]
+        halves = [interval(a.bpb[r], ALPHA) if r in a.bpb else np.nan for r in rows]
+        bars.errorbar(x, means, yerr=np.nan_to_num(halves), fmt="o", capsize=3, label=f"{a.name} ({len(a.seeds)} seeds)")
+    bars.set_xticks(np.arange(len(rows)), [r or "all" for r in rows], rotation=60, ha="right", fontsize=8)
+    bars.set_ylabel("bits per byte (held-out set)")
+    bars.set_title("evaluation: mean and 95% interval over seeds")
+    bars.grid(alpha=0.3, axis="y")
+    if scored:
+        bars.legend(fontsize=8)
     for a in curves:
         steps, values = zip(*a.loss)
-        ax.plot(steps, values, label=a.name, linewidth=1.2)
-    ax.set_xlabel("step")
-    ax.set_ylabel("training loss")
-    ax.set_title("data ablations")
-    ax.grid(alpha=0.3)
-    ax.legend()
+        losses.plot(steps, values, label=a.name, linewidth=1.2)
+    losses.set_xlabel("step")
+    losses.set_ylabel("training loss (each on its own data)")
+    losses.set_title("training")
+    losses.grid(alpha=0.3)
+    if curves:
+        losses.legend(fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
@@ -189,9 +335,16 @@ def main(argv: list[str] | None = None) -> int:
     if not ablations:
         print(f"error: no pipeline runs in experiment {experiment.name!r}", file=sys.stderr)
         return 2
+    try:
+        check_comparable(ablations)
+    except Incomparable as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(table(ablations))
+    scores = bpb_table(ablations)
+    print("\n" + (scores or "no evaluation on the held-out set to compare (train stage not run)"))
     chart = plot(ablations, Path(args.out))
-    print(f"\nloss curves: {chart}" if chart else "\nno training runs to plot")
+    print(f"\nchart: {chart}" if chart else "\nno training runs to plot")
     return 0
 
 

@@ -146,7 +146,7 @@ def mixture_task(task: dict) -> dict:
     index = {
         "format": FORMAT, "seq_len": task["seq_len"], "block": block, "dtype": dtype.name, "vocab_size": vocab_size,
         "tokenizer": {"file": task["tokenizer"]}, "eos_id": tokenizers.EOS, "pad_id": tokenizers.PAD,
-        "sequences": sequences, "validation": {},
+        "sequences": sequences, "eval": {"units": []},  # proxies are scored on their grad norms, not evaluated
         "train": {"sequences": sequences, "tokens": int(len(tokens)), "shards": [{"file": "train/00000.arrow", "sequences": sequences}]},
         "mixture": {"subset": subset, "upweight": task["upweight"] if share else 0.0,
                     "baseline": {"documents": base_docs, "tokens": base_tokens},

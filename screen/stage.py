@@ -202,6 +202,9 @@ def run_proxies(ctx: StageContext, pool: ProxyJobs, jobs: list[dict]) -> None:
     client = MlflowClient(ctx.config.mlflow.tracking_uri)
     parent = client.get_run(ctx.mlflow_run_id)
     inherited = {k: v for k, v in parent.data.tags.items() if k == "ablation" or k.startswith("ablation.")}
+    held_out = ctx.inputs["dedup"].get("eval") or {}
+    if held_out.get("fingerprint"):  # the evaluation set its corpus was drawn beside (normalize's, via dedup)
+        inherited["eval.fingerprint"] = held_out["fingerprint"]
     items = []
     for job in jobs:
         role = "baseline" if job["subset"] == BASELINE else "candidate"

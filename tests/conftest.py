@@ -82,10 +82,10 @@ def _no_outside_tracking_server(monkeypatch):
 # The tests' own tokenize and train (smaller than local.yaml's: 30 steps of 16 sequences of 64 tokens), written
 # after local.yaml's corpus stages and screen to make sample.yaml (sample_run).
 SAMPLE_TOKENIZE_TRAIN = """
-tokenize: {seq_len: 64, validation_fraction: 0.05, tokenizer: {kind: train, vocab_size: 1024}}
+tokenize: {seq_len: 64, tokenizer: {kind: train, vocab_size: 1024}}
 train: {model: tiny, num_workers: 2, cpus_per_worker: 0.5, zero_stage: 2, precision: fp32, micro_batch_size: 4,
         global_batch_tokens: 1024, lr: 3.0e-3, warmup_tokens: 5120, total_tokens: 100000, max_steps: 30,
-        checkpoint_every: 10, eval_every: 10, eval_batches: 2}
+        checkpoint_every: 10, eval_every: 10, seeds: 2}
 """
 
 

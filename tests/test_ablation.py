@@ -3,7 +3,12 @@ and pipelines/compare.py puts the ablations side by side (on sample_run's workdi
 
 from __future__ import annotations
 
+import json
+import re
 from pathlib import Path
+
+import numpy as np
+import pytest
 
 from conftest import manifest
 
@@ -33,19 +38,32 @@ def test_a_screen_ablation_reruns_the_screen_and_downstream_only(sample_run, tmp
         assert base_tok != off_tok and base_tok.read_bytes() == off_tok.read_bytes()
         assert off["screen"]["counts"]["rows_out"] == off["screen"]["counts"]["rows_in"] == base["screen"]["counts"]["rows_in"]
         assert base["screen"]["counts"]["dropped"] > 0 and off["screen"]["proxy_runs"] == []
+        # One evaluation set for both (drawn at normalize): the same documents as the same windows, HackerNews's
+        # among them though base's screen dropped it from training.
+        base_index, off_index = (json.loads((Path(m["tokenize"]["output"]) / "index.json").read_text()) for m in (base, off))
+        assert base_index["eval"] == off_index["eval"] and any(u["subset"] == "HackerNews" for u in base_index["eval"]["units"])
+        for unit in base_index["eval"]["units"]:
+            name = unit["shards"][0]["file"]
+            assert (Path(base["tokenize"]["output"]) / name).read_bytes() == (Path(off["tokenize"]["output"]) / name).read_bytes()
 
         client = MlflowClient(f"sqlite:///{wd}/mlflow.db")
         for stage in ("screen", "train"):
             run = client.get_run(off[stage]["mlflow_run_id"])
             assert run.data.tags["ablation"] == "no-screen"
             assert run.data.tags["ablation.diff"] == "screen.enabled: True -> False"
+        fingerprint = base["normalize"]["eval"]["fingerprint"]
+        trained = [client.get_run(m["train"]["mlflow_run_id"]).data for m in (base, off)]
+        assert [t.tags["eval.fingerprint"] for t in trained] == [fingerprint, fingerprint]
+        assert client.get_run(base["screen"]["proxy_runs"][0]["mlflow_run_id"]).data.tags["eval.fingerprint"] == fingerprint
+        assert all({"eval.bpb", "eval.bpb.pile", "eval.bpb.pile.HackerNews", "seed1/eval.bpb"} <= set(t.metrics) for t in trained)
         assert client.get_run(base["train"]["mlflow_run_id"]).data.tags["ablation"] == "base"
         assert client.get_run(base["screen"]["proxy_runs"][0]["mlflow_run_id"]).data.tags["ablation"] == "base"
 
         chart = tmp_path / "ablations.png"
         assert compare.main(["--config", cfg, "--out", str(chart), "base", "no-screen"]) == 0
         table = capsys.readouterr().out
-        header, _, *lines = table.splitlines()
+        first, scores = table.split("\nbits per byte")
+        header, _, *lines = first.splitlines()
         assert header.split() == ["base", "no-screen"]
         cells = {line[: line.index("  ")].strip(): line.split()[-2:] for line in lines if "  " in line}
         assert cells["screen dropped"] == [f"{base['screen']['counts']['dropped']:,}", "0"]
@@ -54,8 +72,16 @@ def test_a_screen_ablation_reruns_the_screen_and_downstream_only(sample_run, tmp
         base_pile, off_pile = (int(c.replace(",", "")) for c in cells["tokens pile"])
         assert base_pile < off_pile  # HackerNews's tokens are back
         assert cells[compare.TRAIN_LOSS_ROW] == [f"{m['final_loss']:.4f}" for m in (base["train"], off["train"])]
-        assert "tokens ccnews" in cells and "validation loss ccnews" in cells and "grad-norm spikes" in cells
+        assert "tokens ccnews" in cells and "eval loss per token (whole set)" in cells and "grad-norm spikes" in cells
         assert "no-screen: screen.enabled: True -> False" in table
+        # Bits per byte per row with intervals over the two seeds, and a verdict per row against base.
+        bpb = {r[0]: r[1:] for r in (re.split(r"\s{2,}", line.strip()) for line in scores.splitlines()[2:]) if len(r) == 5}
+        assert {"all", "pile", "pile.HackerNews", "reddit", "ccnews"} <= set(bpb)
+        assert all(verdict in ("worse", "better", "within noise") for *_, verdict in bpb.values())
+        metrics = [client.get_run(m["train"]["mlflow_run_id"]).data.metrics for m in (base, off)]
+        means = [np.mean([m[f"seed{s}/eval.bpb.pile.HackerNews"] for s in (0, 1)]) for m in metrics]
+        assert [float(c.split("±")[0]) for c in bpb["pile.HackerNews"][:2]] == pytest.approx(means, abs=1e-4)
+        assert f"eval.fingerprint={fingerprint}" in scores and "5% family-wise error rate" in scores
         assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert compare.main(["--config", cfg, "--out", str(chart), "nope"]) == 2
         assert "no pipeline run tagged ablation='nope'" in capsys.readouterr().err

@@ -82,7 +82,8 @@ def test_defaults_and_resolved_paths(cfg, tmp_path, monkeypatch):
     ("tokenize: {tokenizer: {kind: gpt2}}\n", "tokenize.tokenizer.vocab", "required when kind is 'gpt2'"),
     ("tokenize: {tokenizer: {fairseq_dict: d.txt}}\n", "tokenize.tokenizer.fairseq_dict", "only read when kind is 'gpt2'"),
     ("tokenize: {tokenizer: {train_bytes: 0}}\n", "tokenize.tokenizer.train_bytes", "expected a value >= 1"),
-    ("tokenize: {validation_fraction: 1}\n", "tokenize.validation_fraction", "expected a fraction in [0, 1)"),
+    ("eval: {fraction: 1}\n", "eval.fraction", "expected a fraction in [0, 1)"),
+    ("train: {seeds: 0}\n", "train.seeds", "expected a value >= 1"),
     ("colour: blue\n", "colour", "unknown key"),
     ("sample_spiky_subset: Enron Emails\n", "sample_spiky_subset", "expected one of OPT's Pile subsets (the ones the "
      "screen screens): Pile-CC, "),

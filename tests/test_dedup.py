@@ -85,7 +85,7 @@ def test_merges_exactly_the_pairs_at_or_above_the_threshold(deduped):
     assert set(dups) == {"w-exact", "w-space", "w-oneword", "w-chain-b", "w-chain-c", "w-self2"}
     kept = {r["id"] for r in rows(folder / "output")}
     assert {"n-exact", "n-space", "n-oneword", "n-edited", "w-edited", "n-chain-a", "n-unique", "w-self1"} == kept
-    assert manifest["counts"] == {"rows_in": 14, "rows_out": 8, "duplicate": 6}
+    assert manifest["counts"] == {"rows_in": 14, "rows_out": 8, "duplicate": 6, "near_eval": 0}
     # The source listed first is kept; a chain a~b~c (a and c below the threshold) keeps only a.
     assert dups["w-exact"]["kept_id"] == "n-exact" and dups["w-exact"]["jaccard"] == 1.0
     assert dups["w-chain-c"]["kept_id"] == "n-chain-a" and dups["w-chain-c"]["via"] == "w-chain-b"
@@ -98,6 +98,32 @@ def test_merges_exactly_the_pairs_at_or_above_the_threshold(deduped):
     assert all(c["b"] not in dups or (c["a"], c["b"]) not in {(d["via"], d["id"]) for d in dups.values()} for c in below)
     assert manifest["metrics"]["duplicates.web.of.news"] == 5 and manifest["metrics"]["duplicates.web.of.web"] == 1
     assert json.loads((folder / "cluster_sizes.json").read_text()) == {"2": 4, "3": 1}
+
+
+def test_a_near_duplicate_of_an_evaluation_document_never_trains(corpus, deduped):
+    """The evaluation set is kept over any source's copy, never removed, and what dedup finds to be a copy of
+    one of its documents (exactly, at the threshold, or through a chain) leaves training as `near_eval`."""
+    from corpus.evalset import drawn
+
+    root, cfg, docs, _ = corpus
+    names = [(s, i) for s, texts in docs.items() for i in texts]
+    wanted = {("web", "w-exact"), ("web", "w-chain-c")}  # the copy of a kept news document; the far end of a chain
+    seed = next(s for s in range(100_000) if {n for n, d in zip(names, drawn(*map(list, zip(*names)), 0.2, s)) if d} == wanted)
+    assert main(["--config", str(cfg), "--only", "normalize,dedup", "--set", "eval.fraction=0.2", "--set", f"eval.seed={seed}"]) == 0
+    normalize = json.loads((root / "work" / "normalize" / "manifest.json").read_text())
+    assert normalize["counts"]["eval"] == 2 and len(normalize["eval"]["fingerprint"]) == 16
+    assert {r["id"] for r in rows(Path(normalize["output"]).parent / "eval")} == {"w-exact", "w-chain-c"}
+    manifest = json.loads((root / "work" / "dedup" / "manifest.json").read_text())
+    folder = Path(manifest["output"]).parent
+    near = {r["id"]: r for r in rows(folder / "near_eval")}
+    assert set(near) == {"n-exact", "n-chain-a", "w-chain-b"}  # n-chain-a through w-chain-b: J(a, c) < 0.95
+    assert near["n-exact"]["kept_id"] == "w-exact" and near["n-exact"]["jaccard"] == 1.0
+    assert near["n-chain-a"]["kept_id"] == near["w-chain-b"]["kept_id"] == "w-chain-c"
+    assert {r["id"] for r in rows(folder / "duplicates")} == {"w-space", "w-oneword", "w-self2"}
+    assert {r["id"] for r in rows(folder / "output")} == {"n-space", "n-oneword", "n-edited", "w-edited", "n-unique", "w-self1"}
+    assert manifest["counts"] == {"rows_in": 12, "rows_out": 6, "duplicate": 3, "near_eval": 3}
+    assert manifest["metrics"]["near_eval.news"] == 2 and manifest["metrics"]["near_eval.web"] == 1
+    assert manifest["eval"] == normalize["eval"]  # passed on to the screen, which tags its proxy runs with it
 
 
 def test_mlflow_has_the_counts_and_the_histogram(corpus, deduped):
@@ -187,6 +213,7 @@ def crowded(tmp_path_factory):
         (root / f"{name}.jsonl").write_text("".join(json.dumps({"id": k, "text": v}) + "\n" for k, v in texts.items()))
     cfg = write_config(root, f"""
 workdir: {root}/work
+eval: {{fraction: 0}}   # every document reaches dedup, as in the brute-force truth
 sources:
   - {{name: news, format: jsonl, id_field: id, paths: ["{root}/news.jsonl"]}}
   - {{name: web,  format: jsonl, id_field: id, paths: ["{root}/web.jsonl"]}}

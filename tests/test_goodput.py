@@ -15,19 +15,20 @@ def test_every_second_of_the_wall_time_is_in_one_part_and_ettr_counts_only_kept_
               ("health", 111, 1.5),  # the crashed rank's node probed between the attempts
               ("start", 112), ("built", 114), ("ready", 115),  # attempt 2 resumes at step 2: step 3 again, 4, then hangs
               ("hang", 127, 10.0), ("hang", 127.5, 10.5),  # the hung rank and a peer, both past the limit
-              ("start", 130), ("built", 131), ("ready", 132), ("export", 137, 2.0), ("finish", 138)]
+              ("start", 130), ("built", 131), ("ready", 132), ("export", 137, 2.0),
+              ("seed_runs", 141, 3.0), ("finish", 141)]  # the other seeds' evaluation-only runs, after the export
     lines = [{"event": e[0], "time": e[1], **({"seconds": e[2]} if len(e) > 2 else {})} for e in events]
     (tmp_path / goodput.TIMELINE).write_text("".join(json.dumps(line) + "\n" for line in lines))
     rows = [{"step": s, "loss": 5.0, "seconds": 1.0, "time": t} for s, t in ((1, 107), (2, 108), (3, 109),
                                                                             (3, 116), (4, 117), (5, 133))]
-    rows += [{"step": 5, "val_loss": 5.0, "validation_seconds": 1.0, "time": 134},
+    rows += [{"step": 5, "eval.bpb": 5.0, "eval_seconds": 1.0, "time": 134},
              {"step": 5, "checkpoint.blocked_seconds": 0.5, "checkpoint.write_seconds": 3.0, "time": 135}]
     (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     report = goodput.account(tmp_path)
     expected = {"kept": 5.0, "lost": 1.0, "scheduling": 2.0, "health_check": 1.5, "startup_build": 3 + 2 + 1,
                 "startup_load": 3.0, "restart": (112 - 109 - 1.5) + (130 - 127.5), "hang": 10.5, "checkpoint_blocked": 0.5, "evaluation": 1.0,
-                "export": 2.0, "other": 1.5}
+                "export": 2.0, "seed_runs": 3.0, "other": 1.5}
     assert {p: report[f"{p}_seconds"] for p in goodput.PARTS} == pytest.approx(expected)
-    assert report["wall_seconds"] == 38.0 and report["ettr"] == pytest.approx(5 / 38, abs=1e-4)
-    assert "| restart | 4.0 | 10.5% |" in goodput.summary(report)
+    assert report["wall_seconds"] == 41.0 and report["ettr"] == pytest.approx(5 / 41, abs=1e-4)
+    assert "| restart | 4.0 | 9.8% |" in goodput.summary(report)
     assert goodput.plot(report, tmp_path / "goodput.png").stat().st_size > 5_000

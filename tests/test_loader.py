@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from corpus.tokenize import FORMAT, INDEX, write_rows
-from train.loader import Loader, Permutation, ShardError, TokenShards, validation_batches
+from train.loader import Loader, Permutation, ShardError, TokenShards, eval_batches
 
 BLOCK = 9
 
@@ -26,7 +26,7 @@ def make_shards(folder, n: int, per_shard: int, valid: int = 0) -> None:
         return {"sequences": count, "shards": shards}
 
     index = {"format": FORMAT, "seq_len": BLOCK - 1, "block": BLOCK, "dtype": "uint16", "vocab_size": 65536,
-             "eos_id": 2, "train": split("train", n), "validation": {"web": split("valid/web", valid)} if valid else {}}
+             "eos_id": 2, "train": split("train", n), "eval": {"units": [split("eval/00000", valid)] if valid else []}}
     (folder / INDEX).write_text(json.dumps(index))
 
 
@@ -113,14 +113,15 @@ def test_state_from_another_layout_is_refused(shards):
         Loader(shards, 8, skip_ranges=[(5, 5)])
 
 
-def test_validation_batches_cover_the_split_in_order(shards):
-    assert [ids(b) for b in validation_batches(shards, "web", 3)] == [[0, 1, 2], [3, 4, 5], [6]]
-    # Over ranks: every rank the same number of sequences, disjoint, the remainder left out; `limit` first.
-    split = [[s for b in validation_batches(shards, "web", 2, rank=r, world_size=2) for s in ids(b)] for r in range(2)]
-    assert split == [[0, 2, 4], [1, 3, 5]]
-    assert [ids(b) for b in validation_batches(shards, "web", 2, rank=1, world_size=2, limit=5)] == [[1, 3]]
+def test_eval_batches_cover_every_window_in_order(shards):
+    assert [ids(b) for b in eval_batches(shards, 0, 3, pad=1)] == [[0, 1, 2], [3, 4, 5], [6]]
+    # Over ranks: every rank the same number of windows, disjoint, none left out: the one short gets padding.
+    split = [[s for b in eval_batches(shards, 0, 2, pad=1, rank=r, world_size=2) for s in ids(b)] for r in range(2)]
+    assert split == [[0, 2, 4, 6], [1, 3, 5, 1]]
     with pytest.raises(ShardError, match="no split 'books'"):
         TokenShards(shards, "books")
+    with pytest.raises(ShardError, match="no split 'eval/1'"):
+        TokenShards(shards, "eval/1")
 
 
 def test_truncated_or_mismatched_shards_are_clear_errors(tmp_path):

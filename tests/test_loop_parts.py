@@ -31,17 +31,30 @@ from train.optim import Schedule
 SEQ = 16
 
 
+# The evaluation set of `shards`: (source, subset, its documents' token ids, each ending with </s> (2), their bytes).
+EVAL_UNITS = [("news", "", [[7, 8, 9, 2], [10, 2]], 9),
+              ("web", "forum", [list(range(20, 40)) + [2], list(range(100, 130)) + [2]], 170),
+              ("web", "wiki", [[300, 301, 2]], 6)]
+
+
 @pytest.fixture(scope="module")
 def shards(tmp_path_factory):
-    """64 training and 8 validation sequences of SEQ + 1 random tokens under the tiny model's vocabulary."""
+    """64 training sequences of SEQ + 1 random tokens under the tiny model's vocabulary, and EVAL_UNITS as windows."""
+    from corpus import evalset
+
     folder = tmp_path_factory.mktemp("shards")
     rng = np.random.default_rng(0)
+    write_rows(folder / "train" / "00000.arrow", rng.integers(4, 512, (64, SEQ + 1), dtype=np.uint16))
+    units = []
+    for k, (source, subset, docs, n_bytes) in enumerate(EVAL_UNITS):
+        windows = evalset.windows(docs, 2, 1, SEQ + 1).astype(np.uint16)
+        write_rows(folder / "eval" / f"{k:05d}.arrow", windows)
+        units.append({"source": source, "subset": subset, "documents": len(docs), "bytes": n_bytes,
+                      "tokens": sum(map(len, docs)), "sequences": len(windows),
+                      "shards": [{"file": f"eval/{k:05d}.arrow", "sequences": len(windows)}]})
     index = {"format": FORMAT, "seq_len": SEQ, "block": SEQ + 1, "dtype": "uint16", "vocab_size": 512, "eos_id": 2,
-             "sequences": 64}
-    for name, count in (("train", 64), ("valid/web", 8)):
-        write_rows(folder / name / "00000.arrow", rng.integers(4, 512, (count, SEQ + 1), dtype=np.uint16))
-        split = {"sequences": count, "shards": [{"file": f"{name}/00000.arrow", "sequences": count}]}
-        index["train" if name == "train" else "validation"] = split if name == "train" else {"web": split}
+             "pad_id": 1, "sequences": 64, "train": {"sequences": 64, "shards": [{"file": "train/00000.arrow", "sequences": 64}]},
+             "eval": {"fingerprint": "0123456789abcdef", "units": units}}
     (folder / INDEX).write_text(json.dumps(index))
     return folder
 
@@ -52,7 +65,7 @@ def section(**changes) -> TrainConfig:
     return dataclasses.replace(TrainConfig(
         model="tiny", num_workers=1, zero_stage=1, micro_batch_size=2, global_batch_tokens=4 * SEQ,
         warmup_tokens=2 * 4 * SEQ, total_tokens=100 * 4 * SEQ, max_steps=6, checkpoint_every=0, eval_every=3,
-        eval_batches=1, dropout=0.0, autopilot=autopilot), **changes)
+        dropout=0.0, autopilot=autopilot), **changes)
 
 
 def context(tmp_path, rank: int = 0) -> Context:
@@ -65,7 +78,7 @@ def test_the_loop_config_is_typed_derived_from_the_shards_and_travels(shards, tm
                       mlflow_run_id=None)
     assert (cfg.seq_len, cfg.global_batch, cfg.accumulation, cfg.max_steps, cfg.total_steps) == (SEQ, 8, 4, 6, 50)
     assert cfg.warmup_steps == 1 and cfg.lr == 1e-3 and cfg.eval_micro_batch == 8  # the tiny model's LR; 4 x micro
-    assert cfg.model.vocab_size == 512 and cfg.model.dropout == 0.0 and cfg.validation_sources == ("web",)
+    assert cfg.model.vocab_size == 512 and cfg.model.dropout == 0.0
     assert pickle.loads(pickle.dumps(cfg)) == cfg  # what Ray Train ships to the workers
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.max_steps = 7
@@ -203,17 +216,63 @@ def test_metrics_are_rank_0s_a_line_per_step_validation_and_a_summary(shards, tm
     for rank, folder in ((0, tmp_path / "leader"), (1, tmp_path / "other")):
         metrics = Metrics(cfg, context(folder, rank), flops_per_step=1e12)
         metrics.step(4, step, loss_scale=2.0, skipped_steps=1)
-        metrics.validation(4, {"web": 5.0, "news": 6.0}, seconds=1.5)
+        metrics.evaluation(4, {"eval.bpb": 1.25, "eval.bpb.web": 1.5}, seconds=1.5)
         metrics.close(4, 5.5, None)
     rows = [json.loads(line) for line in (tmp_path / "leader" / "metrics.jsonl").read_text().splitlines()]
     assert all(time.time() - row.pop("time") < 60 for row in rows)
     assert rows[0] == {"step": 4, "loss": 5.5, "lr": 2e-4, "grad_norm": None, "loss_scale": 2.0, "overflow": 1,
                        "skipped_steps": 1, "activation_norm": 2.0, "tokens_per_second": 4 * SEQ / 0.5, "batch": 3, "seconds": 0.5,
                        "tflops_per_device": 2.0}
-    assert rows[1] == {"step": 4, "val_loss.web": 5.0, "val_loss.news": 6.0, "val_loss": 5.5, "validation_seconds": 1.5}
+    assert rows[1] == {"step": 4, "eval.bpb": 1.25, "eval.bpb.web": 1.5, "eval_seconds": 1.5}
     assert json.loads((tmp_path / "leader" / "summary.json").read_text()) == {"steps": 4, "final_loss": 5.5,
                                                                              "stopped": None}
     assert list((tmp_path / "other").iterdir()) == []
+
+
+def test_bits_per_byte_is_the_hand_computed_sum_over_every_token_of_every_document(shards, tmp_path):
+    """The evaluation (windows in micro-batches of 2, padded) against the model's log-likelihood of each unit's
+    stream computed by hand, a forward per stretch of SEQ + 1 tokens that starts where the last one ended, summed
+    in bits over the units' bytes, per source, subset and all."""
+    from corpus import evalset
+    from model.configs import get
+    from model.opt import OPT
+    from train.loop.evaluation import unit_nll
+
+    model = OPT(get("tiny").replace(vocab_size=512, dropout=0.0), seed=3)
+    got = evalset.metrics(json.loads((shards / INDEX).read_text())["eval"]["units"],
+                          unit_nll(model, str(shards), len(EVAL_UNITS), 2, 1, context(tmp_path)))
+    nats = {}
+    with torch.no_grad():
+        for source, subset, docs, _ in EVAL_UNITS:
+            stream = torch.tensor([2] + [t for d in docs for t in d])
+            total = 0.0
+            for start in range(0, len(stream) - 1, SEQ):
+                piece = stream[start:start + SEQ + 1][None]
+                logp = torch.log_softmax(model(piece[:, :-1]), dim=-1)
+                total -= logp[0, torch.arange(piece.size(1) - 1), piece[0, 1:]].sum().item()
+            nats[source, subset] = total
+    assert len(torch.tensor([2] + [t for d in EVAL_UNITS[1][2] for t in d])) > 3 * SEQ + 1  # 4 windows, the last padded
+    bits = {k: v / np.log(2) for k, v in nats.items()}
+    news, forum, wiki = ("news", ""), ("web", "forum"), ("web", "wiki")
+    assert got["eval.bpb.news"] == pytest.approx(bits[news] / 9, rel=1e-5)
+    assert got["eval.bpb.web.forum"] == pytest.approx(bits[forum] / 170, rel=1e-5)
+    assert got["eval.bpb.web.wiki"] == pytest.approx(bits[wiki] / 6, rel=1e-5)
+    assert got["eval.bpb.web"] == pytest.approx((bits[forum] + bits[wiki]) / 176, rel=1e-5)
+    assert got["eval.bpb"] == pytest.approx(sum(bits.values()) / 185, rel=1e-5)
+    assert got["eval.loss.news"] == pytest.approx(nats[news] / 6, rel=1e-5)  # per token scored: 4 + 2
+    assert set(got) == {f"eval.{m}{r}" for m in ("bpb", "loss") for r in ("", ".news", ".web", ".web.forum", ".web.wiki")}
+
+
+def test_evaluation_windows_score_every_token_once():
+    from corpus import evalset
+
+    docs = [[5, 6, 7, 2], [8, 2], list(range(10, 30)) + [2]]
+    rows = evalset.windows(docs, eos=2, pad=1, block=8)
+    assert rows.shape == (4, 8) and (rows[1:, 0] == rows[:-1, -1]).all()  # 28 tokens: 27 scored, 7 a window
+    targets = evalset.targets(rows, pad=1)
+    scored = targets[targets != evalset.IGNORE]
+    assert scored.tolist() == [t for d in docs for t in d]  # each document token and </s> once, in order
+    assert rows[-1, -1] == 1 and rows[0, 0] == 2
 
 
 def test_injected_faults_fire_once_even_across_restarts(tmp_path):
@@ -255,7 +314,7 @@ def test_a_trainer_fits_through_a_spike_rolled_back_and_skipped(deepspeed_rank, 
     steps = [r["step"] for r in rows if "loss" in r]
     assert steps == [1, 2, 3, 4, 5, 1, 2, 3, 4, 5, 6]
     assert [r["batch"] for r in rows if "loss" in r][5:] == [15, 16, 17, 18, 19, 20]  # [0, 15) skipped
-    assert [r["step"] for r in rows if "val_loss" in r] == [3, 3, 6] and "val_loss.web" in rows[-1]
+    assert [r["step"] for r in rows if "eval.bpb" in r] == [3, 3, 6] and "eval.bpb.web.forum" in rows[-1]
     # The initial weights' save (the first rollback target), written in the background, measured when published.
     saves = [r for r in rows if "checkpoint.write_seconds" in r]
     assert [r["step"] for r in saves] == [0] and saves[0]["checkpoint.blocked_seconds"] >= 0

@@ -1,5 +1,5 @@
 """The tokenize stage on the sample corpus: every document's tokens accounted for, the order a pure
-function of the seed (not of how the work was split), validation per source, shards the loader reads."""
+function of the seed (not of how the work was split), the evaluation set as windows, shards the loader reads."""
 
 from __future__ import annotations
 
@@ -56,7 +56,7 @@ def test_every_document_is_packed_once_or_named_in_a_dropped_tail(tokenized):
     for key, tokens in encoded.items():
         by_tokens[tokens].append(key)
     seen = []
-    splits = [("train", index["train"])] + list(index["validation"].items())
+    splits = [("train", index["train"])]
     for name, split in splits:
         whole, unfinished = documents(packed(out, name))
         for tokens in whole:
@@ -72,7 +72,7 @@ def test_every_document_is_packed_once_or_named_in_a_dropped_tail(tokenized):
             assert unfinished == []
         seen += [(d["source"], d["id"]) for d in tail]
         assert split["sequences"] * index["block"] + split["dropped_tail_tokens"] == split["tokens"]
-    assert sorted(seen) == sorted(encoded)  # each kept document exactly once, in train or in validation
+    assert sorted(seen) == sorted(encoded)  # each kept document exactly once
     assert sum(len(t) for t in encoded.values()) == sum(s["tokens"] for _, s in splits)
     counts = manifest(wd, "tokenize")["counts"]
     assert counts["rows_in"] == counts["rows_out"] == len(encoded) == manifest(wd, "screen")["counts"]["rows_out"]
@@ -93,26 +93,32 @@ def test_token_counts_per_source_and_subset(tokenized):
     for source, subsets in index["train"]["by_subset"].items():
         for subset, c in subsets.items():
             got_subset[(source, subset)] += c["tokens"]
-    for source, split in index["validation"].items():
-        got[source] += split["tokens"]
-        for subset, c in split["by_subset"].items():
-            got_subset[(source, subset)] += c["tokens"]
     assert got == expected and got_subset == expected_subset
     assert set(index["train"]["by_subset"]["pile"]) == set(OPT_PILE_SUBSETS) - {SPIKY}  # each counted; the screen dropped one
 
 
-def test_validation_is_held_out_per_source_in_proportion(tokenized):
+def test_the_evaluation_set_is_normalizes_held_out_documents_every_token_scored_once(tokenized):
+    """Each (source, subset) of normalize's evaluation set, in id order, as windows whose scored targets are its
+    documents' tokens; the subset the screen dropped is there too; the bytes and the fingerprint travel."""
+    from corpus import evalset
+
     wd, out, index, encoded, _ = tokenized
-    assert index["validation_fraction"] == 0.05
-    held_out = sum(s["documents"] for s in index["validation"].values())
-    assert 0.02 * len(encoded) < held_out < 0.09 * len(encoded)
-    for source, split in index["validation"].items():
-        whole, _ = documents(packed(out, source))
-        sources = {k[0] for k, t in encoded.items() if t in set(whole)}
-        assert sources <= {source}  # a source's validation stream holds only that source
-        assert split["shards"] == [] or split["shards"][0]["file"].startswith(f"valid/{source}/")
-    metrics = manifest(wd, "tokenize")["metrics"]
-    assert metrics["documents.valid"] == held_out and metrics["sequences.train"] == index["sequences"]
+    normalize = manifest(wd, "normalize")
+    held_out = rows(Path(normalize["output"]).parent / "eval")
+    assert len(held_out) == normalize["counts"]["eval"] == manifest(wd, "tokenize")["metrics"]["documents.eval"]
+    assert not {(d["source"], d["id"]) for d in held_out} & set(encoded)  # none of them is trained on
+    assert index["eval"]["fingerprint"] == normalize["eval"]["fingerprint"]
+    tok = tokenizer.load(str(out / "tokenizer.json"))
+    units = index["eval"]["units"]
+    assert [(u["source"], u["subset"]) for u in units] == sorted({(d["source"], d["subset"]) for d in held_out})
+    assert ("pile", SPIKY) in {(u["source"], u["subset"]) for u in units}
+    for k, unit in enumerate(units):
+        docs = sorted((d for d in held_out if (d["source"], d["subset"]) == (unit["source"], unit["subset"])), key=lambda d: d["id"])
+        expected = [t for d in docs for t in tok.encode(d["text"].rstrip(), add_special_tokens=False).ids + [EOS]]
+        windows = packed(out, f"eval/{k}").reshape(-1, index["block"]).astype(np.int64)
+        targets = evalset.targets(windows, index["pad_id"])
+        assert targets[targets != evalset.IGNORE].tolist() == expected and unit["tokens"] == len(expected)
+        assert unit["bytes"] == sum(len(d["text"].rstrip().encode()) for d in docs) and unit["documents"] == len(docs)
 
 
 def test_shards_are_fixed_size_rows_the_loader_maps(tokenized):
@@ -150,11 +156,11 @@ def test_order_depends_on_the_seed_not_on_the_bucket_count(sample_run, tmp_path,
     assert json.loads((reference / "index.json").read_text())["train"]["shards"][0]["sequences"] > 64
     assert len(index["train"]["shards"]) > 5
     assert np.array_equal(packed(out, "train"), packed(reference, "train"))
-    for source in index["validation"]:
-        assert np.array_equal(packed(out, source), packed(reference, source))
+    for k in range(len(index["eval"]["units"])):
+        assert np.array_equal(packed(out, f"eval/{k}"), packed(reference, f"eval/{k}"))
     reseeded, _ = run_stage(sample_run, tmp_path / "b", seed=1)
     a, b = documents(packed(reference, "train"))[0], documents(packed(reseeded, "train"))[0]
-    assert a != b and len(set(a) & set(b)) > 0.8 * len(a)  # another order, and another held-out draw
+    assert a != b and len(set(a) & set(b)) > 0.8 * len(a)  # another order (and another dropped tail)
 
 
 def test_gpt2_kind_through_the_stage(sample_run, tmp_path):

@@ -52,13 +52,23 @@ def test_loss_falls_and_the_curves_reach_mlflow(baseline):
     run = MlflowClient(f"sqlite:///{wd}/mlflow.db").get_run(train["mlflow_run_id"])
     history = MlflowClient(f"sqlite:///{wd}/mlflow.db").get_metric_history(run.info.run_id, "loss")
     assert sorted(m.step for m in history) == list(range(1, 31))
-    for key in ("lr", "grad_norm", "tokens_per_second", "activation_norm", "val_loss", "val_loss.pile", "steps"):
+    for key in ("lr", "grad_norm", "tokens_per_second", "activation_norm", "eval.bpb", "eval.bpb.pile", "eval.loss",
+                "eval.bpb.pile.HackerNews", "steps"):
         assert key in run.data.metrics, key
     assert "mfu" not in run.data.metrics  # CPU: no MFU
     rows = [json.loads(line) for line in (Path(train["output"]) / "metrics.jsonl").read_text().splitlines()]
     lr = {r["step"]: r["lr"] for r in rows if "lr" in r}
     assert lr[1] == pytest.approx(3e-3 / 5) and lr[5] == pytest.approx(3e-3) and lr[30] < lr[6] < 3e-3  # warmup, decay
-    assert sorted(r["step"] for r in rows if "val_loss" in r) == [10, 20, 30]
+    assert sorted(r["step"] for r in rows if "eval.bpb" in r) == [10, 20, 30]
+    # The second seed (train.seeds: 2): the same run with seed 1 on the same workers, evaluated only; both seeds'
+    # final evaluations on the stage's run, tagged with the seeds and the evaluation set's fingerprint.
+    assert run.data.tags["eval.seeds"] == "0,1"
+    assert run.data.tags["eval.fingerprint"] == manifest(wd, "normalize")["eval"]["fingerprint"] == train["eval_fingerprint"]
+    assert run.data.metrics["seed0/eval.bpb"] == run.data.metrics["eval.bpb"] == [r for r in rows if "eval.bpb" in r][-1]["eval.bpb"]
+    other = [json.loads(line) for line in (Path(train["run_dir"]) / "seed-1" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in other if "eval.bpb" in r] == [10, 20, 30] and not (Path(train["run_dir"]) / "seed-1" / "model").exists()
+    assert run.data.metrics["seed1/eval.bpb"] == other[-1]["eval.bpb"] != run.data.metrics["eval.bpb"]
+    assert abs(run.data.metrics["seed1/eval.bpb"] - run.data.metrics["eval.bpb"]) < 0.05 * run.data.metrics["eval.bpb"]
     # Each of the two ranks hashed the files it wrote: its ZeRO-2 optimizer shard and its RNG states.
     meta = json.loads((Path(train["run_dir"]) / "checkpoints" / "step-00000030" / "meta.json").read_text())
     owners = {name: owner for name, (_, _, owner) in meta["files"].items()}
@@ -75,6 +85,7 @@ def test_loss_falls_and_the_curves_reach_mlflow(baseline):
     named = sum(v for k, v in parts.items() if k.endswith("_seconds") and k != "goodput.wall_seconds")
     assert named == pytest.approx(parts["goodput.wall_seconds"], abs=0.05)  # every second is somewhere
     assert parts["goodput.startup_build_seconds"] > 0 and parts["goodput.evaluation_seconds"] > 0
+    assert parts["goodput.seed_runs_seconds"] > 0  # the second seed: wall time, not training the run keeps
     assert {"checkpoint.blocked_seconds", "checkpoint.write_seconds"} <= set(run.data.metrics)
     assert "## Goodput" in (Path(train["output"]) / "LOGBOOK.md").read_text()
     assert (Path(train["output"]) / "goodput.png").stat().st_size > 5_000

@@ -5,7 +5,8 @@ above 90%; OPT-175B, by hand, did not say. The run's records give every term:
 
 - `timeline.jsonl` (run folder): the driver's `launch` and `finish`; `health` (node probes, before the
   first start or between attempts, train/health.py); rank 0's `start` (the worker's first line), `built`
-  (model and DeepSpeed engine), `ready` (checkpoint loaded: the first step starts), `export`; a watchdog's
+  (model and DeepSpeed engine), `ready` (checkpoint loaded: the first step starts), `export`, `seed_runs`
+  (the evaluation-only runs of other seeds, `train.seeds`, after the run on the same workers); a watchdog's
   `hang` (with how long the step had stalled);
 - `metrics.jsonl`: each step's end time and seconds, each validation's seconds, each checkpoint's
   blocked seconds.
@@ -24,7 +25,7 @@ from pathlib import Path
 
 TIMELINE = "timeline.jsonl"
 PARTS = ("kept", "lost", "scheduling", "health_check", "startup_build", "startup_load", "restart", "hang", "checkpoint_blocked",
-         "evaluation", "export", "other")
+         "evaluation", "export", "seed_runs", "other")
 
 
 def mark(run_dir: Path | str, event: str, **fields) -> None:
@@ -54,7 +55,7 @@ def account(run_dir: Path | str) -> dict:
         seconds[part] += r["seconds"]
         spans.append((part, r["time"] - r["seconds"], r["time"]))
     for r in rows:
-        for key, part in (("validation_seconds", "evaluation"), ("checkpoint.blocked_seconds", "checkpoint_blocked")):
+        for key, part in (("eval_seconds", "evaluation"), ("checkpoint.blocked_seconds", "checkpoint_blocked")):
             if key in r:
                 seconds[part] += r[key]
                 spans.append((part, r["time"] - r[key], r["time"]))
@@ -101,9 +102,9 @@ def _walk(events: list[dict], rows: list[dict], seconds: dict, spans: list) -> f
             checking += e["seconds"]
             spans.append(("health_check", t - e["seconds"], t))
             continue  # the gap runs on to the next start
-        elif kind == "export":
-            seconds["export"] += e["seconds"]
-            spans.append(("export", t - e["seconds"], t))
+        elif kind in ("export", "seed_runs"):
+            seconds[kind] += e["seconds"]
+            spans.append((kind, t - e["seconds"], t))
         last = t
         if kind == "finish":
             wall += t - launched
@@ -115,7 +116,8 @@ def _walk(events: list[dict], rows: list[dict], seconds: dict, spans: list) -> f
 
 COLORS = {"kept": "tab:green", "lost": "tab:red", "scheduling": "tab:gray", "health_check": "tab:pink", "startup_build": "tab:blue",
           "startup_load": "tab:cyan", "restart": "tab:orange", "hang": "tab:purple", "checkpoint_blocked": "black",
-          "evaluation": "tab:olive", "export": "tab:brown"}
+          "evaluation": "tab:olive", "export": "tab:brown",
+          "seed_runs": "tab:cyan"}
 
 
 def plot(report: dict, out: Path) -> Path:

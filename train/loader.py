@@ -50,18 +50,18 @@ def read_index(folder: str | Path) -> dict:
 
 
 class TokenShards:
-    """The sequences of one split, memory-mapped: `train`, or a source's name for its validation split."""
+    """The sequences of one split, memory-mapped: `train`, or `eval/<n>` for the evaluation set's n-th unit."""
 
     def __init__(self, folder: str | Path, split: str = "train"):
         self.folder = Path(folder)
         self.index = read_index(folder)
         if split == "train":
             meta = self.index["train"]
-        elif split in self.index["validation"]:
-            meta = self.index["validation"][split]
+        elif split.startswith("eval/") and split[5:].isdigit() and int(split[5:]) < len(self.index["eval"]["units"]):
+            meta = self.index["eval"]["units"][int(split[5:])]
         else:
-            raise ShardError(f"{self.folder}: no split {split!r}; there are train and the validation "
-                             f"splits {sorted(self.index['validation'])}")
+            raise ShardError(f"{self.folder}: no split {split!r}; there are train and eval/0 ... "
+                             f"eval/{len(self.index['eval']['units']) - 1}")
         self.block = self.index["block"]
         self.dtype = np.dtype(self.index["dtype"])
         self.arrays = [self._open(shard) for shard in meta["shards"]]
@@ -208,13 +208,17 @@ class Loader:
         return state["epoch"] * self.batches_per_epoch + state["step"]
 
 
-def validation_batches(folder: str | Path, source: str, batch_size: int, *, rank: int = 0, world_size: int = 1,
-                       limit: int | None = None) -> Iterator[np.ndarray]:
-    """The validation sequences of `source` (the first `limit`), in order, in batches (the last one may
-    be smaller). Over several ranks each takes every world_size-th one, and every rank the same number
-    (the remainder is left out), as collectives such as ZeRO-3's forward need."""
-    shards = TokenShards(folder, source)
-    n = len(shards) if limit is None else min(len(shards), limit)
-    mine = np.arange(rank, n // world_size * world_size, world_size)
+def eval_batches(folder: str | Path, unit: int, batch_size: int, pad: int, *, rank: int = 0,
+                 world_size: int = 1) -> Iterator[np.ndarray]:
+    """Every window of the evaluation set's `unit`, in batches (the last one may be smaller). Over several ranks
+    each takes every world_size-th one; a rank short of one gets a window of `pad` (nothing scored), so that
+    every rank runs the same forwards, as collectives such as ZeRO-3's need, and no window is left out."""
+    shards = TokenShards(folder, f"eval/{unit}")
+    per_rank = -(-len(shards) // world_size)
+    mine = np.arange(rank, per_rank * world_size, world_size)
     for first in range(0, len(mine), batch_size):
-        yield shards.rows(mine[first:first + batch_size])
+        chosen = mine[first:first + batch_size]
+        rows = np.full((len(chosen), shards.block), pad, shards.dtype)
+        real = chosen < len(shards)
+        rows[real] = shards.rows(chosen[real])
+        yield rows

@@ -9,10 +9,17 @@ that runs too long) is restarted by Ray Train (`FailureConfig(max_failures)`, no
 from the newest checkpoint that verifies, until the same checkpoint has been restarted from
 `max_stalled_restarts` times in a row, or the same error has ended two attempts in a row
 (train/failures.py: each failure is recorded, with its node, rank, step and class, in failures.jsonl).
+
+With `train.seeds: K`, K - 1 more runs of the same data and settings, seeds seed + 1 ..., follow the run on
+the same workers (`seeds_loop`), each in `seed-<s>/` of the run folder, without an export or MLflow
+metrics of their own. Every run's final evaluation goes to the stage's MLflow run as `seed<s>/eval.*`, the
+seeds as the tag `eval.seeds`, and the evaluation set's fingerprint as `eval.fingerprint`: what
+pipelines/compare.py reads to tell a difference between ablations from the noise between seeds.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -22,7 +29,7 @@ from core.dag import StageContext, StageResult
 from train import autopilot, goodput, health
 from train.follow import Follower
 from train.loader import read_index
-from train.loop.config import loop_config
+from train.loop.config import LoopConfig, loop_config
 from train.plot import plot_run
 
 
@@ -55,20 +62,36 @@ def fit(cfg: TrainConfig, config, folder: Path, loop=None):
     return trainer.fit()
 
 
+def seed_runs(cfg: TrainConfig, shards: str, folder: Path) -> dict[int, LoopConfig]:
+    """{seed: its run's config} for the seeds after the first: the same data and settings, no faults injected,
+    no export, metrics in their own folder only."""
+    out = {}
+    for seed in range(cfg.seed + 1, cfg.seed + cfg.seeds):
+        (folder / f"seed-{seed}").mkdir(exist_ok=True)
+        out[seed] = loop_config(dataclasses.replace(cfg, seed=seed, seeds=1, inject=[]), shards, folder / f"seed-{seed}",
+                                export_dir=None, tracking_uri=None, mlflow_run_id=None)
+    return out
+
+
 def run(ctx: StageContext) -> StageResult:
     cfg: TrainConfig = ctx.section
     folder = run_dir(ctx)
     folder.mkdir(parents=True, exist_ok=True)
-    config = loop_config(cfg, str(ctx.input_output("tokenize")), folder, export_dir=str(ctx.output / "model"),
+    shards = str(ctx.input_output("tokenize"))
+    config = loop_config(cfg, shards, folder, export_dir=str(ctx.output / "model"),
                          tracking_uri=ctx.config.mlflow.tracking_uri, mlflow_run_id=ctx.mlflow_run_id)
     config.write(folder / "loop_config.json")
+    others = seed_runs(cfg, shards, folder)
     ctx.log.info("run folder %s: %d steps of %d sequences x %d tokens on %d workers", folder, config.max_steps,
                  config.global_batch, config.seq_len, cfg.num_workers)
     goodput.mark(folder, "launch")
     if checks_health(cfg):
         check_nodes(ctx, cfg, folder)
-    with Bar("train", "steps", config.max_steps) as bar, Follower("train", {"": folder}, bar):
-        fit(cfg, config, folder)
+    from train.loop import seeds_loop
+
+    followed = {"": folder, **{f"seed {seed}": Path(c.run_dir) for seed, c in others.items()}}
+    with Bar("train", "steps", config.max_steps * cfg.seeds) as bar, Follower("train", followed, bar):
+        fit(cfg, [config, *others.values()], folder, loop=seeds_loop)
     goodput.mark(folder, "finish")
     time_spent = goodput.account(folder)
     summary = json.loads((folder / "summary.json").read_text())
@@ -85,29 +108,53 @@ def run(ctx: StageContext) -> StageResult:
     if summary.get("stopped"):
         raise RuntimeError(f"{summary['stopped']} (logbook: {folder / 'LOGBOOK.md'})")
     index = read_index(config.shards)
+    evaluations = track_seeds(ctx, cfg, index, {cfg.seed: folder, **{s: Path(c.run_dir) for s, c in others.items()}})
     sequences = summary["steps"] * config.global_batch
     incidents = (folder / "incidents.jsonl").read_text().splitlines() if (folder / "incidents.jsonl").exists() else []
     metrics = {"steps": summary["steps"], "final_loss": summary["final_loss"], "sequences_trained": sequences,
                "tokens_trained": sequences * config.seq_len, "incidents": len(incidents),
                "interventions": len(interventions(logbook)), "stragglers": len(goodput.read_jsonl(folder / "stragglers.jsonl")), **curve_summary(folder / "metrics.jsonl"),
-               **{f"goodput.{k}": v for k, v in time_spent.items() if k != "spans"}, **checkpoint_times(folder / "metrics.jsonl")}
+               **{f"goodput.{k}": v for k, v in time_spent.items() if k != "spans"}, **checkpoint_times(folder / "metrics.jsonl"),
+               **evaluations}
     return StageResult(index["sequences"], index["sequences"], {}, metrics,
                        fields={"steps": summary["steps"], "final_loss": summary["final_loss"], "run_dir": str(folder),
+                               "eval_fingerprint": index["eval"].get("fingerprint"), "seeds": list(range(cfg.seed, cfg.seed + cfg.seeds)),
                                "interventions": [{k: e[k] for k in ("step", "kind", "actions")} for e in interventions(logbook)]})
 
 
 def curve_summary(metrics_file: Path) -> dict[str, float]:
-    """The last validation losses (overall and per source), and the grad-norm spikes of the run as trained
-    (the screen's measure, screen/score.py: steps > 25% above their neighbourhood's median, and the mean
-    excess in percent; not its growth term, which a whole run's warmup and plateau would dominate):
-    what `pipelines/compare.py` puts side by side."""
+    """The grad-norm spikes of the run as trained (the screen's measure, screen/score.py: steps > 25% above their
+    neighbourhood's median, and the mean excess in percent; not its growth term, which a whole run's warmup and
+    plateau would dominate): what `pipelines/compare.py` puts side by side."""
     from screen.score import read_grad_norms, spike_score
 
-    last: dict[str, float] = {}
-    for line in metrics_file.read_text().splitlines():
-        last.update({k: v for k, v in json.loads(line).items() if k.startswith("val_loss")})
     found = spike_score(read_grad_norms(metrics_file))
-    return {**last, "spikes": found.spikes, "spike_excess": 100.0 * found.excess / max(1, found.scored_steps)}
+    return {"spikes": found.spikes, "spike_excess": 100.0 * found.excess / max(1, found.scored_steps)}
+
+
+def last_evaluation(metrics_file: Path) -> dict[str, float]:
+    """A run's last evaluation: its `eval.*` metrics ({} when it had none)."""
+    rows = [r for r in goodput.read_jsonl(metrics_file) if "eval.bpb" in r]
+    return {k: v for k, v in rows[-1].items() if k.startswith("eval.")} if rows else {}
+
+
+def track_seeds(ctx: StageContext, cfg: TrainConfig, index: dict, folders: dict[int, Path]) -> dict[str, float]:
+    """Each seed's final evaluation as `seed<s>/eval.*` metrics of the stage's run, with the tags `eval.seeds` and
+    `eval.fingerprint`; returns the first seed's `eval.*` (the run's own, which MLflow has step by step) and the
+    others' as metrics for the manifest."""
+    from mlflow import MlflowClient
+
+    client = MlflowClient(ctx.config.mlflow.tracking_uri)
+    out: dict[str, float] = {}
+    for seed, folder in folders.items():
+        found = last_evaluation(folder / "metrics.jsonl")
+        if seed == cfg.seed:
+            out.update(found)
+        out.update({f"seed{seed}/{k}": v for k, v in found.items()})
+    client.set_tag(ctx.mlflow_run_id, "eval.seeds", ",".join(map(str, folders)))
+    if index["eval"].get("fingerprint"):
+        client.set_tag(ctx.mlflow_run_id, "eval.fingerprint", index["eval"]["fingerprint"])
+    return out
 
 
 def checks_health(cfg: TrainConfig) -> bool:

@@ -17,9 +17,10 @@ from train.loop.config import LoopConfig
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 
 
-def train_loop(config: LoopConfig) -> None:
+def train_loop(config: LoopConfig):
     """The worker's whole run; rank 0 also writes its log to the run folder's train.log (appended across
-    restarts), since the workers' output stays off the driver's terminal."""
+    restarts), since the workers' output stays off the driver's terminal. Returns the run's Progress (None when
+    it stopped before starting)."""
     import ray.train
     import torch
 
@@ -45,7 +46,7 @@ def train_loop(config: LoopConfig) -> None:
         if stop is not None:
             return stop_before_starting(ctx, stop)
         trainer = Trainer(config, ctx, local_rank=train_ctx.get_local_rank(), local_world=train_ctx.get_local_world_size())
-        trainer.fit()
+        return trainer.fit()
     except Exception as error:  # where this rank was, for the controller's record (train/failures.py)
         if trainer is not None:
             trainer.watchdog.stop()  # the process lives on until Ray Train ends it: no hang to report meanwhile
@@ -56,6 +57,25 @@ def train_loop(config: LoopConfig) -> None:
         if handler is not None:
             logging.getLogger().removeHandler(handler)
             handler.close()
+
+
+def seeds_loop(configs: list[LoopConfig]) -> None:
+    """The train stage's run, then its runs of other seeds (`train.seeds`), one after another on the same workers:
+    a Ray Train job's start costs more than a laptop's run. A restart of the job goes through them again, and
+    each resumes from its own checkpoints. The first run stopping (the autopilot, a repeated error) stops the rest."""
+    import time
+
+    import ray.train
+
+    first, began = train_loop(configs[0]), time.time()
+    if first is None or first.stopped is not None:
+        return
+    for config in configs[1:]:
+        progress = train_loop(config)
+        if progress is None or progress.stopped is not None:
+            break
+    if ray.train.get_context().get_world_rank() == 0:
+        goodput.mark(configs[0].run_dir, "seed_runs", seconds=time.time() - began)
 
 
 def stop_before_starting(ctx, why: str) -> None:

@@ -34,7 +34,6 @@ class LoopConfig:
     total_steps: int  # the schedule's length (total_tokens' worth of steps)
     max_steps: int  # where this run stops (max_steps, or total_steps)
     eval_micro_batch: int
-    validation_sources: tuple[str, ...]  # sources with held-out sequences in the shards
     tracking_uri: str | None
     mlflow_run_id: str | None
     launched_at: float = 0.0  # when the driver launched this run: failures before it belong to an earlier launch
@@ -74,5 +73,4 @@ def loop_config(cfg: TrainConfig, shards: str, folder: Path, *, export_dir: str 
         global_batch=global_batch, accumulation=global_batch // per_rank, lr=cfg.lr or model.lr,
         warmup_steps=cfg.warmup_tokens // tokens_per_step, total_steps=total_steps,
         max_steps=cfg.max_steps or total_steps, eval_micro_batch=cfg.eval_micro_batch_size or 4 * cfg.micro_batch_size,
-        validation_sources=tuple(sorted(s for s, v in index["validation"].items() if v["sequences"] > 0)),
         tracking_uri=tracking_uri, mlflow_run_id=mlflow_run_id, launched_at=time.time())

@@ -105,10 +105,9 @@ class Metrics:
             log.info("step %d/%d loss %.4f lr %.2e tokens/s %s", step, self.cfg.max_steps, result.loss, result.lr,
                      f"{tokens_per_second:,.0f}")
 
-    def validation(self, step: int, losses: dict[str, float], seconds: float) -> None:
-        if self.sink is not None and losses:
-            self.sink.log(step, {f"val_loss.{s}": v for s, v in losses.items()} |
-                          {"val_loss": float(np.mean(list(losses.values()))), "validation_seconds": seconds})
+    def evaluation(self, step: int, metrics: dict[str, float], seconds: float) -> None:
+        if self.sink is not None and metrics:
+            self.sink.log(step, {**metrics, "eval_seconds": seconds})
 
     def checkpoint(self, step: int, blocked_seconds: float, write_seconds: float) -> None:
         """A save of step `step` published: how long training waited for it, and how long its write took."""

@@ -6,7 +6,7 @@ Each part has one job, in its own module of this package:
 - `checkpointer.Checkpointer`: save, prune, resume, roll back, tell Ray Train;
 - `pilot.Pilot`: the autopilot's decisions applied to the engine, the loader and the checkpoints;
 - `metrics.Metrics`: metrics.jsonl, MLflow and the progress line (rank 0);
-- `validation.Validation`, `export.export`;
+- `evaluation.Evaluation`, `export.export`;
 - `faults`: the watchdog, the stalled-restart limit, injected faults.
 """
 
@@ -28,7 +28,7 @@ from train.loop.metrics import Metrics
 from train.loop.pilot import Pilot
 from train.loop.step import Feed, TrainStep
 from train.loop.stragglers import Stragglers
-from train.loop.validation import Validation
+from train.loop.evaluation import Evaluation
 from train.optim import Schedule
 from train.parallel.collectives import barrier, set_default_timeout
 
@@ -38,7 +38,7 @@ class Progress:
     step: int = 0  # the last step done
     loss: float = float("nan")  # its loss
     stopped: str | None = None  # why the run stopped before max_steps
-    phase: str = "start-up"  # what the loop is doing: start-up, step, validation, checkpoint, export
+    phase: str = "start-up"  # what the loop is doing: start-up, step, evaluation, checkpoint, export
 
     def where(self) -> tuple[int | None, str]:
         """The step and phase a failure happens in (a step's failure belongs to the step under way)."""
@@ -83,7 +83,7 @@ class Trainer:
                              skip_ranges=self.pilot.state.skip_ranges, state=resumed and resumed["loader"])
         self.step = TrainStep(self.engine, self.model, Feed(self.loader, ctx, t.micro_batch_size), ctx,
                               built.own_grad_norm)
-        self.validation = Validation(self.engine, cfg, ctx)
+        self.evaluation = Evaluation(self.engine, cfg, ctx)
         self.stragglers = Stragglers(ctx, t.stragglers.window, t.stragglers.margin, t.stragglers.patience)
         self.progress = Progress(step=resumed["step"] if resumed else 0)
         self.progress.stopped = restarts_without_progress(ctx, self.progress.step if resumed else None,
@@ -113,9 +113,9 @@ class Trainer:
                 self.step.feed.restart()
                 self.watchdog.beat(run.step)
                 continue
-            if self.validation.due(run.step):
-                run.phase, began = "validation", time.monotonic()
-                self.metrics.validation(run.step, self.validation(), time.monotonic() - began)
+            if self.evaluation.due(run.step):
+                run.phase, began = "evaluation", time.monotonic()
+                self.metrics.evaluation(run.step, self.evaluation(), time.monotonic() - began)
                 self.watchdog.beat(run.step)
             if self.checkpointer.due(run.step):
                 run.phase = "checkpoint"

@@ -187,9 +187,9 @@ def activation_norm(module, groups: Groups) -> torch.Tensor:
     return out
 
 
-def validation_loss(engine, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], groups: Groups) -> torch.Tensor:
-    """The sum of the sequences' losses over `micro_batches` (the same number on every rank of the pipeline),
-    on every stage: each micro-batch's mean loss from the last stage, weighted by its size."""
+def eval_nll(engine, micro_batches: list[tuple[torch.Tensor, torch.Tensor]], scored: list[int], groups: Groups) -> torch.Tensor:
+    """The summed loss over `micro_batches` (the same number on every rank of the pipeline), on every stage: each
+    micro-batch's mean loss over its scored targets from the last stage, times `scored` (one with none adds 0)."""
     engine.dynamic_shape = True  # its micro-batches are larger than training's, and its last one smaller
     try:
         losses = engine.eval_batch(iter(micro_batches), compute_loss=True, reduce_output=None, bcast_loss=False,
@@ -200,8 +200,9 @@ def validation_loss(engine, micro_batches: list[tuple[torch.Tensor, torch.Tensor
     device = next(engine.module.parameters()).device
     total = torch.zeros((), dtype=torch.float64, device=device)
     if groups.stage == groups.dims.pp - 1:
-        for loss, (x, _) in zip(losses, micro_batches, strict=True):
-            total += loss.double() * len(x)
+        for loss, n in zip(losses, scored, strict=True):
+            if n:
+                total += loss.double() * n
     dist.all_reduce(total, group=groups.pipeline)
     return total
 

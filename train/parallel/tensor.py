@@ -130,7 +130,8 @@ class VocabParallelEmbedding(nn.Module):
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Mean cross-entropy over rows of logits split by vocabulary: max, sum of exponentials and the
-    target's logit are each one all-reduce of (N,) values; the gradient is softmax - one-hot, locally."""
+    target's logit are each one all-reduce of (N,) values; the gradient is softmax - one-hot, locally.
+    A negative target (-100, as torch's cross_entropy ignores) is not scored: the mean is over the rest."""
 
     @staticmethod
     def forward(ctx, logits, targets, start, group):  # logits (N, V/T) fp32, targets (N,)
@@ -145,16 +146,17 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         total = exp.sum(dim=-1)
         dist.all_reduce(target_logit, group=group)
         dist.all_reduce(total, group=group)
-        ctx.save_for_backward(exp / total.unsqueeze(-1), local, inside)
-        return (total.log() - target_logit).mean()
+        scored = targets >= 0
+        ctx.save_for_backward(exp / total.unsqueeze(-1), local, inside, scored)
+        return ((total.log() - target_logit) * scored).sum() / scored.sum()
 
     @staticmethod
     def backward(ctx, grad):
-        softmax, local, inside = ctx.saved_tensors
+        softmax, local, inside, scored = ctx.saved_tensors
         g = softmax.clone()
         rows = torch.arange(g.size(0), device=g.device)[inside]
         g[rows, local[inside]] -= 1.0
-        return g * (grad / g.size(0)), None, None, None
+        return g * scored.unsqueeze(-1) * (grad / scored.sum()), None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, start: int, group) -> torch.Tensor:

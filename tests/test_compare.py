@@ -1,0 +1,49 @@
+"""pipelines/compare.py's verdicts and its refusal of ablations evaluated on different sets (on an MLflow store of its
+own: the sample's real ablations are compared in tests/test_ablation.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import write_config
+from pipelines import compare
+
+
+def test_a_verdict_says_worse_only_beyond_the_seed_noise():
+    rng = np.random.default_rng(0)
+    base = list(2.0 + rng.normal(0, 0.01, 3))
+    assert compare.difference(base, base, paired=True, alpha=0.05).verdict == "within noise"  # a null ablation
+    shifted = [b + 0.1 + e for b, e in zip(base, rng.normal(0, 0.002, 3))]
+    worse = compare.difference(base, shifted, paired=True, alpha=0.05 / 14)
+    assert worse.verdict == "worse" and worse.delta == pytest.approx(0.1, abs=0.01) and 0 < worse.half < 0.1
+    assert compare.difference(shifted, base, paired=True, alpha=0.05 / 14).verdict == "better"
+    # Seed to seed noise as large as the shift: not a difference anyone can claim from 3 seeds.
+    noisy = [b + 0.1 + e for b, e in zip(base, rng.normal(0, 0.2, 3))]
+    assert compare.difference(base, noisy, paired=True, alpha=0.05 / 14).verdict == "within noise"
+    # Other seeds than the base's: Welch's t over the two groups.
+    welch = compare.difference(base, list(2.5 + rng.normal(0, 0.01, 4)), paired=False, alpha=0.05)
+    assert welch.verdict == "worse" and np.isfinite(welch.half)
+    assert compare.difference(base[:1], shifted[:1], paired=True, alpha=0.05).verdict == "no interval (1 seed)"
+
+
+def test_compare_refuses_runs_evaluated_on_different_sets(tmp_path, capsys):
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(uri)
+    experiment = client.create_experiment("ablations", artifact_location=str(tmp_path / "artifacts"))
+    for name, fingerprint in (("base", "aaaaaaaaaaaaaaaa"), ("other-eval", "bbbbbbbbbbbbbbbb")):
+        parent = client.create_run(experiment, tags={"kind": "pipeline", "ablation": name})
+        train = client.create_run(experiment, tags={"mlflow.parentRunId": parent.info.run_id, "stage": "train",
+                                                    "eval.fingerprint": fingerprint, "eval.seeds": "0,1"})
+        for seed, value in ((0, 1.5), (1, 1.51)):
+            client.log_metric(train.info.run_id, f"seed{seed}/eval.bpb", value)
+    cfg = write_config(tmp_path, "sources: [{name: web, format: jsonl, paths: [x.jsonl]}]\n")
+    args = ["--config", str(cfg), "--tracking-uri", uri, "--experiment", "ablations", "--out", str(tmp_path / "a.png")]
+    assert compare.main(args) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]  # (MLflow logs too)
+    assert len(err) == 1 and "eval.fingerprint=aaaaaaaaaaaaaaaa" in err[0] and "eval.fingerprint=bbbbbbbbbbbbbbbb" in err[0]
+    assert compare.main([*args, "base"]) == 0  # one set: compared
+    out = capsys.readouterr().out
+    assert "all" in out and "1.5050" in out and "eval.fingerprint=aaaaaaaaaaaaaaaa" in out
