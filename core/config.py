@@ -294,6 +294,10 @@ class ScreenConfig:
     ratio: float = 2.0  # the line: a subset whose proxies are this many times as rough as the baseline mix's is spiky
     alpha: float = 0.05  # the chance of a wrong drop (or keep) of a subset on the line, over all its looks
     inconclusive: Literal["keep", "drop"] = "keep"  # what becomes of a subset still undecided at max_seeds
+    # Subsets (a source without subsets is its own, e.g. reddit) dropped from training whatever the screen measures:
+    # a data ablation that keeps the evaluation set (drawn before, at normalize), where removing a source from
+    # `sources` would change it. Their documents go to dropped/ with the reason, as the screen's drops do.
+    drop: list[str] = field(default_factory=list)
     spike_ratio: float = 0.25  # a step this far above its fit is counted as a spike (reported, not judged)
     burn_in: int = 10  # first steps not scored
     concurrent_runs: int = 2  # Ray Train jobs of proxy runs at a time

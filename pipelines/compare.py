@@ -166,36 +166,42 @@ def bpb_rows(ablations: list[Ablation]) -> list[str]:
     return sorted(found, key=lambda r: (r != "", r.split(".")[0], "." in r, r))
 
 
+def verdicts(scored: list[Ablation]) -> tuple[list[str], int, dict[str, dict[str, Difference]]]:
+    """The rows, the number of comparisons the error rate is shared over, and {ablation: {row: its Difference from
+    the first ablation's}} for every other ablation."""
+    base, others = scored[0], scored[1:]
+    rows = bpb_rows(scored)
+    comparisons = max(1, len(rows) * len(others))
+    out = {a.name: {row: difference(base.bpb[row], a.bpb[row], a.seeds == base.seeds, ALPHA / comparisons)
+                    for row in rows if row in a.bpb and row in base.bpb} for a in others}
+    return rows, comparisons, out
+
+
 def bpb_table(ablations: list[Ablation]) -> str:
     """The second table (bits per byte, differences, verdicts); "" when no ablation has an evaluation."""
-    with_eval = [a for a in ablations if a.bpb]
-    if not with_eval:
+    scored = [a for a in ablations if a.bpb]
+    if not scored:
         return ""
-    base, others = with_eval[0], with_eval[1:]
-    rows = bpb_rows(with_eval)
-    comparisons = max(1, len(rows) * len(others))
-    alpha = ALPHA / comparisons
-    header = ["bits per byte", *(a.name for a in with_eval)]
+    base, others = scored[0], scored[1:]
+    rows, comparisons, found = verdicts(scored)
+    header = ["bits per byte", *(a.name for a in scored)]
     for a in others:
         header += [f"vs {base.name}: {a.name}", "verdict"]
     body = []
     for row in rows:
         cells = [row or "all"]
-        for a in with_eval:
+        for a in scored:
             values = a.bpb.get(row)
             half = interval(values, ALPHA) if values else float("nan")
             cells.append("-" if not values else f"{np.mean(values):.4f}" + (f"±{half:.4f}" if np.isfinite(half) else ""))
         for a in others:
-            if row not in a.bpb or row not in base.bpb:
-                cells += ["-", "-"]
-                continue
-            d = difference(base.bpb[row], a.bpb[row], a.seeds == base.seeds, alpha)
-            cells += [f"{d.delta:+.4f}" + (f"±{d.half:.4f}" if np.isfinite(d.half) else ""), d.verdict]
+            d = found[a.name].get(row)
+            cells += ["-", "-"] if d is None else [f"{d.delta:+.4f}" + (f"±{d.half:.4f}" if np.isfinite(d.half) else ""), d.verdict]
         body.append(cells)
     widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in [header, *body]]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    seeds = "; ".join(f"{a.name}: seeds {','.join(map(str, a.seeds))}" for a in with_eval)
+    seeds = "; ".join(f"{a.name}: seeds {','.join(map(str, a.seeds))}" for a in scored)
     lines += ["", f"evaluation set eval.fingerprint={base.fingerprint}; {seeds}.",
               f"Each column: the mean over its seeds ± its 95% interval. vs {base.name}: the difference ± its interval at a "
               f"{ALPHA:.0%} family-wise error rate ({'paired' if all(a.seeds == base.seeds for a in others) else 'Welch'} t "

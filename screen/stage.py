@@ -18,7 +18,8 @@
 4. Decision (screen/score.py): each subset's roughness against the baseline mix's under the same
    seed; drop, keep or inconclusive at the error rate `alpha` against the line `ratio`. Dropped
    subsets' documents go to `dropped/` with the reason (and inconclusive ones' with
-   `inconclusive: drop`); every other document goes to the output, unchanged. screen.png shows
+   `inconclusive: drop`), and so do the subsets named in `drop` (a data ablation, measured or not);
+   every other document goes to the output, unchanged. screen.png shows
    the decision: each subset's paired effects and bounds against the line, and the grad-norm
    curves of each subset not kept beside the baseline's.
 """
@@ -86,6 +87,11 @@ def run(ctx: StageContext) -> StageResult:
         decisions, runs, rounds = measure(ctx, ranges, census, screened)
     leave = {score.DROP} | ({score.INCONCLUSIVE} if cfg.inconclusive == "drop" else set())
     dropped_subsets = {s: d.reason for s, d in decisions.items() if d.outcome in leave}
+    present = {subset for _, subset in census}
+    unknown = [name for name in cfg.drop if name not in present]
+    if unknown:
+        raise ValueError(f"screen.drop: no document of subset {unknown[0]!r} reaches the screen; there are: {', '.join(sorted(present))}")
+    dropped_subsets.update({name: "dropped by screen.drop (a data ablation)" for name in cfg.drop})
     counts = filter_documents(ctx, ranges, dropped_subsets)
     check_read(counts["rows_in"], ctx.inputs, "dedup")
     check_written(ctx.output, counts["rows_out"], "rows_out")

@@ -141,7 +141,7 @@ def sample_run(default_run, ray_session):
     local = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())
     for source in local["sources"]:
         source["paths"] = [str(where / p) for p in source["paths"]]
-    corpus = {k: local[k] for k in ("sources", "normalize", "dedup", "screen")}
+    corpus = {k: local[k] for k in ("sources", "normalize", "eval", "dedup", "screen")}
     cfg = write_config(where, yaml.safe_dump({"workdir": str(where / "work"), **corpus}) + SAMPLE_TOKENIZE_TRAIN,
                        name="sample")
     assert main(["--config", str(cfg)]) == 0

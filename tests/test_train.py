@@ -66,7 +66,8 @@ def test_loss_falls_and_the_curves_reach_mlflow(baseline):
     assert run.data.tags["eval.fingerprint"] == manifest(wd, "normalize")["eval"]["fingerprint"] == train["eval_fingerprint"]
     assert run.data.metrics["seed0/eval.bpb"] == run.data.metrics["eval.bpb"] == [r for r in rows if "eval.bpb" in r][-1]["eval.bpb"]
     other = [json.loads(line) for line in (Path(train["run_dir"]) / "seed-1" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in other if "eval.bpb" in r] == [10, 20, 30] and not (Path(train["run_dir"]) / "seed-1" / "model").exists()
+    other = [r for r in other if "eval.bpb" in r]
+    assert [r["step"] for r in other] == [10, 20, 30] and not (Path(train["run_dir"]) / "seed-1" / "model").exists()
     assert run.data.metrics["seed1/eval.bpb"] == other[-1]["eval.bpb"] != run.data.metrics["eval.bpb"]
     assert abs(run.data.metrics["seed1/eval.bpb"] - run.data.metrics["eval.bpb"]) < 0.05 * run.data.metrics["eval.bpb"]
     # Each of the two ranks hashed the files it wrote: its ZeRO-2 optimizer shard and its RNG states.
