@@ -118,20 +118,28 @@ def test_normalize_drops_with_reasons_and_changes_what_the_rules_say(sample_run)
     ingested = {r["id"]: r for r in rows(stage_folder(wd, "ingest") / "output")}
     folder = stage_folder(wd, "normalize")
     out = {r["id"]: r for r in rows(folder / "output")}
+    held_out = {r["id"]: r for r in rows(folder / "eval")}
     dropped = {r["id"]: r["reason"] for r in rows(folder / "dropped")}
     planted_drops = {d["id"]: d["kind"] for d in planted["normalize_drops"]}
     assert dropped == {i: ("empty after normalization" if k == "whitespace only" else "shorter than 20 characters")
                        for i, k in planted_drops.items()}
-    assert set(out) == set(ingested) - set(dropped)
+    assert set(out) | set(held_out) == set(ingested) - set(dropped) and not set(out) & set(held_out)
+    # The evaluation set: local.yaml's fraction of each source, by the seeded draw of (source, id) alone.
+    from corpus.evalset import drawn
+
+    kept = [ingested[i] for i in sorted(set(ingested) - set(dropped))]
+    chosen = drawn([d["source"] for d in kept], [d["id"] for d in kept], 0.1, 0)
+    assert {d["id"] for d, c in zip(kept, chosen) if c} == set(held_out)
+    assert {d["source"] for d in held_out.values()} >= {"pile", "reddit", "ccnews", "stories"}
     config = NormalizeConfig(min_chars=20)
     changed = collections.Counter()
-    for doc_id, doc in out.items():
+    for doc_id, doc in {**out, **held_out}.items():
         expected = normalize_text(ingested[doc_id]["text"], config)
         assert doc["text"] == expected.text
         assert {k: doc[k] for k in ("source", "subset", "meta")} == {k: ingested[doc_id][k] for k in ("source", "subset", "meta")}
         changed.update(expected.changed_by)
     m = manifest(wd, "normalize")
-    assert m["counts"] == {"rows_in": len(ingested), "rows_out": len(out), "dropped": len(dropped)}
+    assert m["counts"] == {"rows_in": len(ingested), "rows_out": len(out), "dropped": len(dropped), "eval": len(held_out)}
     for rule in ("ftfy", "whitespace", "gutenberg", "chapter_headings"):
         assert m["metrics"][f"changed.{rule}"] == changed[rule] > 0
     mojibake = [e for e in planted["messy"] if e["kind"] == "mojibake" and "id" in e]
@@ -259,4 +267,5 @@ def test_dedup_removes_the_planted_duplicates_and_nothing_else(sample_run):
     kept = {r["id"] for r in rows(folder / "output")}
     assert {"ccnews-2019-0008", "ccnews-2019-0006"} <= kept
     m = manifest(wd, "dedup")
-    assert m["counts"] == {"rows_in": manifest(wd, "normalize")["counts"]["rows_out"], "rows_out": len(kept), "duplicate": 3}
+    assert m["counts"] == {"rows_in": manifest(wd, "normalize")["counts"]["rows_out"], "rows_out": len(kept), "duplicate": 3,
+                           "near_eval": 0}  # no planted copy is of an evaluation document (tests/test_dedup.py has those)

@@ -124,6 +124,13 @@ def test_a_near_duplicate_of_an_evaluation_document_never_trains(corpus, deduped
     assert manifest["counts"] == {"rows_in": 12, "rows_out": 6, "duplicate": 3, "near_eval": 3}
     assert manifest["metrics"]["near_eval.news"] == 2 and manifest["metrics"]["near_eval.web"] == 1
     assert manifest["eval"] == normalize["eval"]  # passed on to the screen, which tags its proxy runs with it
+    # A dedup ablation leaves the evaluation set as it was: normalize is a cache hit, the same set and fingerprint.
+    assert main(["--config", str(cfg), "--only", "normalize,dedup", "--set", "eval.fraction=0.2", "--set", f"eval.seed={seed}",
+                 "--set", "dedup.threshold=0.99"]) == 0
+    loose = json.loads((root / "work" / "dedup" / "manifest.json").read_text())
+    assert loose["fingerprint"] != manifest["fingerprint"] and loose["eval"] == normalize["eval"]
+    assert json.loads((root / "work" / "normalize" / "manifest.json").read_text())["fingerprint"] == normalize["fingerprint"]
+    assert {r["id"] for r in rows(Path(loose["output"]).parent / "near_eval")} == {"n-exact"}  # the chain is below 0.99
 
 
 def test_mlflow_has_the_counts_and_the_histogram(corpus, deduped):

@@ -163,11 +163,23 @@ def _logits(rank, world):
     torch.manual_seed(0)
     model = OPT(get("tiny")).eval()
     ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(3))
-    with torch.no_grad():
-        whole = model(ids)
-        parallelize(model, Groups(ParallelDims.for_world(world, tp=world), rank))
-        split = model(ids)
-    torch.testing.assert_close(split, whole, rtol=1e-5, atol=1e-5)
+    targets = ids.roll(-1, dims=1)
+    targets[:, 11:] = -100  # the evaluation's padding (corpus/evalset.py): not scored, out of the mean
+    norm = model.decoder.layers[0].final_layer_norm.weight  # replicated over the tensor group
+    logits, losses, grads = [], [], []
+    for split in (False, True):
+        if split:
+            parallelize(model, Groups(ParallelDims.for_world(world, tp=world), rank))
+        with torch.no_grad():
+            logits.append(model(ids))
+        loss = model(ids, targets)  # split: vocab_parallel_cross_entropy
+        loss.backward()
+        losses.append(loss.detach())
+        grads.append(norm.grad.clone())
+        norm.grad = None
+    torch.testing.assert_close(logits[1], logits[0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(losses[1], losses[0], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(grads[1], grads[0], rtol=1e-4, atol=1e-6)
     return True
 
 
@@ -246,11 +258,11 @@ def _deepspeed_run(rank, world, tp, pp, export_to=None, zero=1, checkpoint_to=No
         engine._send_tensor_meta = lambda *args: shapes_sent.append(1) or send_meta(*args)
     for step, micro_batches in enumerate(_batches(cfg, groups.data_rank, groups.dims.dp)):
         if pp > 1 and step == 2:  # validation between steps, as the loop runs it: larger micro-batches, a ragged last
-            from train.parallel.pipeline import validation_loss
+            from train.parallel.pipeline import eval_nll
 
             rows = torch.cat([x for x, _ in micro_batches]), torch.cat([y for _, y in micro_batches])
             during = len(shapes_sent)
-            validation_loss(engine, [(rows[0][:3], rows[1][:3]), (rows[0][3:4], rows[1][3:4])], groups)
+            eval_nll(engine, [(rows[0][:3], rows[1][:3]), (rows[0][3:4], rows[1][3:4])], [3 * (rows[0].size(1)), rows[0].size(1)], groups)
             del shapes_sent[during:]  # validation's own: one per micro-batch, by design
         if pp > 1:
             loss = engine.train_batch(iter(micro_batches)).item()  # the mean over the replicas, on every stage
