@@ -79,7 +79,7 @@ def ours(name: str, shards: Path, out: Path, steps: int, cpus: int, device: str,
         f"train.model={name}", "train.num_workers=1", f"train.cpus_per_worker={cpus}",
         f"train.gpus_per_worker={1 if device == 'cuda' else 0}", f"train.precision={precision}",
         f"train.micro_batch_size={setup['micro']}", f"train.global_batch_tokens={setup['batch'] * setup['seq_len']}",
-        f"train.max_steps={steps}", f"train.checkpoint_every={steps}", "train.eval_every=0", "train.warmup_tokens=0",
+        f"train.max_steps={steps}", f"train.checkpoint_every={steps}", "train.eval_every=0", "train.warmup_tokens=0", "train.seeds=1",
         *overrides])
     rows = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
     return [r["tokens_per_second"] for r in rows if "tokens_per_second" in r][2:], rows

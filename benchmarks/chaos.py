@@ -117,7 +117,7 @@ def overrides(steps: int, inject: list[dict]) -> list[str]:
     faults = json.dumps(inject)
     return ["train.model=tiny", "train.num_workers=2", "train.cpus_per_worker=1", f"train.max_steps={steps}",
             f"train.global_batch_tokens={BATCH * SEQ}", "train.micro_batch_size=2", "train.checkpoint_every=2",
-            "train.eval_every=0", "train.warmup_tokens=0", "train.hang_seconds=15", "train.startup_seconds=120",
+            "train.eval_every=0", "train.seeds=1", "train.warmup_tokens=0", "train.hang_seconds=15", "train.startup_seconds=120",
             "train.collective_timeout_seconds=300", "train.health.enabled=true",
             "train.stragglers.window=3", "train.autopilot.enabled=false", f"train.inject={faults}"]
 

@@ -94,7 +94,7 @@ def base_overrides(s: dict, device: str) -> list[str]:
     return [f"train.model={s['model']}", "train.num_workers=1", f"train.gpus_per_worker={1 if device == 'cuda' else 0}",
             f"train.cpus_per_worker={2 if device == 'cpu' else 8}", f"train.micro_batch_size={s['micro']}",
             f"train.global_batch_tokens={s['batch'] * s['seq_len']}", f"train.max_steps={s['steps']}",
-            f"train.total_tokens={s['steps'] * s['batch'] * s['seq_len']}", "train.warmup_tokens=0", "train.eval_every=0",
+            f"train.total_tokens={s['steps'] * s['batch'] * s['seq_len']}", "train.warmup_tokens=0", "train.eval_every=0", "train.seeds=1",
             f"train.checkpoint_every={s['every']}", "train.lr=3e-3"]
 
 

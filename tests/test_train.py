@@ -113,7 +113,7 @@ def test_export_loads_in_transformers_with_the_same_loss(baseline):
 
 def test_rerun_after_the_driver_died_resumes_the_same_run(baseline):
     cfg, wd, _, _ = baseline
-    args = ["--config", str(cfg), "--only", "train", "--set", "train.seed=1"]
+    args = ["--config", str(cfg), "--only", "train", "--set", "train.seed=1", "--set", "train.seeds=1"]
     runs_before = set(glob.glob(f"{wd}/train/runs/*"))
     attempts_before = set((wd / "train").glob(".attempt-*.json"))  # the README run's failing-stage test leaves one
     proc = subprocess.Popen([sys.executable, str(ROOT / "pipelines" / "full.py"), *args], start_new_session=True,
@@ -165,7 +165,7 @@ def test_autopilot_rolls_back_skips_escalates_and_survives_a_kill_during_recover
     capsys.readouterr()
     faults = ("train.inject=[{kind: spike, step: 14, factor: 300}, {kind: kill, step: 17}, {kind: spike, step: 24, factor: 300}, "
               "{kind: spike, step: 34, factor: 300}, {kind: slow, step: 1, rank: 1, seconds: 0.05}]")
-    assert main(["--config", str(cfg), "--only", "train", "--set", faults, "--set", "train.max_steps=40",
+    assert main(["--config", str(cfg), "--only", "train", "--set", faults, "--set", "train.max_steps=40", "--set", "train.seeds=1",
                  "--set", "train.stragglers.window=4",
                  "--set", "train.autopilot.warmup=5", "--set", "train.autopilot.window=10",
                  "--set", "train.autopilot.grad_ratio=100",  # loss spikes only: 10 steps of history is little
@@ -249,7 +249,8 @@ def test_the_same_error_in_start_up_on_two_attempts_in_a_row_stops_the_run_with_
     capsys.readouterr()
     step = 0
     assert main(["--config", str(cfg), "--only", "train", "--set", f"train.inject=[{{kind: error, step: {step}, rank: 0}}]",
-                 "--set", "train.num_workers=1", "--set", "train.max_steps=6", "--set", "train.checkpoint_every=2"]) == 1
+                 "--set", "train.num_workers=1", "--set", "train.max_steps=6", "--set", "train.checkpoint_every=2",
+                 "--set", "train.seeds=1"]) == 1
     err = capsys.readouterr().err
     at = "in start-up" if step == 0 else f"at step {step} (step)"
     assert f"the same error {at} on attempts 1 and 2, rank 0" in err, err
@@ -295,7 +296,7 @@ def test_split_layouts_train_as_one_worker_through_a_spike_a_hang_and_a_kill_and
     from transformers import OPTForCausalLM
 
     cfg, wd, _, _ = baseline
-    common = ["train.max_steps=12", "train.checkpoint_every=4", "train.zero_stage=1", "train.dropout=0.0",
+    common = ["train.seeds=1", "train.max_steps=12", "train.checkpoint_every=4", "train.zero_stage=1", "train.dropout=0.0",
               "train.inject=[{kind: spike, step: 6, factor: 300}]", "train.autopilot.warmup=3",
               "train.autopilot.window=10", "train.autopilot.grad_ratio=100", "train.autopilot.rollback_steps=0"]
     layouts = {"one": ["train.num_workers=1"],
