@@ -1,6 +1,6 @@
 """Does compare.py's verdict know the noise? Null ablations against real ones on the laptop's sample, repeated.
 
-    .venv/bin/python benchmarks/ablation_noise.py [--repeats 3] [--seeds 3] [--workdir /tmp/ablation-noise]
+    .venv/bin/python benchmarks/ablation_noise.py [--repeats 3] [--seeds 3] [--workdir /tmp/ablation-noise] [--report]
 
 Each repetition r trains the sample (configs/local.yaml) with `train.seeds` seeds from seed 1000 r, and
 these ablations of it, each with the same seeds unless said:
@@ -8,7 +8,10 @@ these ablations of it, each with the same seeds unless said:
   they were (a null ablation: the runs are the same, bit for bit, on a CPU);
 - `other-seeds`: the base's data with other seeds (1000 r + 500 ...): a null ablation that only the
   seed-to-seed noise separates from the base (Welch's t, since the seeds are not paired);
-- `drop-stories`: `screen.drop=[stories]`, a source removed from training (the evaluation set keeps it);
+- `drop-stories`: `screen.drop=[stories]`, a source removed from training (the evaluation set keeps it).
+  The sample writes stories, bookcorpus, ccnews, reddit and most Pile subsets with one prose
+  generator, so this removes data of a kind the rest still has;
+- `drop-math`: `screen.drop=[DM Mathematics]`, the one subset of a kind of its own (arithmetic);
 - `keep-spiky`: `screen.enabled=false`, the planted spiky subset (HackerNews) kept in training.
 
 Then pipelines/compare.py's verdicts (5% family-wise over each repetition's table) are counted per
@@ -33,9 +36,10 @@ ABLATIONS = {  # name -> (--set overrides beyond the seeds, seed offset)
     "same-data": (["train.checkpoint_every=100"], 0),
     "other-seeds": ([], 500),
     "drop-stories": (["screen.drop=[stories]"], 0),
+    "drop-math": (["screen.drop=[DM Mathematics]"], 0),
     "keep-spiky": (["screen.enabled=false"], 0),
 }
-WATCHED = {"drop-stories": ["stories"], "keep-spiky": ["pile.HackerNews", "pile"]}
+WATCHED = {"drop-stories": ["stories"], "drop-math": ["pile.DM Mathematics"], "keep-spiky": ["pile.HackerNews", "pile"]}
 
 
 def main() -> None:
@@ -43,6 +47,7 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seeds", type=int, default=3)
     p.add_argument("--workdir", default="/tmp/ablation-noise")
+    p.add_argument("--report", action="store_true", help="no runs: the verdicts of the runs already in --workdir")
     args = p.parse_args()
 
     from mlflow import MlflowClient
@@ -51,35 +56,34 @@ def main() -> None:
     from pipelines import compare
     from pipelines.full import main as full
 
+    began = time.time()
+    if not args.report:
+        for r in range(args.repeats):
+            for name, (sets, offset) in ABLATIONS.items():
+                overrides = [f"train.seeds={args.seeds}", f"train.seed={1000 * r + offset}", *sets]
+                argv = ["--workdir", args.workdir, "--ablation", f"{name}-r{r}"]
+                for item in overrides:
+                    argv += ["--set", item]
+                t0 = time.time()
+                assert full(argv) == 0, f"{name}-r{r} failed"
+                print(f"[bench] {name}-r{r}: {time.time() - t0:.0f}s", flush=True)
+    config = load_config(None, [], args.workdir)
+    client = MlflowClient(config.mlflow.tracking_uri)
+    experiment = client.get_experiment_by_name(config.mlflow.experiment)
     counts: dict[str, collections.Counter] = {name: collections.Counter() for name in ABLATIONS if name != "base"}
     watched: dict[str, list[str]] = collections.defaultdict(list)
-    began = time.time()
     for r in range(args.repeats):
-        names = []
-        for name, (sets, offset) in ABLATIONS.items():
-            tagged = f"{name}-r{r}"
-            overrides = [f"train.seeds={args.seeds}", f"train.seed={1000 * r + offset}", *sets]
-            argv = ["--workdir", args.workdir, "--ablation", tagged]
-            for item in overrides:
-                argv += ["--set", item]
-            t0 = time.time()
-            assert full(argv) == 0, f"{tagged} failed"
-            print(f"[bench] {tagged}: {time.time() - t0:.0f}s", flush=True)
-            names.append(tagged)
-        config = load_config(None, [], args.workdir)
-        client = MlflowClient(config.mlflow.tracking_uri)
-        experiment = client.get_experiment_by_name(config.mlflow.experiment)
-        ablations = compare.collect(client, experiment.experiment_id, names)
+        ablations = compare.collect(client, experiment.experiment_id, [f"{name}-r{r}" for name in ABLATIONS])
         compare.check_comparable(ablations)
-        print(compare.bpb_table(ablations), flush=True)
-        rows, comparisons, found = compare.verdicts(ablations)
+        print(compare.bpb_table(ablations) + "\n", flush=True)
+        rows, _, found = compare.verdicts(ablations)
         for tagged, by_row in found.items():
             name = tagged.rsplit("-r", 1)[0]
             counts[name].update(d.verdict for d in by_row.values())
             for row in WATCHED.get(name, []):
                 d = by_row[row]
-                watched[f"{name} on {row}"].append(f"{d.verdict} ({d.delta:+.3f})")
-    print(f"\n{args.repeats} repetitions of {args.seeds} seeds, {len(rows)} rows each, in {time.time() - began:.0f}s\n")
+                watched[f"{name} on {row}"].append(f"{d.verdict} ({d.delta:+.3f} ± {d.half:.3f})")
+    print(f"{args.repeats} repetitions of {args.seeds} seeds, {len(rows)} rows each; {time.time() - began:.0f}s\n")
     print("| ablation | rows worse | rows better | rows within noise |")
     print("|---|---|---|---|")
     for name, c in counts.items():

@@ -13,9 +13,12 @@ The second: bits per byte on the held-out evaluation set (corpus/evalset.py), fo
 each source and each subset, as the mean over the training seeds (`train.seeds`) with its interval,
 and for each ablation its difference from the first (base) with a verdict: `worse` or `better` when
 the difference's interval excludes 0, else `within noise`. The intervals are Student t over the
-seeds (paired when both ran the same seeds, as by default, Welch's otherwise) at a 5% family-wise
-error rate: Bonferroni over every row and ablation of the table, so that a null ablation says
-`within noise` on all of its rows 95% of the time. One seed gives no interval and no verdict.
+seeds: paired (each seed's difference from base) when an ablation ran base's seeds, as by default,
+with the spread of those differences pooled over every such ablation in the table (Dunnett's
+many-to-one setting: more ablations, more degrees of freedom), Welch's otherwise; at a 5%
+family-wise error rate for each ablation (Bonferroni over its rows), so that a null ablation says
+`within noise` on all of its rows 95% of the time. Runs identical to base's, bit for bit, are
+`within noise` and left out of the pooled spread. One seed gives no interval and no verdict.
 Runs evaluated on different sets (their `eval.fingerprint` tags differ) are refused.
 
 The PNG: bits per byte per row with the intervals, and each ablation's training loss against the step.
@@ -134,18 +137,35 @@ def interval(values: list[float], alpha: float) -> float:
     return float(stats.t.ppf(1 - alpha / 2, n - 1) * np.std(values, ddof=1) / np.sqrt(n))
 
 
-def difference(base: list[float], other: list[float], paired: bool, alpha: float) -> Difference:
-    """The ablation's difference from the base over seeds, its (1 - alpha) interval and the verdict: paired t over
-    the per-seed differences when both ran the same seeds, else Welch's t."""
+def paired_noise(base: list[float], others: list[list[float]]) -> tuple[float, int]:
+    """The spread of the per-seed differences from the base, pooled over the ablations that ran the base's seeds
+    (each around its own mean difference, so their effects do not count): (sum of squares, degrees of freedom).
+    An ablation whose runs are the base's, bit for bit (a difference of 0 on every seed), tells nothing of the
+    noise and is left out."""
+    ss, df = 0.0, 0
+    for values in others:
+        d = np.subtract(values, base)
+        if len(d) >= 2 and np.any(d != 0):
+            ss += float(np.sum((d - d.mean()) ** 2))
+            df += len(d) - 1
+    return ss, df
+
+
+def difference(base: list[float], other: list[float], alpha: float, noise: tuple[float, int] | None = None) -> Difference:
+    """The ablation's difference from the base over seeds, its two-sided (1 - alpha) interval and the verdict.
+    With `noise` (paired_noise: the ablation ran the base's seeds), Student t over the per-seed differences
+    with that pooled spread; without, Welch's t over the two groups of seeds."""
     from scipy import stats
 
     delta = float(np.mean(other) - np.mean(base))
-    if paired:
+    if noise is not None:
         diffs = np.subtract(other, base)
-        n = len(diffs)
-        if n < 2:
+        if len(diffs) and not np.any(diffs != 0):
+            return Difference(0.0, 0.0, "within noise")  # the same runs
+        ss, df = noise
+        if df < 1:
             return Difference(delta, float("nan"), "no interval (1 seed)")
-        half = float(stats.t.ppf(1 - alpha / 2, n - 1) * np.std(diffs, ddof=1) / np.sqrt(n))
+        half = float(stats.t.ppf(1 - alpha / 2, df) * np.sqrt(ss / df) / np.sqrt(len(diffs)))
     else:
         if min(len(base), len(other)) < 2:
             return Difference(delta, float("nan"), "no interval (1 seed)")
@@ -166,15 +186,23 @@ def bpb_rows(ablations: list[Ablation]) -> list[str]:
     return sorted(found, key=lambda r: (r != "", r.split(".")[0], "." in r, r))
 
 
-def verdicts(scored: list[Ablation]) -> tuple[list[str], int, dict[str, dict[str, Difference]]]:
-    """The rows, the number of comparisons the error rate is shared over, and {ablation: {row: its Difference from
-    the first ablation's}} for every other ablation."""
+def verdicts(scored: list[Ablation]) -> tuple[list[str], float, dict[str, dict[str, Difference]]]:
+    """The rows, the error rate of each comparison (ALPHA over an ablation's rows: Bonferroni), and {ablation: {row:
+    its Difference from the first ablation's}} for every other ablation. The ablations that ran the base's seeds
+    share one estimate of the noise per row (paired_noise), as Dunnett's many-to-one comparisons do."""
     base, others = scored[0], scored[1:]
     rows = bpb_rows(scored)
-    comparisons = max(1, len(rows) * len(others))
-    out = {a.name: {row: difference(base.bpb[row], a.bpb[row], a.seeds == base.seeds, ALPHA / comparisons)
-                    for row in rows if row in a.bpb and row in base.bpb} for a in others}
-    return rows, comparisons, out
+    alpha = ALPHA / max(1, len(rows))
+    out: dict[str, dict[str, Difference]] = {a.name: {} for a in others}
+    for row in rows:
+        if row not in base.bpb:
+            continue
+        paired = [a for a in others if a.seeds == base.seeds and row in a.bpb]
+        noise = paired_noise(base.bpb[row], [a.bpb[row] for a in paired])
+        for a in others:
+            if row in a.bpb:
+                out[a.name][row] = difference(base.bpb[row], a.bpb[row], alpha, noise if a in paired else None)
+    return rows, alpha, out
 
 
 def bpb_table(ablations: list[Ablation]) -> str:
@@ -183,7 +211,7 @@ def bpb_table(ablations: list[Ablation]) -> str:
     if not scored:
         return ""
     base, others = scored[0], scored[1:]
-    rows, comparisons, found = verdicts(scored)
+    rows, alpha, found = verdicts(scored)
     header = ["bits per byte", *(a.name for a in scored)]
     for a in others:
         header += [f"vs {base.name}: {a.name}", "verdict"]
@@ -204,8 +232,9 @@ def bpb_table(ablations: list[Ablation]) -> str:
     seeds = "; ".join(f"{a.name}: seeds {','.join(map(str, a.seeds))}" for a in scored)
     lines += ["", f"evaluation set eval.fingerprint={base.fingerprint}; {seeds}.",
               f"Each column: the mean over its seeds ± its 95% interval. vs {base.name}: the difference ± its interval at a "
-              f"{ALPHA:.0%} family-wise error rate ({'paired' if all(a.seeds == base.seeds for a in others) else 'Welch'} t "
-              f"over seeds, Bonferroni over {comparisons} rows x ablations); worse or better: the interval excludes 0."]
+              f"{ALPHA:.0%} family-wise error rate for each ablation (Bonferroni over its {len(rows)} rows: {alpha:.2g} each); "
+              "paired t over the seeds, the noise pooled over the ablations that ran the same seeds (Welch's t for one that "
+              "did not); worse or better: the interval excludes 0."]
     return "\n".join(lines)
 
 

@@ -11,20 +11,29 @@ from pipelines import compare
 
 
 def test_a_verdict_says_worse_only_beyond_the_seed_noise():
+    from pipelines.compare import difference, paired_noise
+
     rng = np.random.default_rng(0)
     base = list(2.0 + rng.normal(0, 0.01, 3))
-    assert compare.difference(base, base, paired=True, alpha=0.05).verdict == "within noise"  # a null ablation
+    alpha = 0.05 / 14
+    # The same runs, bit for bit: nothing to tell, and nothing of the noise either.
+    assert difference(base, base, alpha, paired_noise(base, [base])) == compare.Difference(0.0, 0.0, "within noise")
+    assert paired_noise(base, [base]) == (0.0, 0)
     shifted = [b + 0.1 + e for b, e in zip(base, rng.normal(0, 0.002, 3))]
-    worse = compare.difference(base, shifted, paired=True, alpha=0.05 / 14)
+    worse = difference(base, shifted, alpha, paired_noise(base, [shifted]))
     assert worse.verdict == "worse" and worse.delta == pytest.approx(0.1, abs=0.01) and 0 < worse.half < 0.1
-    assert compare.difference(shifted, base, paired=True, alpha=0.05 / 14).verdict == "better"
-    # Seed to seed noise as large as the shift: not a difference anyone can claim from 3 seeds.
+    assert difference(shifted, base, alpha, paired_noise(shifted, [base])).verdict == "better"
+    # Seed-to-seed noise as large as the shift: not a difference anyone can claim from 3 seeds.
     noisy = [b + 0.1 + e for b, e in zip(base, rng.normal(0, 0.2, 3))]
-    assert compare.difference(base, noisy, paired=True, alpha=0.05 / 14).verdict == "within noise"
+    assert difference(base, noisy, alpha, paired_noise(base, [noisy])).verdict == "within noise"
+    # The spread pooled with a second ablation's (its own effect does not count): the degrees of freedom add up.
+    second = [b - 0.5 + e for b, e in zip(base, rng.normal(0, 0.002, 3))]
+    ss, df = paired_noise(base, [shifted, second])
+    assert df == 4 and ss == pytest.approx(paired_noise(base, [shifted])[0] + paired_noise(base, [second])[0])
     # Other seeds than the base's: Welch's t over the two groups.
-    welch = compare.difference(base, list(2.5 + rng.normal(0, 0.01, 4)), paired=False, alpha=0.05)
+    welch = difference(base, list(2.5 + rng.normal(0, 0.01, 4)), 0.05)
     assert welch.verdict == "worse" and np.isfinite(welch.half)
-    assert compare.difference(base[:1], shifted[:1], paired=True, alpha=0.05).verdict == "no interval (1 seed)"
+    assert difference(base[:1], shifted[:1], 0.05, paired_noise(base[:1], [shifted[:1]])).verdict == "no interval (1 seed)"
 
 
 def test_compare_refuses_runs_evaluated_on_different_sets(tmp_path, capsys):
