@@ -10,6 +10,15 @@ STAMP := $(VENV)/.installed
 ARGS ?=
 PYTEST_ARGS ?=
 
+# `make test CPU=avx2`: the suite as on an AVX2-only CPU (most laptops, many AMD servers), on any x86-64 host:
+# oneDNN, ATen and MKL held to AVX2 in every process, so oneDNN has no fp16 or bf16 kernels and DeepSpeed refuses
+# fp16 as it does there (core/cpu.py AVX2_ONLY, which tests/test_any_cpu.py holds these to).
+ifeq ($(CPU),avx2)
+export ONEDNN_MAX_CPU_ISA = AVX2
+export ATEN_CPU_CAPABILITY = avx2
+export MKL_ENABLE_INSTRUCTIONS = AVX2
+endif
+
 .PHONY: run test install clean
 
 run: $(STAMP)

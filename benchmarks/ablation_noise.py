@@ -30,6 +30,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+import provenance  # noqa: E402  (benchmarks/provenance.py: a script's folder is on sys.path)
 
 ABLATIONS = {  # name -> (--set overrides beyond the seeds, seed offset)
     "base": ([], 0),
@@ -49,6 +50,7 @@ def main() -> None:
     p.add_argument("--workdir", default="/tmp/ablation-noise")
     p.add_argument("--report", action="store_true", help="no runs: the verdicts of the runs already in --workdir")
     args = p.parse_args()
+    print(provenance.header(), flush=True)
 
     from mlflow import MlflowClient
 

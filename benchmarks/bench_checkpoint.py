@@ -17,11 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import socket
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,6 +28,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+import provenance  # noqa: E402  (benchmarks/provenance.py: a script's folder is on sys.path)
 
 from model.configs import get  # noqa: E402
 from model.opt import OPT  # noqa: E402
@@ -80,6 +79,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=256)
     parser.add_argument("--out", default="/tmp/bench_checkpoint")
     args = parser.parse_args()
+    print(provenance.header(), flush=True)
     import deepspeed
 
     one_rank()
@@ -94,9 +94,7 @@ def main() -> None:
         results[name] = {"blocked": statistics.median(r["blocked"] for r in rows),
                          "write": statistics.median(r["write"] for r in rows)}
     size = sum(p.stat().st_size for p in (Path(args.out) / "background").rglob("*") if p.is_file()) / args.saves / 1e9
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    print(f"model {args.model}, ZeRO-{args.zero} fp32, {args.saves} saves of about {size:.2f} GB on {platform.node()} "
-          f"({os.cpu_count()} cores, torch {torch.__version__}), commit {commit}\n")
+    print(f"model {args.model}, ZeRO-{args.zero} fp32, {args.saves} saves of about {size:.2f} GB\n")
     print("| save | blocked s (median) | write s (median) | blocked / write |\n|---|---:|---:|---:|")
     for name, r in results.items():
         print(f"| {name} | {r['blocked']:.2f} | {r['write']:.2f} | {r['blocked'] / r['write']:.3f} |")

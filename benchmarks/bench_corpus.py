@@ -25,7 +25,6 @@ import argparse
 import io
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -105,6 +104,7 @@ def main() -> None:
     parser.add_argument("--mb", type=int, default=200)
     parser.add_argument("--out", default="/tmp/bench_corpus")
     args = parser.parse_args()
+    print(provenance.header(), flush=True)
     out = Path(args.out)
     shutil.rmtree(out, ignore_errors=True)
     text_bytes = generate(out / "pile", args.mb)
@@ -119,8 +119,7 @@ def main() -> None:
     files = sorted(str(p) for p in (out / "pile").glob("*.zst"))
     bare = {"ingest": bare_ingest(files, out / "bare"), "normalize": bare_normalize(ingest_docs)}
 
-    commit = provenance.commit()
-    print(f"{mb:.0f} MB of text in {FILES} files; commit {commit}; {provenance.machine()}, {cores} cores, Python {platform.python_version()}")
+    print(f"{mb:.0f} MB of text in {FILES} files")
     print()
     print("| stage | run | seconds | MB/s | MB/s per core | time vs bare loop |")
     print("|---|---|---|---|---|---|")

@@ -40,7 +40,6 @@ import collections
 import gzip
 import json
 import os
-import platform
 import random
 import subprocess
 import sys
@@ -255,8 +254,7 @@ def quality(docs: int, root: Path) -> None:
     dt_found = sum(dt_of(a) == dt_of(b) for a, b in above)
     dt_below = sum(dt_of(a) == dt_of(b) for a, b in below)
     dt_wrong = [i for i in dt_removed if i not in partners]
-    commit = provenance.commit()
-    print(f"{len(ids)} normalized documents, planted {kinds}; commit {commit}; {platform.machine()}, 2 cores")
+    print(f"{len(ids)} normalized documents, planted {kinds}")
     print(f"ground truth: {len(above)} pairs >= 0.95, {len(below)} pairs in (0, 0.95) sharing a shingle")
     print()
     print("| method | recall on pairs >= 0.95 | pairs < 0.95 merged or proposed | removed without a partner >= 0.95 |")
@@ -304,7 +302,7 @@ def baseline_tree(commit: str, out: Path) -> Path:
 
 def scale(sizes: list[int], root: Path, baseline: str, planted: float) -> None:
     tree = baseline_tree(baseline, root)
-    print(f"commit {provenance.commit()} against {baseline}; {platform.machine()}, 2 cores, "
+    print(f"commit {provenance.commit()} against {baseline}; "
           f"{psutil.virtual_memory().total / 2**30:.0f} GiB; {planted:.0%} of the documents planted duplicates")
     print()
     print("| documents | MB of text | code | dedup seconds | peak MB: driver / largest worker / all workers / object store / machine "
@@ -365,7 +363,7 @@ def components(sizes: list[int]) -> None:
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     ray.data.DataContext.get_current().enable_progress_bars = False
-    print(f"commit {provenance.commit()}; {platform.machine()}, 2 cores, {psutil.virtual_memory().total / 2**30:.0f} GiB\n")
+    print(f"{psutil.virtual_memory().total / 2**30:.0f} GiB of memory\n")
     print("| edges | documents | components | largest | one task: s | one task: peak MB | Ray Data: s | rounds "
           "| Ray Data: peak worker MB | same labels |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -409,6 +407,7 @@ def main() -> None:
     parser.add_argument("--baseline", default="57f9f91", help="scale: the commit to compare with (default: before issue 19)")
     parser.add_argument("--planted", type=float, default=0.2, help="scale: the fraction of documents that are planted duplicates")
     args = parser.parse_args()
+    print(provenance.header(), flush=True)
     if args.what == "quality":
         quality((args.docs or [20000])[0], Path(args.out) / "quality")
     elif args.what == "components":

@@ -51,6 +51,7 @@ def main() -> None:
     parser.add_argument("--baseline", default="82c6e2a", help="the commit to compare with (default: before issue 20)")
     parser.add_argument("--out", default="/tmp/bench_laptop")
     args = parser.parse_args()
+    print(provenance.header(), flush=True)
     out = Path(args.out)
     shutil.rmtree(out, ignore_errors=True)
     base_tree = out / "baseline-tree"
@@ -60,8 +61,7 @@ def main() -> None:
 
     results = {"baseline": run_side(base_tree, out / "baseline"), "now": run_side(ROOT, out / "now")}
 
-    print(f"commit {provenance.commit()} against {args.baseline}; {provenance.machine()}, {os.cpu_count()} cores, "
-          f"Python {sys.version.split()[0]}")
+    print(f"commit {provenance.commit()} against {args.baseline}")
     print()
     print(f"| | baseline {args.baseline} (s) | now (s) | now / baseline |")
     print("|---|---|---|---|")

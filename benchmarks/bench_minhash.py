@@ -17,7 +17,6 @@ Prints a Markdown table for docs/benchmarks.md.
 from __future__ import annotations
 
 import argparse
-import platform
 import sys
 import time
 from pathlib import Path
@@ -89,9 +88,8 @@ def main() -> None:
     parser.add_argument("--kb", type=float, nargs="+", default=[1.0, 4.0, 8.6])
     parser.add_argument("--num-perm", type=int, default=128)
     args = parser.parse_args()
-    commit = provenance.commit()
-    print(f"{args.docs} documents per size, num_perm {args.num_perm}, word 5-grams; commit {commit}; "
-          f"{platform.machine()}, Python {platform.python_version()}, 1 core")
+    print(provenance.header(), flush=True)
+    print(f"{args.docs} documents per size, num_perm {args.num_perm}, word 5-grams; 1 core")
     print()
     print("| document size | contender | docs/s | vs datasketch loop |")
     print("|---|---|---|---|")

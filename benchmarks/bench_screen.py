@@ -36,7 +36,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import shutil
 import subprocess
 import sys
@@ -68,9 +67,7 @@ def cost(args) -> int:
 
     packed = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())["screen"]["runs_per_job"]
     results = {n: screen(out, n) for n in (1, packed)}
-    commit = provenance.commit()
-    print(f"commit {commit}; {provenance.machine()}, {os.cpu_count()} CPUs; "
-          f"configs/local.yaml, sample corpus")
+    print("configs/local.yaml, sample corpus")
     runs = len(results[1]["proxy_runs"])
     print(f"{'runs per Ray Train job':<24} {'jobs':>5} {'screen s':>9} {'s per proxy run':>16}")
     for n, m in results.items():
@@ -266,7 +263,7 @@ def power(args) -> int:
         print(f"draw {k}: {corpus['composition']}, planted {planted}: {corpus['seconds']:.0f} s", file=sys.stderr, flush=True)
     issue = screen_corpus(out / "issue", 0, {"HackerNews": 6}, "no-submissions", everything)
 
-    print(f"commit {provenance.commit()}; {provenance.machine()}, {os.cpu_count()} CPUs; configs/local.yaml's screen "
+    print(f"configs/local.yaml's screen "
           f"({local['steps']} steps of the {local['proxy']['model']} proxy); {args.draws} draws of the sample, "
           f"every mixture run with {args.max_seeds} seeds, rules replayed from those runs")
     packed = local["concurrent_runs"] * PACKED_RUNS
@@ -327,6 +324,7 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--out", default="/tmp/bench_screen_power")
     w.add_argument("--no-check", dest="check", action="store_false", help="skip the real adaptive screen of draw 0")
     args = p.parse_args(argv)
+    print(provenance.header(), flush=True)
     return cost(args) if args.command == "cost" else power(args)
 
 

@@ -22,7 +22,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import subprocess
 import sys
@@ -187,13 +186,12 @@ def main() -> None:
     parser.add_argument("--skip-loader", action="store_true")
     parser.add_argument("--reuse", action="store_true", help="reuse the corpus and dedup output of a previous run in --out")
     args = parser.parse_args()
+    print(provenance.header(), flush=True)
     out = Path(args.out)
     if not args.reuse:
         shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True, exist_ok=True)
     cores = os.cpu_count() or 1
-    commit = provenance.commit()
-    print(f"commit {commit}; {provenance.machine()}, {cores} cores, Python {platform.python_version()}")
     print()
     if not args.skip_stage:
         stage(args, out, cores)

@@ -21,7 +21,6 @@ import argparse
 import json
 import logging
 import os
-import platform
 import shutil
 import statistics
 import sys
@@ -150,6 +149,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, help="steps per model (default: each model's own, SETUPS)")
     parser.add_argument("--out", default="/tmp/bench_train")
     args = parser.parse_args()
+    print(provenance.header(), flush=True)
     out = Path(args.out)
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
@@ -164,8 +164,7 @@ def main() -> None:
         lines = measure(args.models.split(","), args.device, args.precision, out, args.steps, args.set, cores)
     finally:
         ray.shutdown()
-    print(f"commit {provenance.commit()}; {provenance.machine()}, {cores} cores, Python {platform.python_version()}, "
-          f"torch {torch.__version__}, {args.device} {args.precision}")
+    print(f"{args.device} {args.precision}, {cores} cores")
     print()
     print("\n".join(lines))
 

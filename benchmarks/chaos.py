@@ -38,6 +38,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
+import provenance  # noqa: E402  (benchmarks/provenance.py: a script's folder is on sys.path)
 
 DEFAULT = "crash@4:1,slow@2:2,hang@9:2,unhealthy@10:1,crash@12:1,error@20:2"
 SEQ, BATCH = 64, 8
@@ -192,6 +193,7 @@ def main() -> int:
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--out", default="/tmp/chaos")
     args = parser.parse_args()
+    print(provenance.header(), flush=True)
     faults = parse(args.faults)
     from bench_tokenize import make_shards
 

@@ -21,6 +21,8 @@ from __future__ import annotations
 import argparse
 import math
 
+import provenance  # benchmarks/provenance.py: a script's folder is on sys.path
+
 STEP_SECONDS = 20.0  # the planner's best 175B layout (docs/scale.md)
 CHECKPOINT_EVERY = 250  # steps, configs/opt-175b.yaml
 FSX_GBPS = 24.0  # /fsx read and write (docs/scale.md)
@@ -53,6 +55,7 @@ def main() -> None:
     parser.add_argument("--detect-seconds", type=float, default=30.0,
                         help="from a crash to Ray Train's restart (its health-check poll and the teardown)")
     args = parser.parse_args()
+    print(provenance.header(), flush=True)
     fixed = args.detect_seconds + args.schedule_seconds + args.build_seconds
     read_s, read_once_s = RESTART_READ_TB * 1e3 / FSX_GBPS, ONE_READ_TB * 1e3 / FSX_GBPS
     write_s = CHECKPOINT_TB * 1e3 / FSX_GBPS

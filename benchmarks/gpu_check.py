@@ -143,11 +143,10 @@ def check_fp16_overflow(out: Path, shards: Path, s: dict, device: str) -> Verdic
     from train.stage import fit
 
     def fp16_on_cpu_loop(config) -> None:  # a closure: shipped to the workers by value
-        from deepspeed.accelerator import get_accelerator
-
+        from train.cpu_fp16 import allow_deepspeed_fp16
         from train.loop import train_loop
 
-        get_accelerator().is_fp16_supported = lambda: True
+        allow_deepspeed_fp16()
         train_loop(config)
 
     t0 = time.perf_counter()
@@ -232,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="on CPU, at tiny scale: the script's own plumbing")
     parser.add_argument("--out", default="/tmp/gpu_check")
     args = parser.parse_args(argv)
+    print(provenance.header(), flush=True)
     import ray
     import torch
 
@@ -255,8 +255,8 @@ def main(argv: list[str] | None = None) -> int:
         if started:
             ray.shutdown()
 
-    name = torch.cuda.get_device_name(0) if device == "cuda" else f"CPU ({provenance.machine()}, {os.cpu_count()} cores)"
-    print(f"commit {provenance.commit()}; {name}; torch {torch.__version__}{'; dry run' if args.dry_run else ''}")
+    name = torch.cuda.get_device_name(0) if device == "cuda" else "the CPU above"
+    print(f"{name}{'; dry run' if args.dry_run else ''}")
     print()
     print("| check | verdict | seconds | what was seen |")
     print("|---|---|---|---|")

@@ -15,6 +15,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import provenance  # noqa: E402  (benchmarks/provenance.py: a script's folder is on sys.path)
+
 from model.configs import get  # noqa: E402
 from train.plan.hardware import GPUS, NODES  # noqa: E402
 from train.plan.layout import Cluster, Layout, Prediction, Workload, predict  # noqa: E402
@@ -38,6 +40,7 @@ def compare() -> list[tuple[int, tuple[int, int, int], Prediction, Prediction]]:
 
 
 def main() -> None:
+    print(provenance.header(), flush=True)
     print("| GPUs | ZeRO-3 alone: published / predicted TFLOP/s | PTD-P: published / predicted | ZeRO-3 / PTD-P: published / predicted |")
     print("|---|---|---|---|")
     for gpus, (zero3, micro, ptdp), z, p in compare():

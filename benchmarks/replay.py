@@ -68,6 +68,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=400)
     parser.add_argument("--out", default="/tmp/replay")
     args = parser.parse_args()
+    print(provenance.header(), flush=True)
     out = Path(args.out)
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir(parents=True)
@@ -75,8 +76,7 @@ def main() -> None:
     faults = scenario(args.steps)
     replay = run(out, args.steps, faults)
 
-    commit = provenance.commit()
-    print(f"commit {commit}; {provenance.machine()}; tiny model, {args.steps} steps, 2 CPU workers, ZeRO-2 fp32")
+    print(f"tiny model, {args.steps} steps, 2 CPU workers, ZeRO-2 fp32")
     print()
     print("| injected at step | failure | detected as | actions |")
     print("|---|---|---|---|")

@@ -16,6 +16,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import provenance  # noqa: E402  (benchmarks/provenance.py: a script's folder is on sys.path)
+
 from model.configs import flops_per_token, get, param_count  # noqa: E402
 
 # The corpus (opt-facts.md): ~800 GB of text, ~180B GPT-2 tokens after dedup.
@@ -177,6 +179,7 @@ def main() -> None:
     parser.add_argument("--fsx-gbps", type=float, default=24.0,
                         help="FSx for Lustre aggregate throughput, GB/s (e.g. 48 TiB at 500 MB/s/TiB)")
     args = parser.parse_args()
+    print(provenance.header(), flush=True)
     data_stages(args.nodes, args.fsx_gbps * 1e9)
     screen(args.mfu)
     checkpoints(args.fsx_gbps * 1e9)

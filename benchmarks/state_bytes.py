@@ -17,6 +17,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 
+import provenance  # noqa: E402  (benchmarks/provenance.py: a script's folder is on sys.path)
+
 # ZeRO-3 partitions the tiny model's matrices only with the persistence threshold at 0 (tests/test_parallel.py)
 WHOLE_MATRICES = ("zero_optimization", "stage3_param_persistence_threshold", 0)
 SETTINGS = [
@@ -32,6 +34,7 @@ SETTINGS = [
 
 
 def main() -> None:
+    print(provenance.header(), flush=True)
     from test_parallel import _state_bytes, per_parameter, run_ranks
 
     from train.plan.layout import state_bytes

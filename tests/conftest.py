@@ -14,6 +14,7 @@ import pytest
 import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
+pytest_plugins = ["pytester"]  # tests/test_any_cpu.py runs conftest's console summary in a pytest of its own
 sys.path.insert(0, str(Path(__file__).parent))
 
 
@@ -33,15 +34,35 @@ def ray_session():
     ray.shutdown()
 
 
+# The start of the reason of every skip for a feature this CPU lacks, counted at the end of the run (below).
+CPU_FEATURE = "CPU feature"
+
+
+def pytest_terminal_summary(terminalreporter):
+    """A skip for a feature this CPU lacks is never silent: counted and named at the end, with the CPU."""
+    from core.cpu import this_cpu
+
+    skipped = [r for r in terminalreporter.stats.get("skipped", [])
+               if CPU_FEATURE in str(getattr(r, "longrepr", ""))]
+    if skipped:
+        terminalreporter.write_line(f"{len(skipped)} skipped for a feature this CPU lacks ({this_cpu().describe()}): "
+                                    + ", ".join(r.nodeid for r in skipped), yellow=True, bold=True)
+
+
 @pytest.fixture(scope="module")
 def deepspeed_rank():
     """This process as rank 0 of 1 of a gloo process group, as a CPU Ray Train worker is: DeepSpeed
-    engines in the test process itself (checkpoints, the loss scaler, ZeRO-3's partitioned build).
+    engines in the test process itself (checkpoints, the loss scaler, ZeRO-3's partitioned build), fp16 ones
+    included on any CPU (train/cpu_fp16.py; tests/test_parallel.py's spawned ranks do the same).
     The group is made once and kept: DeepSpeed holds on to the first group it saw, process-wide."""
     import socket
 
     import deepspeed
     import torch.distributed as dist
+
+    from train.cpu_fp16 import allow_deepspeed_fp16
+
+    allow_deepspeed_fp16()
 
     with pytest.MonkeyPatch.context() as mp:
         for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "DS_ACCELERATOR": "cpu"}.items():
@@ -55,6 +76,15 @@ def deepspeed_rank():
             deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no g++ build of a shared-memory op
             deepspeed.init_distributed(dist_backend="gloo")
         yield
+
+
+@pytest.fixture(scope="session")
+def torch_fp16():
+    """Skips a test of DeepSpeed's fp16 where torch's own fp16 kernels fail on this CPU, naming it."""
+    from train.cpu_fp16 import torch_fp16_error
+
+    if error := torch_fp16_error():
+        pytest.skip(f"{CPU_FEATURE}: {error}")
 
 
 @pytest.fixture(scope="session")

@@ -1,5 +1,5 @@
 """What the first GPU run would hit, tested on this CPU wherever DeepSpeed allows: DeepSpeed's real
-fp16 loss scaler (its fp16 check overridden, as no CPU claims fp16), a ZeRO-3 model built
+fp16 loss scaler (its fp16 check lifted by the deepspeed_rank fixture: train/cpu_fp16.py), a ZeRO-3 model built
 partitioned under `deepspeed.zero.Init`, and collectives on the process group's own device. The
 GPU itself: benchmarks/gpu_check.py."""
 
@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import math
 import re
-from pathlib import Path
 
 import pytest
 import torch
@@ -16,14 +15,6 @@ from conftest import ROOT
 from model.configs import get
 from model.opt import OPT
 from train.optim import INITIAL_SCALE_POWER, adamw, deepspeed_config, param_groups
-
-
-@pytest.fixture
-def fp16_on_cpu(monkeypatch):
-    """DeepSpeed refuses fp16 where its accelerator says it has none; the CPU computes it (slowly) all the same."""
-    from deepspeed.accelerator import get_accelerator
-
-    monkeypatch.setattr(get_accelerator(), "is_fp16_supported", lambda: True)
 
 
 def engine_for(zero_stage: int, precision: str, model: torch.nn.Module | None = None):
@@ -56,7 +47,7 @@ def eval_loss(engine) -> float:
 
 @pytest.mark.parametrize("zero_stage", [1, 2, 3])
 def test_the_autopilot_sees_the_loss_scale_collapse_before_deepspeed_gives_up_and_a_reset_takes(
-        deepspeed_rank, fp16_on_cpu, zero_stage):
+        deepspeed_rank, torch_fp16, zero_stage):
     from core.config import AutopilotConfig
     from train.autopilot import Detectors
     from train.loop.pilot import loss_scale, reset_loss_scale

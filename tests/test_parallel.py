@@ -13,7 +13,9 @@ import traceback
 import pytest
 import torch
 
+from conftest import CPU_FEATURE
 from model.configs import get
+from train.cpu_fp16 import allow_deepspeed_fp16, torch_fp16_error
 from train.parallel.groups import ParallelDims
 
 STEPS, MICRO = 10, 2  # optimizer steps, micro-batches accumulated per step
@@ -49,6 +51,7 @@ def _rank_main(rank, world, port, results, fn, args):
                       LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
     try:
+        allow_deepspeed_fp16()  # DeepSpeed's fp16 engines on any CPU that runs torch's fp16 (train/cpu_fp16.py)
         dist.init_process_group("gloo", rank=rank, world_size=world)
         results.put((rank, _by_value(fn(rank, world, *args))))
         dist.destroy_process_group()
@@ -315,9 +318,10 @@ WHOLE_MATRICES = ("zero_optimization", "stage3_param_persistence_threshold", 0)
 STATE_SETTINGS = [("bf16", 1, True), ("fp16", 1, False), ("fp16", 2, False), ("bf16", 3, False, WHOLE_MATRICES)]
 
 
-def _every_layout(rank, world, root):
-    """Each of LAYOUTS (`_deepspeed_run`), the optimizers' bytes (`_state_bytes`) and the vocabulary-parallel
-    logits (`_logits`), in one set of processes: a set of 4 costs 10 s to start, more than a run."""
+def _every_layout(rank, world, root, settings):
+    """Each of LAYOUTS (`_deepspeed_run`), the optimizers' bytes (`_state_bytes`, for `settings`) and the
+    vocabulary-parallel logits (`_logits`), in one set of processes: a set of 4 costs 10 s to start, more than a
+    run."""
     from pathlib import Path
 
     out = {}
@@ -325,15 +329,18 @@ def _every_layout(rank, world, root):
         where, dp = Path(root) / f"tp{tp}-pp{pp}-zero{zero}", world // (tp * pp)
         out[(tp, pp, zero)] = _deepspeed_run(rank, world, tp, pp, str(where / "initial") if pp > 1 else None, zero,
                                              str(where / "checkpoints") if dp > 1 else None)
-    out["state"] = _state_bytes(rank, world, STATE_SETTINGS)
+    out["state"] = _state_bytes(rank, world, settings)
     out["logits"] = _logits(rank, world)  # T=4
     return out
 
 
 @pytest.fixture(scope="module")
 def split_runs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("split")
-    return root, run_ranks(4, _every_layout, str(root))
+    """(folder, each rank's results, the STATE_SETTINGS measured, why fp16's were not or None). Where torch's fp16
+    kernels fail, the fp16 measurements are left out rather than take every layout's run down with them."""
+    root, fp16_error = tmp_path_factory.mktemp("split"), torch_fp16_error()
+    settings = [s for s in STATE_SETTINGS if not (fp16_error and s[0] == "fp16")]
+    return root, run_ranks(4, _every_layout, str(root), settings), settings, fp16_error
 
 
 @pytest.mark.parametrize("tp, pp, zero", LAYOUTS)
@@ -350,7 +357,7 @@ def test_split_models_under_deepspeed_train_as_the_whole_model(whole_under_deeps
 
     losses, norms, _, _, _ = whole_under_deepspeed
     assert losses[-1] < losses[0] - 0.5
-    root, ranks = split_runs
+    root, ranks, *_ = split_runs
     world, tmp_path = len(ranks), root / f"tp{tp}-pp{pp}-zero{zero}"
     dp, results = world // (tp * pp), [r[(tp, pp, zero)] for r in ranks]
     if dp > 1:
@@ -504,8 +511,11 @@ def test_what_deepspeeds_optimizers_hold_is_what_the_planner_counts(split_runs):
     bf16 gradient until the step: 11 B per parameter at dp = 4, 9 with it, where the planner counted 10."""
     from train.plan.layout import state_bytes
 
-    _, ranks = split_runs
-    for setting, (small, big) in zip(STATE_SETTINGS, ranks[0]["state"]):
+    _, ranks, settings, fp16_error = split_runs
+    assert len(ranks[0]["state"]) == len(settings)
+    for setting, (small, big) in zip(settings, ranks[0]["state"]):
         measured = per_parameter(small, big)
         counted = sum(state_bytes(setting[0], setting[1], dp=len(ranks)).values())
         assert measured == pytest.approx(counted, rel=0.02), (setting, measured, counted)
+    if fp16_error:
+        pytest.skip(f"{CPU_FEATURE}: fp16 not measured, {fp16_error}")
