@@ -52,10 +52,8 @@ def main() -> None:
     args = p.parse_args()
     print(provenance.header(), flush=True)
 
-    from mlflow import MlflowClient
-
-    from core.config import load_config
     from pipelines import compare
+    from pipelines.ablations import read
     from pipelines.full import main as full
 
     began = time.time()
@@ -69,22 +67,18 @@ def main() -> None:
                 t0 = time.time()
                 assert full(argv) == 0, f"{name}-r{r} failed"
                 print(f"[bench] {name}-r{r}: {time.time() - t0:.0f}s", flush=True)
-    config = load_config(None, [], args.workdir)
-    client = MlflowClient(config.mlflow.tracking_uri)
-    experiment = client.get_experiment_by_name(config.mlflow.experiment)
     counts: dict[str, collections.Counter] = {name: collections.Counter() for name in ABLATIONS if name != "base"}
     watched: dict[str, list[str]] = collections.defaultdict(list)
     for r in range(args.repeats):
-        ablations = compare.collect(client, experiment.experiment_id, [f"{name}-r{r}" for name in ABLATIONS])
-        compare.check_comparable(ablations)
+        ablations = read([f"{name}-r{r}" for name in ABLATIONS], workdir=args.workdir)
         print(compare.bpb_table(ablations) + "\n", flush=True)
         rows, _, found = compare.verdicts(ablations)
         for tagged, by_row in found.items():
             name = tagged.rsplit("-r", 1)[0]
-            counts[name].update(d.verdict for d in by_row.values())
+            counts[name].update(compare.verdict(d) for d in by_row.values())
             for row in WATCHED.get(name, []):
                 d = by_row[row]
-                watched[f"{name} on {row}"].append(f"{d.verdict} ({d.delta:+.3f} ± {d.half:.3f})")
+                watched[f"{name} on {row}"].append(f"{compare.verdict(d)} ({d.delta:+.3f} ± {d.half:.3f})")
     print(f"{args.repeats} repetitions of {args.seeds} seeds, {len(rows)} rows each; {time.time() - began:.0f}s\n")
     print("| ablation | rows worse | rows better | rows within noise |")
     print("|---|---|---|---|")

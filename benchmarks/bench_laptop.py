@@ -2,6 +2,10 @@
 baseline commit and with the checked-out code, one after the other on this machine, same venv.
 
     .venv/bin/python benchmarks/bench_laptop.py [--baseline 82c6e2a] [--out /tmp/bench_laptop]
+    .venv/bin/python benchmarks/bench_laptop.py --avx2 [--out /tmp/bench_laptop]
+
+With --avx2 the two sides are the checked-out code on this CPU and on this CPU held to AVX2 (core/cpu.py's
+AVX2_ONLY: oneDNN, ATen and MKL in every process, as on most laptops and AVX2-only AMD servers).
 
 Each side: the first run's wall time (sample generation, Ray's start, every stage; what `make run`
 costs after the install), each stage's own seconds (its manifest), and the wall time of the same
@@ -25,13 +29,15 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import provenance  # noqa: E402
 
+from core.cpu import AVX2_ONLY  # noqa: E402  (provenance put the project's root on sys.path)
+
 STAGES = ("ingest", "normalize", "dedup", "screen", "tokenize", "train")
 
 
-def run_side(tree: Path, where: Path) -> dict:
+def run_side(tree: Path, where: Path, cpu_env: dict[str, str] | None = None) -> dict:
     """Both runs of the default command with the code in `tree`, in the fresh directory `where`."""
     where.mkdir(parents=True)
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+    env = {**os.environ, **(cpu_env or {}), "PYTHONPATH": str(tree)}
     cmd = [sys.executable, str(tree / "pipelines" / "full.py")]
     t0 = time.perf_counter()
     first = subprocess.run(cmd, cwd=where, env=env, capture_output=True, text=True)
@@ -50,20 +56,25 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--baseline", default="82c6e2a", help="the commit to compare with (default: before issue 20)")
     parser.add_argument("--out", default="/tmp/bench_laptop")
+    parser.add_argument("--avx2", action="store_true", help="compare this CPU with itself held to AVX2, not two commits")
     args = parser.parse_args()
     print(provenance.header(), flush=True)
     out = Path(args.out)
     shutil.rmtree(out, ignore_errors=True)
-    base_tree = out / "baseline-tree"
-    base_tree.mkdir(parents=True)
-    archive = subprocess.run(["git", "-C", str(ROOT), "archive", args.baseline], capture_output=True, check=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(base_tree)], input=archive, check=True)
-
-    results = {"baseline": run_side(base_tree, out / "baseline"), "now": run_side(ROOT, out / "now")}
-
-    print(f"commit {provenance.commit()} against {args.baseline}")
+    if args.avx2:
+        names = ("this CPU", "held to AVX2")
+        results = {"baseline": run_side(ROOT, out / "native"), "now": run_side(ROOT, out / "avx2", AVX2_ONLY)}
+        print(f"commit {provenance.commit()}; held to AVX2 by {' '.join(f'{k}={v}' for k, v in AVX2_ONLY.items())}")
+    else:
+        names = (f"baseline {args.baseline}", "now")
+        base_tree = out / "baseline-tree"
+        base_tree.mkdir(parents=True)
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", args.baseline], capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(base_tree)], input=archive, check=True)
+        results = {"baseline": run_side(base_tree, out / "baseline"), "now": run_side(ROOT, out / "now")}
+        print(f"commit {provenance.commit()} against {args.baseline}")
     print()
-    print(f"| | baseline {args.baseline} (s) | now (s) | now / baseline |")
+    print(f"| | {names[0]} (s) | {names[1]} (s) | {names[1]} / {names[0]} |")
     print("|---|---|---|---|")
     b, n = results["baseline"], results["now"]
     rows = [(f"stage {s}", b["stages"][s], n["stages"][s]) for s in STAGES]

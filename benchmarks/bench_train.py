@@ -157,7 +157,7 @@ def main() -> None:
 
     import ray
 
-    from core.engines import init_ray
+    from core.ray_session import init_ray
 
     init_ray(cores)
     try:

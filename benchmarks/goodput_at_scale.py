@@ -30,7 +30,7 @@ CHECKPOINT_TB = 2.44  # fp16 weights + fp32 optimizer state, written once per sa
 # Every data-parallel replica (31) reads its stages' fp16 weights (350 GB) on a restart; the ZeRO-1
 # optimizer shards (2.1 TB) are read once in all (pipe/module.py load_state_dir).
 RESTART_READ_TB = 31 * 0.35 + 2.1
-ONE_READ_TB = 0.35 + 2.1  # each stage's weights read once and broadcast over the data-parallel group (train/checkpoint.py)
+ONE_READ_TB = 0.35 + 2.1  # each stage's weights read once and broadcast over the data-parallel group (train/checkpoint_files.py)
 STORAGE_DUTY = 4.0  # a checkpoint interval at least this many writes long: the shared FSx is not kept busy
 HOST_COPY_GBPS = 10.0  # device to host, per GPU (PCIe 4 x16, pageable memory: a conservative figure)
 PER_RANK_GB = 2.46  # one rank's share of a checkpoint

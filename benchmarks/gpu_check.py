@@ -44,7 +44,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import provenance  # noqa: E402
-from core.engines import init_ray  # noqa: E402
+from core.ray_session import init_ray  # noqa: E402
 from bench_tokenize import FORMAT, INDEX, write_rows  # noqa: E402
 from bench_train import train_stage  # noqa: E402
 

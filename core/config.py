@@ -138,7 +138,7 @@ class RayConfig:
 
     num_cpus: int | None = None  # None: all cores of this machine
     # A groupby moving less than this many MB shuffles in Ray Data tasks (a sort); more, on Ray Data's
-    # hash-shuffle actors with partitions sized for the data (core/engines.py: groupby). 0: always hash.
+    # hash-shuffle actors with partitions sized for the data (core/ray_session.py: groupby). 0: always hash.
     small_shuffle_mb: int = 256
 
     def validate(self, key: str) -> None:
@@ -337,7 +337,7 @@ class TokenizeConfig:
 
 @dataclass
 class AutopilotConfig:
-    """The stability autopilot (train/autopilot.py); defaults modelled on OPT, PaLM and OLMo."""
+    """The stability autopilot (train/autopilot_policy.py); defaults modelled on OPT, PaLM and OLMo."""
 
     enabled: bool = True
     window: int = 50  # steps of history for the rolling mean and sigma

@@ -8,7 +8,7 @@ runs for hours still says how far it is.
 
 Ray's own output is not for the terminal: the driver's `ray` loggers write to the stage's log
 file (`stage_log`) and Ray's session logs, and the output of workers, raylet and GCS stays in the
-session logs (`ray.init(log_to_driver=False)`, core/engines.py). Errors still reach the
+session logs (`ray.init(log_to_driver=False)`, core/ray_session.py). Errors still reach the
 terminal. `--verbose` brings all of Ray's output back.
 """
 

@@ -1,7 +1,8 @@
 """The DAG runner: which stages run, which are cache hits, and outputs that are complete or absent.
 
-A stage is data (`Stage`): a name, the stages it reads, the config section it depends on, the
-modules that are its code, and a function that fills a fresh folder. Its fingerprint is a hash
+A stage is data (`Stage`): a name, the stages it reads, the config section it depends on, and a
+function that fills a fresh folder; its code is that function's module and every module of ours it
+imports (core/imports.py), never a list kept by hand. Its fingerprint is a hash
 of its config section, its code and its inputs' fingerprints (plus, for stages that read
 outside the workdir, the files they read), so an unchanged stage is found in the cache and a
 changed one reruns together with everything downstream of it.
@@ -33,7 +34,6 @@ fails: a missing input is never an empty one.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import logging
 import os
@@ -47,6 +47,7 @@ from typing import Any, Callable, Iterator, Protocol
 
 from core import console, outputs
 from core.config import PipelineConfig, section_dict
+from core.imports import imported
 
 log = logging.getLogger("pipelines")
 
@@ -123,7 +124,7 @@ class Stage:
     inputs: tuple[str, ...]
     section: str | tuple[str, ...]  # the config section(s) whose values are part of the fingerprint
     run: Callable[[StageContext], StageResult]
-    code: tuple[str, ...] = ()  # modules whose source text is the stage's code version
+    code: tuple[str, ...] = ()  # modules it runs by name, not by import: its code beside run's imports (code_modules)
     external: Callable[[PipelineConfig], Any] | None = None  # identity of files read from outside the workdir
     resumable: bool = False  # a rerun after an unfinished attempt continues it (its MLflow run; the stage its own state)
 
@@ -151,19 +152,20 @@ class StageOutcome:
     manifest: dict
 
 
-def code_version(modules: tuple[str, ...]) -> str:
-    """Hash of the source of the modules a stage names (a package: every module in it): editing the stage's
-    code reruns it."""
+def code_modules(stage: Stage) -> dict[str, Path]:
+    """{name: file} of the project's modules that are the stage's code: its run function's module and what it
+    imports, transitively (core/imports.py), with the modules it names by hand (`Stage.code`) and theirs."""
+    found: dict[str, Path] = {}
+    for name in ([stage.run.__module__] if stage.run is not None else []) + list(stage.code):
+        found.update(imported(name))
+    return dict(sorted(found.items()))
+
+
+def code_version(stage: Stage) -> str:
+    """Hash of the source of the stage's code modules: editing any of them reruns the stage."""
     digest = hashlib.sha256()
-    for name in sorted(modules):
-        spec = importlib.util.find_spec(name)
-        if spec is None or spec.origin is None:
-            raise RuntimeError(f"stage code module {name!r} cannot be found")
-        origin = Path(spec.origin)
-        files = sorted(origin.parent.rglob("*.py")) if spec.submodule_search_locations else [origin]
-        for path in files:
-            digest.update(name.encode() + b"\0" + str(path.relative_to(origin.parent)).encode() + b"\0" +
-                          path.read_bytes() + b"\0")
+    for name, path in code_modules(stage).items():
+        digest.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()[:16]
 
 
@@ -174,7 +176,7 @@ def fingerprints(config: PipelineConfig, stages: list[Stage]) -> dict[str, str]:
         body = {
             "stage": stage.name,
             "config": section_dict(config, stage.section),
-            "code": code_version(stage.code),
+            "code": code_version(stage),
             "inputs": {name: prints[name] for name in stage.inputs},
             "external": stage.external(config) if stage.external else None,
         }
@@ -414,7 +416,7 @@ class Runner:
                 "fingerprint": fp,
                 "inputs": {name: m["fingerprint"] for name, m in inputs.items()},
                 "config": config_section,
-                "code_version": code_version(stage.code),
+                "code_version": code_version(stage),
                 "counts": counts,
                 "metrics": {k: v for k, v in metrics.items() if k not in counts},
                 "started": started,

@@ -131,3 +131,46 @@ class MlflowTracker:
 
     def log_artifact(self, path) -> None:
         self.client.log_artifact(self._run_id, str(path))
+
+
+class StageRun:
+    """A stage's MLflow run as the stage's own code reaches it, by tracking URI and run id (its StageContext's):
+    tags, tables, figures and artifacts, and the nested runs it opens for its parts (the screen's proxy runs).
+    MlflowTracker opens and closes the stage's run; this only writes to it."""
+
+    def __init__(self, tracking_uri: str, run_id: str):
+        self.client = MlflowClient(tracking_uri)
+        self.run_id = run_id
+
+    def tags(self) -> dict[str, str]:
+        return dict(self.client.get_run(self.run_id).data.tags)
+
+    def set_tag(self, key: str, value: str) -> None:
+        self.client.set_tag(self.run_id, key, value)
+
+    def log_artifact(self, path) -> None:
+        self.client.log_artifact(self.run_id, str(path))
+
+    def log_figure(self, figure, name: str) -> None:
+        self.client.log_figure(self.run_id, figure, name)
+
+    def log_table(self, columns: dict[str, list], name: str) -> None:
+        self.client.log_table(self.run_id, columns, name)
+
+    def child(self, name: str, tags: dict[str, str], params: dict) -> str:
+        """A run nested under this one, in its experiment, with `params` flattened (log_params); its id."""
+        experiment = self.client.get_run(self.run_id).info.experiment_id
+        run = self.client.create_run(experiment, run_name=name, tags={"mlflow.parentRunId": self.run_id, **tags})
+        log_params(self.client, run.info.run_id, params)
+        return run.info.run_id
+
+    def log_metrics(self, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
+        """Metrics of this run or of one of its children, BATCH per call."""
+        now = int(time.time() * 1000)
+        items = [Metric(metric_name(k), float(v), now, step) for k, v in metrics.items() if v is not None]
+        for i in range(0, len(items), BATCH):
+            self.client.log_batch(run_id, metrics=items[i : i + BATCH])
+
+    def finish(self, run_id: str, status: str = "FINISHED") -> None:
+        """A child run ended: FINISHED, or FAILED."""
+        self.client.set_terminated(run_id, status)

@@ -28,6 +28,7 @@ import collections
 import functools
 import os
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
@@ -39,7 +40,7 @@ from core import storage
 from core.config import RayConfig, SourceConfig, source_files
 from core.console import note
 from core.dag import StageContext, StageResult
-from core.engines import groupby
+from core.ray_session import groupby
 
 REJECT_SCHEMA = pa.schema([("source", pa.string()), ("file", pa.string()), ("line", pa.int64()),
                            ("offset", pa.int64()), ("reason", pa.string()), ("head", pa.string())])
@@ -64,17 +65,27 @@ def folder_of(reason: str) -> str:
 # --------------------------------------------------------------------------- phase 1: read files
 
 
-def read_task(task: dict) -> dict:
+@dataclass(frozen=True)
+class ReadTask:
+    """Some files of one source, read by `read_task`."""
+    source: SourceConfig
+    files: tuple[tuple[str, str, int], ...]  # (path, its name relative to the source's files, bytes)
+    stem: str  # of the part files it writes
+    folders: dict[str, str]  # where each kind of row goes: output, each reason's folder, records (Reddit's)
+    fail_on_bad_input: bool
+
+
+def read_task(task: ReadTask) -> dict:
     """Read a group of files of one source; write documents, rejects and set-aside rows; count."""
-    source = task["source"]
-    name, fmt = source["name"], source["format"]
+    source = task.source
+    name, fmt = source.name, source.format
     reader = READERS[fmt]
     if fmt == "jsonl":
-        reader = functools.partial(reader, text_field=source["text_field"], id_field=source["id_field"])
+        reader = functools.partial(reader, text_field=source.text_field, id_field=source.id_field)
     elif fmt == "text":
-        reader = functools.partial(reader, split=source["split"])
-    keep = set(source["keep_subsets"]) if source.get("keep_subsets") else None
-    folders, stem = task["folders"], task["stem"]
+        reader = functools.partial(reader, split=source.split)
+    keep = set(source.keep_subsets) if source.keep_subsets else None
+    folders, stem = task.folders, task.stem
     docs = Parts(folders["output"], stem, DOCUMENT_SCHEMA)
     rejects = Parts(folders["rejected"], stem, REJECT_SCHEMA)
     not_kept = Parts(folders["subset_not_kept"], stem, NOT_KEPT_SCHEMA)
@@ -82,14 +93,14 @@ def read_task(task: dict) -> dict:
     counts: collections.Counter = collections.Counter()
     subsets: collections.Counter = collections.Counter()
     first_bad = None
-    for path, rel, nbytes in task["files"]:
+    for path, rel, nbytes in task.files:
         counts["bytes_read"] += nbytes
         for row in reader(path, name, rel):
             counts["rows_in"] += 1
             if row.get("reason"):
                 rejects.add({k: row[k] for k in REJECT_SCHEMA.names})
                 counts["rejected"] += 1
-                if task["fail_on_bad_input"]:
+                if task.fail_on_bad_input:
                     first_bad = f"{path}:{row['line']} (byte {row['offset']}): {row['reason']}"
                     break
             elif "kind" in row:
@@ -112,19 +123,13 @@ def read_task(task: dict) -> dict:
 
 
 def read_task_for(source: SourceConfig, files: list[str], rel: dict[str, str], sizes: dict[str, int], stem: str,
-                  folders: dict[str, str], fail_on_bad_input: bool) -> dict:
-    """The task `read_task` runs for some files of a source (plain data: it travels as JSON)."""
-    return {
-        "source": {"name": source.name, "format": source.format, "text_field": source.text_field,
-                   "id_field": source.id_field, "keep_subsets": source.keep_subsets, "split": source.split},
-        "files": [[f, rel[f], sizes[f]] for f in files],
-        "stem": stem,
-        "folders": {**folders, "records": os.path.join(folders["records"], source.name)},
-        "fail_on_bad_input": fail_on_bad_input,
-    }
+                  folders: dict[str, str], fail_on_bad_input: bool) -> ReadTask:
+    """The task `read_task` runs for some files of a source."""
+    return ReadTask(source, tuple((f, rel[f], sizes[f]) for f in files), stem,
+                    {**folders, "records": os.path.join(folders["records"], source.name)}, fail_on_bad_input)
 
 
-def read_tasks(ctx: StageContext, folders: dict[str, str]) -> list[dict]:
+def read_tasks(ctx: StageContext, folders: dict[str, str]) -> list[ReadTask]:
     """One task per group of files of a source: small files packed together, up to `ingest.task_mb`
     (and fewer per task when that leaves cores idle). One file is never split: a zstd stream is
     read from its start."""
@@ -161,14 +166,22 @@ def build_threads(records: str, staged: str, source: str, ray_config: RayConfig)
     threads.map_groups(functools.partial(reddit.thread_row, source=source), batch_format="pyarrow").write_parquet(staged)
 
 
-def split_threads_task(task: dict) -> dict:
+@dataclass(frozen=True)
+class ThreadsTask:
+    """A staged part of a Reddit source's threads, split by `split_threads_task`."""
+    path: str
+    stem: str
+    folders: dict[str, str]  # as ReadTask's
+
+
+def split_threads_task(task: ThreadsTask) -> dict:
     """A staged thread part -> documents in output/, the other records' fates in their folders."""
-    folders, stem = task["folders"], task["stem"]
+    folders, stem = task.folders, task.stem
     docs = Parts(folders["output"], stem, DOCUMENT_SCHEMA)
     aside = {r: Parts(folders[r], stem, THREAD_ASIDE_SCHEMA)
              for r in ("off_longest_chain", "empty_thread", "submission_without_comments", "repeated_record")}
     counts: collections.Counter = collections.Counter()
-    for row in iter_rows(task["path"]):
+    for row in iter_rows(task.path):
         fates = reddit.thread_fates(row)
         counts.update(fates)
         counts["threads"] += row["outcome"] != "no_comments"
@@ -214,8 +227,7 @@ def run(ctx: StageContext) -> StageResult:
             continue
         staged = staging / "threads" / source.name
         build_threads(str(records), str(staged), source.name, ctx.config.ray)
-        tasks = [{"path": p, "stem": f"{source.name}-threads-{i:05d}", "folders": folders}
-                 for i, p in enumerate(parquet_files(staged))]
+        tasks = [ThreadsTask(p, f"{source.name}-threads-{i:05d}", folders) for i, p in enumerate(parquet_files(staged))]
         for result in run_tasks(split_threads_task, tasks):
             reddit_counts.update(result)
             subsets[f"{source.name}/{source.name}"] += result.get("documents", 0)

@@ -126,15 +126,28 @@ def _one_pass(out: Normalized, config: NormalizeConfig) -> None:
 TASK_BYTES = 64 << 20  # of ingest's documents per task, at most
 
 
-def normalize_task(task: dict) -> dict:
+@dataclass(frozen=True)
+class NormalizeTask:
+    """A run of row groups of one of ingest's parts, normalized by `normalize_task`."""
+    path: str
+    row_groups: tuple[int, ...]
+    stem: str  # of the part files it writes
+    config: NormalizeConfig
+    eval: EvalConfig
+    output: str
+    dropped: str
+    eval_folder: str
+
+
+def normalize_task(task: NormalizeTask) -> dict:
     """One part of ingest's documents -> normalized documents, the evaluation set's and dropped ones, with counts
     per rule and the sum of the evaluation documents' hashes (`eval_hash`)."""
-    config, held_out = NormalizeConfig(**task["config"]), EvalConfig(**task["eval"])
-    docs = Parts(task["output"], task["stem"], DOCUMENT_SCHEMA)
-    evaluation = Parts(task["eval_folder"], task["stem"], DOCUMENT_SCHEMA)
-    dropped = Parts(task["dropped"], task["stem"], DROPPED_SCHEMA)
+    config, held_out = task.config, task.eval
+    docs = Parts(task.output, task.stem, DOCUMENT_SCHEMA)
+    evaluation = Parts(task.eval_folder, task.stem, DOCUMENT_SCHEMA)
+    dropped = Parts(task.dropped, task.stem, DROPPED_SCHEMA)
     counts: collections.Counter = collections.Counter()
-    for row in iter_rows(task["path"], row_groups=task["row_groups"]):
+    for row in iter_rows(task.path, row_groups=list(task.row_groups)):
         counts["rows_in"] += 1
         counts["chars_in"] += len(row["text"])
         out = normalize_text(row["text"], config)
@@ -162,11 +175,9 @@ def normalize_task(task: dict) -> dict:
 def run(ctx: StageContext) -> StageResult:
     """Ingest's parts in runs of row groups, one Ray Data task each; part names carry over."""
     folders = {"output": str(ctx.output), "dropped": str(ctx.aside("dropped")), "eval_folder": str(ctx.aside(evalset.REASON))}
-    config, held_out = dataclasses.asdict(ctx.section), dataclasses.asdict(ctx.config.eval)
     parts = input_parts(ctx.inputs, "ingest")
     target = task_bytes(parquet_bytes(parts), TASK_BYTES)
-    tasks = [{"path": p, "row_groups": groups, "stem": f"{Path(p).stem}-{groups[0]:05d}", "config": config,
-              "eval": held_out, **folders}
+    tasks = [NormalizeTask(p, tuple(groups), f"{Path(p).stem}-{groups[0]:05d}", ctx.section, ctx.config.eval, **folders)
              for p, groups in row_group_ranges(parts, target)]
     counts: collections.Counter = collections.Counter()
     for result in run_tasks(normalize_task, tasks, stage="normalize"):
@@ -183,4 +194,4 @@ def run(ctx: StageContext) -> StageResult:
         metrics.setdefault(f"changed.{rule}", 0)
     return StageResult(counts["rows_in"], counts["rows_out"], {"dropped": counts["dropped"], evalset.REASON: counts[evalset.REASON]},
                        metrics, fields={"eval": {"fingerprint": fingerprint, "documents": counts[evalset.REASON],
-                                                 **held_out}})
+                                                 **dataclasses.asdict(ctx.config.eval)}})

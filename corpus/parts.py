@@ -12,13 +12,17 @@ overwrites its own parts and a rerun of the same input gives the same files.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
+import pickle
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, TypeVar
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+
+T = TypeVar("T")  # a task: a frozen dataclass (run_tasks)
 
 # design.md's documents contract: what ingest, normalize and dedup write to their output/.
 DOCUMENT_SCHEMA = pa.schema([("id", pa.string()), ("text", pa.string()), ("source", pa.string()),
@@ -194,11 +198,13 @@ def group_by_size(sizes: dict[str, int], target_bytes: int) -> list[list[str]]:
     return groups
 
 
-def run_tasks(fn: Callable[[dict], dict], tasks: list[dict], num_cpus: float = 1, stage: str | None = None) -> list[dict]:
+def run_tasks(fn: Callable[[T], dict], tasks: list[T], num_cpus: float = 1, stage: str | None = None) -> list[dict]:
     """`fn(task) -> counters` for every task, as Ray Data tasks (one block per task), results in task order;
     with `stage`, a progress bar of the tasks done under that stage's name.
 
-    Tasks and results travel as JSON strings so that Arrow never has to infer a schema for them.
+    A task is a frozen dataclass of its own kind, built (and so checked) on the driver, pickled to the worker:
+    a misspelt field fails here, not inside a Ray worker. Results travel as JSON strings so that Arrow never has
+    to infer a schema for them.
     """
     import ray.data
 
@@ -206,12 +212,14 @@ def run_tasks(fn: Callable[[dict], dict], tasks: list[dict], num_cpus: float = 1
 
     if not tasks:
         return []
+    kinds = {type(t) for t in tasks}
+    if len(kinds) != 1 or not dataclasses.is_dataclass(tasks[0]) or not tasks[0].__dataclass_params__.frozen:
+        raise TypeError(f"tasks must be frozen dataclasses of one kind, got {sorted(k.__name__ for k in kinds)}")
 
     def one(row: dict[str, Any]) -> dict[str, Any]:
-        task = json.loads(row["task"])
-        return {"index": row["index"], "result": json.dumps(fn(task))}
+        return {"index": row["index"], "result": json.dumps(fn(pickle.loads(row["task"])))}
 
-    items = [{"index": i, "task": json.dumps(t)} for i, t in enumerate(tasks)]
+    items = [{"index": i, "task": pickle.dumps(t)} for i, t in enumerate(tasks)]
     rows = []
     with Bar(stage, "tasks", len(items)) if stage else contextlib.nullcontext() as bar:
         for row in ray.data.from_items(items, override_num_blocks=len(items)).map(one, num_cpus=num_cpus).iter_rows():

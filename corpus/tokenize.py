@@ -32,13 +32,14 @@ set's units.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import hashlib
 import itertools
 import json
 import os
+import pickle
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -49,9 +50,9 @@ import pyarrow.parquet as pq
 from corpus import evalset
 from corpus import tokenizer as tokenizers
 from corpus.parts import aside_parts, check_read, input_parts, parquet_bytes, row_group_ranges, run_tasks, task_bytes
-from core.config import TokenizeConfig
+from core.config import TokenizeConfig, TokenizerConfig
 from core.dag import StageContext, StageResult
-from core.engines import groupby
+from core.ray_session import groupby
 
 INDEX = "index.json"
 FORMAT = "opt-pipeline token shards v1"  # index.json's "format"; train.loader reads this one
@@ -82,23 +83,32 @@ def bucket_of(keys: np.ndarray, buckets: int) -> np.ndarray:
 # --------------------------------------------------------------------------- phase 1: tokenizer
 
 
-def tokenizer_task(task: dict) -> dict:
+@dataclass(frozen=True)
+class TokenizerTask:
+    """The tokenizer `tokenizer_task` trains (on a sample of `parts`) or loads, saved in `output`."""
+    tokenizer: TokenizerConfig
+    seed: int
+    parts: tuple[str, ...]
+    output: str
+
+
+def tokenizer_task(task: TokenizerTask) -> dict:
     """Train (on a seeded sample of row groups) or load the tokenizer, and save it in the output."""
-    tok_config = task["tokenizer"]
-    if tok_config["kind"] == "gpt2":
-        tok = tokenizers.from_gpt2_files(tok_config["vocab"], tok_config["merges"], tok_config["fairseq_dict"])
+    tok_config = task.tokenizer
+    if tok_config.kind == "gpt2":
+        tok = tokenizers.from_gpt2_files(tok_config.vocab, tok_config.merges, tok_config.fairseq_dict)
         sampled = 0
     else:
         os.environ["TOKENIZERS_PARALLELISM"] = "true"  # training may use every thread the node has
-        groups = sample_row_groups(task["parts"], tok_config["train_bytes"], task["seed"])
+        groups = sample_row_groups(list(task.parts), tok_config.train_bytes, task.seed)
         sampled = sum(size for _, _, size in groups)
 
         def texts():
             for path, group, _ in groups:
                 yield from pq.ParquetFile(path).read_row_group(group, columns=["text"]).column("text").to_pylist()
 
-        tok = tokenizers.train(texts(), tok_config["vocab_size"])
-    tokenizers.save(tok, task["output"])
+        tok = tokenizers.train(texts(), tok_config.vocab_size)
+    tokenizers.save(tok, task.output)
     return {"vocab": tok.get_vocab_size(), "sampled_bytes": sampled}
 
 
@@ -121,17 +131,25 @@ def sample_row_groups(parts: list[str], budget: int, seed: int) -> list[tuple[st
 # --------------------------------------------------------------------------- phase 2: encode + shuffle
 
 
+@dataclass(frozen=True)
+class EncodeTask:
+    """A run of row groups of one part, encoded by `encode_task` into scratch file number `index`."""
+    path: str
+    row_groups: tuple[int, ...]
+    index: int
+
+
 def encode_task(batch: dict, tokenizer_path: str, seed: int, buckets: int, dtype: str, scratch: str):
-    """One run of row groups -> its tokens in one flat file, and a small row per document (its key,
-    shuffle group and where its tokens are): only these rows go through the shuffle (a map_batches
+    """One run of row groups (a pickled EncodeTask) -> its tokens in one flat file, and a small row per document
+    (its key, shuffle group and where its tokens are): only these rows go through the shuffle (a map_batches
     generator)."""
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # Ray gave this task one CPU: one thread
     tok = tokenizers.load(tokenizer_path)
-    for task_json in batch["task"]:
-        task = json.loads(task_json)
-        table = pq.ParquetFile(task["path"]).read_row_groups(task["row_groups"], columns=["id", "text", "source", "subset"])
+    for pickled in batch["task"]:
+        task: EncodeTask = pickle.loads(pickled)
+        table = pq.ParquetFile(task.path).read_row_groups(list(task.row_groups), columns=["id", "text", "source", "subset"])
         written = 0
-        with open(os.path.join(scratch, f"{task['index']:06d}.bin"), "wb") as out:  # a retry rewrites it whole
+        with open(os.path.join(scratch, f"{task.index:06d}.bin"), "wb") as out:  # a retry rewrites it whole
             for start in range(0, table.num_rows, ENCODE_CHUNK):
                 chunk = table.slice(start, ENCODE_CHUNK)
                 ids, source = chunk.column("id").to_pylist(), chunk.column("source").to_pylist()
@@ -145,7 +163,7 @@ def encode_task(batch: dict, tokenizer_path: str, seed: int, buckets: int, dtype
                 yield pa.table({
                     "id": chunk.column("id"), "source": chunk.column("source"), "subset": chunk.column("subset"),
                     "key": pa.array(keys, pa.uint64()), "group": pa.array(group, pa.int64()),
-                    "file": pa.array(np.full(len(ids), task["index"], np.int64)),
+                    "file": pa.array(np.full(len(ids), task.index, np.int64)),
                     "offset": pa.array(offsets, pa.int64()), "n_tokens": pa.array(lengths, pa.int64()),
                 })
 
@@ -198,15 +216,26 @@ def write_rows(path: Path, rows: np.ndarray) -> int:
     return path.stat().st_size
 
 
-def shard_task(task: dict) -> dict:
+@dataclass(frozen=True)
+class ShardTask:
+    """One shard `shard_task` writes: `sequences` blocks copied from pieces of the streams."""
+    file: str  # relative to output
+    sequences: int
+    block: int
+    dtype: str
+    output: str
+    pieces: tuple[tuple[str, int, int], ...]  # (stream file, first token, tokens)
+
+
+def shard_task(task: ShardTask) -> dict:
     """Copy whole blocks from the streams into one shard."""
-    dtype = np.dtype(task["dtype"])
+    dtype = np.dtype(task.dtype)
     tokens = np.concatenate([np.fromfile(path, dtype, count=n, offset=offset * dtype.itemsize)
-                             for path, offset, n in task["pieces"]])
-    if tokens.size != task["sequences"] * task["block"]:
-        raise RuntimeError(f"{task['file']}: read {tokens.size} tokens from the streams, expected {task['sequences'] * task['block']}")
-    size = write_rows(Path(task["output"]) / task["file"], tokens.reshape(-1, task["block"]))
-    return {"file": task["file"], "sequences": task["sequences"], "bytes": size}
+                             for path, offset, n in task.pieces])
+    if tokens.size != task.sequences * task.block:
+        raise RuntimeError(f"{task.file}: read {tokens.size} tokens from the streams, expected {task.sequences * task.block}")
+    size = write_rows(Path(task.output) / task.file, tokens.reshape(-1, task.block))
+    return {"file": task.file, "sequences": task.sequences, "bytes": size}
 
 
 def dropped_tail(summaries: list[dict], dropped: int) -> list[dict]:
@@ -231,8 +260,7 @@ def pack(summaries: list[dict], streams_dir: Path, output: Path, prefix: str, bl
     for first in range(0, sequences, per_shard):
         n = min(per_shard, sequences - first)
         name = f"{prefix}/{len(tasks):05d}.arrow"
-        tasks.append({"file": name, "sequences": n, "block": block, "dtype": dtype, "output": str(output),
-                      "pieces": pieces(streams, first * block, n * block)})
+        tasks.append(ShardTask(name, n, block, dtype, str(output), tuple(pieces(streams, first * block, n * block))))
     shards = run_tasks(shard_task, tasks)
     dropped = total - sequences * block
     return {"sequences": sequences, "tokens": total, "documents": sum(s["documents"] for s in summaries),
@@ -259,13 +287,23 @@ def token_counts(summaries: list[dict]) -> tuple[dict, dict]:
 # --------------------------------------------------------------------------- 4: the evaluation set
 
 
-def eval_task(task: dict) -> dict:
+@dataclass(frozen=True)
+class EvalTask:
+    """The evaluation set's parts, tokenized by `eval_task` into windows of `block` tokens in output/eval/."""
+    tokenizer: str  # the tokenizer file
+    block: int
+    dtype: str
+    output: str
+    parts: tuple[str, ...]
+
+
+def eval_task(task: EvalTask) -> dict:
     """The evaluation set's documents -> one file of windows per (source, subset), and what index.json says of
     each: its documents, the UTF-8 bytes their tokens encode, the tokens scored, the windows."""
     os.environ["TOKENIZERS_PARALLELISM"] = "true"
-    tok = tokenizers.load(task["tokenizer"])
+    tok = tokenizers.load(task.tokenizer)
     columns = ["id", "text", "source", "subset"]
-    table = pa.concat_tables([pq.read_table(p, columns=columns) for p in task["parts"]]) if task["parts"] else \
+    table = pa.concat_tables([pq.read_table(p, columns=columns) for p in task.parts]) if task.parts else \
         pa.table({c: pa.array([], pa.string()) for c in columns})
     table = table.take(pc.sort_indices(table, [("source", "ascending"), ("subset", "ascending"), ("id", "ascending")]))
     units: dict[tuple[str, str], list[int]] = collections.defaultdict(list)
@@ -275,9 +313,9 @@ def eval_task(task: dict) -> dict:
     for number, ((source, subset), rows) in enumerate(sorted(units.items())):
         texts = table["text"].take(pa.array(rows)).to_pylist()
         encoded = tokenizers.encode_documents(tok, texts)
-        windows = evalset.windows(encoded, tokenizers.EOS, tokenizers.PAD, task["block"])
+        windows = evalset.windows(encoded, tokenizers.EOS, tokenizers.PAD, task.block)
         name = f"eval/{number:05d}.arrow"
-        size = write_rows(Path(task["output"]) / name, windows.astype(task["dtype"]))
+        size = write_rows(Path(task.output) / name, windows.astype(task.dtype))
         out.append({"source": source, "subset": subset, "documents": len(rows),
                     "bytes": sum(len(t.rstrip().encode()) for t in texts), "tokens": sum(map(len, encoded)),
                     "sequences": len(windows), "shards": [{"file": name, "sequences": len(windows), "bytes": size}]})
@@ -288,8 +326,6 @@ def eval_task(task: dict) -> dict:
 
 
 def run(ctx: StageContext) -> StageResult:
-    import ray.data
-
     config: TokenizeConfig = ctx.section
     upstream = "screen"  # the kept documents
     parts = input_parts(ctx.inputs, upstream)
@@ -298,8 +334,8 @@ def run(ctx: StageContext) -> StageResult:
     output = ctx.output
 
     t0 = time.perf_counter()
-    tok_result = run_tasks(tokenizer_task, [{"tokenizer": dataclasses.asdict(config.tokenizer), "seed": config.seed,
-                                             "parts": input_parts(ctx.inputs, "normalize"), "output": str(output)}])[0]
+    tok_result = run_tasks(tokenizer_task, [TokenizerTask(config.tokenizer, config.seed,
+                                                          tuple(input_parts(ctx.inputs, "normalize")), str(output))])[0]
     tok_path = str(output / tokenizers.FILE)
     tok = tokenizers.load(tok_path)
     vocab_size = tokenizers.padded_vocab_size(tok)
@@ -307,34 +343,15 @@ def run(ctx: StageContext) -> StageResult:
     ctx.log.info("tokenizer: %s, %d ids (padded to %d), %s", config.tokenizer.kind, tok.get_vocab_size(), vocab_size, dtype)
 
     t1 = time.perf_counter()
-    text_bytes = parquet_bytes(parts)
-    buckets = max(1, -(-text_bytes // task_bytes(text_bytes, BUCKET_BYTES)))
-    target = task_bytes(text_bytes, TASK_BYTES) // 2  # four tasks per CPU: documents encode at uneven speeds
-    tasks = [json.dumps({"path": p, "row_groups": g, "index": i})
-             for i, (p, g) in enumerate(row_group_ranges(parts, max(1, target)))]
-    scratch, streams = ctx.folder / "encoded", ctx.folder / "streams"  # deleted once the shards are written
-    scratch.mkdir()
-    streams.mkdir()
-    summaries = []
-    if tasks:
-        keys = ray.data.from_items([{"task": t} for t in tasks], override_num_blocks=len(tasks)).map_batches(
-            encode_task, batch_size=1, fn_kwargs={
-                "tokenizer_path": tok_path, "seed": config.seed, "buckets": buckets, "scratch": str(scratch),
-                "dtype": dtype}).materialize()
-        # Materialized first (small rows): streamed into the groupby, encoding ran on fewer cores.
-        grouped = groupby(keys, "group", keys.size_bytes(), ctx.config.ray, num_partitions=buckets).map_groups(
-            write_stream, batch_format="pyarrow",
-            fn_kwargs={"scratch": str(scratch), "streams": str(streams), "dtype": dtype, "block_tokens": block})
-        summaries = sorted((json.loads(r["summary"]) for r in grouped.take_all()), key=lambda s: s["group"])
+    summaries, buckets = encode_streams(ctx, parts, tok_path, config.seed, dtype, block)
     t2 = time.perf_counter()
     per_shard = max(1, SHARD_BYTES // (block * np.dtype(dtype).itemsize))
-    train_split = pack(summaries, streams, output, "train", block, dtype, per_shard)
+    train_split = pack(summaries, ctx.folder / "streams", output, "train", block, dtype, per_shard)
     train_split["by_source"], train_split["by_subset"] = token_counts(summaries)
-    shutil.rmtree(streams)
-    shutil.rmtree(scratch)
-    evaluation = {**ctx.inputs["normalize"].get("eval", {}), **run_tasks(eval_task, [{
-        "tokenizer": tok_path, "block": block, "dtype": dtype, "output": str(output),
-        "parts": aside_parts(ctx.inputs, "normalize", evalset.REASON)}])[0]}
+    shutil.rmtree(ctx.folder / "streams")
+    shutil.rmtree(ctx.folder / "encoded")
+    evaluation = {**ctx.inputs["normalize"].get("eval", {}), **run_tasks(eval_task, [EvalTask(
+        tok_path, block, dtype, str(output), tuple(aside_parts(ctx.inputs, "normalize", evalset.REASON)))])[0]}
 
     t3 = time.perf_counter()
     documents = sum(s["documents"] for s in summaries)
@@ -352,23 +369,52 @@ def run(ctx: StageContext) -> StageResult:
     if missing:
         ctx.log.warning("the evaluation set has no documents of %s (eval.fraction %s)", ", ".join(missing),
                         evaluation.get("fraction"))
+    seconds = {"tokenizer": t1 - t0, "encode_shuffle": t2 - t1, "pack": t3 - t2}
+    return StageResult(documents, documents, {}, stage_metrics(train_split, evaluation, vocab_size, buckets, seconds))
 
+
+def encode_streams(ctx: StageContext, parts: list[str], tok_path: str, seed: int, dtype: str,
+                   block: int) -> tuple[list[dict], int]:
+    """(each bucket's summary, the number of buckets): the documents encoded by Ray Data tasks of a few row groups
+    each into ctx.folder/encoded/, then grouped by bucket into one token stream each in ctx.folder/streams/."""
+    import ray.data
+
+    text_bytes = parquet_bytes(parts)
+    buckets = max(1, -(-text_bytes // task_bytes(text_bytes, BUCKET_BYTES)))
+    target = task_bytes(text_bytes, TASK_BYTES) // 2  # four tasks per CPU: documents encode at uneven speeds
+    tasks = [pickle.dumps(EncodeTask(p, tuple(g), i)) for i, (p, g) in enumerate(row_group_ranges(parts, max(1, target)))]
+    scratch, streams = ctx.folder / "encoded", ctx.folder / "streams"  # deleted once the shards are written
+    scratch.mkdir()
+    streams.mkdir()
+    if not tasks:
+        return [], buckets
+    keys = ray.data.from_items([{"task": t} for t in tasks], override_num_blocks=len(tasks)).map_batches(
+        encode_task, batch_size=1, fn_kwargs={
+            "tokenizer_path": tok_path, "seed": seed, "buckets": buckets, "scratch": str(scratch),
+            "dtype": dtype}).materialize()
+    # Materialized first (small rows): streamed into the groupby, encoding ran on fewer cores.
+    grouped = groupby(keys, "group", keys.size_bytes(), ctx.config.ray, num_partitions=buckets).map_groups(
+        write_stream, batch_format="pyarrow",
+        fn_kwargs={"scratch": str(scratch), "streams": str(streams), "dtype": dtype, "block_tokens": block})
+    return sorted((json.loads(r["summary"]) for r in grouped.take_all()), key=lambda s: s["group"]), buckets
+
+
+def stage_metrics(train_split: dict, evaluation: dict, vocab_size: int, buckets: int, seconds: dict) -> dict:
+    """The stage's MLflow metrics: the training split's and the evaluation set's sizes, tokens per source, time."""
+    units = evaluation["units"]
     metrics = {
         "documents.train": train_split["documents"], "tokens.train": train_split["tokens"],
         "sequences.train": train_split["sequences"], "dropped_tail_tokens.train": train_split["dropped_tail_tokens"],
-        "documents.eval": sum(u["documents"] for u in evaluation["units"]),
-        "tokens.eval": sum(u["tokens"] for u in evaluation["units"]),
-        "bytes.eval": sum(u["bytes"] for u in evaluation["units"]),
-        "sequences.eval": sum(u["sequences"] for u in evaluation["units"]),
-        "vocab_size": vocab_size, "buckets": buckets,
-        "seconds.tokenizer": t1 - t0, "seconds.encode_shuffle": t2 - t1, "seconds.pack": t3 - t2,
+        "documents.eval": sum(u["documents"] for u in units), "tokens.eval": sum(u["tokens"] for u in units),
+        "bytes.eval": sum(u["bytes"] for u in units), "sequences.eval": sum(u["sequences"] for u in units),
+        "vocab_size": vocab_size, "buckets": buckets, **{f"seconds.{k}": v for k, v in seconds.items()},
     }
     for source, counts in train_split["by_source"].items():
         metrics[f"tokens.train.{source}"] = counts["tokens"]
-    for unit in evaluation["units"]:
+    for unit in units:
         key = f"tokens.eval.{unit['source']}"
         metrics[key] = metrics.get(key, 0) + unit["tokens"]
-    return StageResult(documents, documents, {}, metrics)
+    return metrics
 
 
 def token_dtype(vocab_size: int) -> str:

@@ -43,10 +43,10 @@ trains the model. Only normalize's parts are written to the output.
 from __future__ import annotations
 
 import collections
-import dataclasses
 import hashlib
 import json
 import shutil
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -62,7 +62,7 @@ from dedup.minhash import MinHasher, jaccard_of_sets
 from core.config import DedupConfig
 from core.console import Bar
 from core.dag import StageContext, StageResult
-from core.engines import groupby
+from core.ray_session import groupby
 
 SMALL_BUCKET = 32  # buckets up to this size give all their pairs
 PARTITION_BYTES = 64 << 20  # of shuffled rows per groupby partition
@@ -109,20 +109,36 @@ def keys_of(part: int, rows: int) -> np.ndarray:
 # --------------------------------------------------------------------------- 1: exact duplicates
 
 
-def index_task(task: dict) -> dict:
+@dataclass(frozen=True)
+class PartTask:
+    """One of the parts dedup reads (normalize's output, then its evaluation set's: `eval`), for a phase that
+    writes under `out` rows keyed to `partitions` shuffle partitions."""
+    path: str
+    part: int
+    out: str
+    partitions: int
+    eval: bool
+
+
+@dataclass(frozen=True)
+class IndexTask(PartTask):
+    priority: dict[str, int]  # source -> its rank as the kept copy (the config's order)
+
+
+def index_task(task: IndexTask) -> dict:
     """One part -> its index rows: key, the text's 128-bit hash (two uint64), priority, id, source."""
-    table = pq.read_table(task["path"], columns=["id", "source", "text"])
+    table = pq.read_table(task.path, columns=["id", "source", "text"])
     n = table.num_rows
     digest = b"".join(hashlib.blake2b(t.encode(), digest_size=16).digest() for t in table["text"].to_pylist())
     h = np.frombuffer(digest, dtype=np.uint64).reshape(n, 2) if n else np.zeros((0, 2), dtype=np.uint64)
-    priority = task["priority"]
-    prio = [-1] * n if task["eval"] else [priority.get(s, len(priority)) for s in table["source"].to_pylist()]
-    out = pa.table({"part": pa.array((h[:, 0] % np.uint64(task["partitions"])).astype(np.int32)),
-                    "key": pa.array(keys_of(task["part"], n)), "h1": pa.array(h[:, 0]), "h2": pa.array(h[:, 1]),
+    priority = task.priority
+    prio = [-1] * n if task.eval else [priority.get(s, len(priority)) for s in table["source"].to_pylist()]
+    out = pa.table({"part": pa.array((h[:, 0] % np.uint64(task.partitions)).astype(np.int32)),
+                    "key": pa.array(keys_of(task.part, n)), "h1": pa.array(h[:, 0]), "h2": pa.array(h[:, 1]),
                     "prio": pa.array(prio, pa.int32()),
                     "id": table["id"], "source": table["source"]})
-    Path(task["out"]).mkdir(parents=True, exist_ok=True)
-    pq.write_table(out, Path(task["out"]) / f"index-{task['part']:05d}.parquet")
+    Path(task.out).mkdir(parents=True, exist_ok=True)
+    pq.write_table(out, Path(task.out) / f"index-{task.part:05d}.parquet")
     return {"rows": n, "bytes": out.nbytes}
 
 
@@ -156,19 +172,27 @@ def write_by_part(group: pa.Table, folder: str) -> pa.Table:
 # --------------------------------------------------------------------------- 2-3: bands, candidates
 
 
-def band_task(task: dict) -> dict:
+@dataclass(frozen=True)
+class BandTask(PartTask):
+    config: DedupConfig
+    bands: int
+    rows: int
+    exact: str  # the exact copies' rows by part (write_by_part), which get no bands
+
+
+def band_task(task: BandTask) -> dict:
     """One part -> band rows of its documents that are not exact copies: (band, part, key), 20 bytes."""
-    cfg = DedupConfig(**task["config"])
-    table = pq.read_table(task["path"], columns=["text"])
-    keep = np.setdiff1d(np.arange(table.num_rows), removed_rows(Path(task["exact"]), task["part"]), assume_unique=True)
-    bands = task["bands"]
-    keys = band_keys(hasher(cfg).signatures(table["text"].take(keep).to_pylist()), bands, task["rows"], seed=cfg.seed)
+    cfg = task.config
+    table = pq.read_table(task.path, columns=["text"])
+    keep = np.setdiff1d(np.arange(table.num_rows), removed_rows(Path(task.exact), task.part), assume_unique=True)
+    bands = task.bands
+    keys = band_keys(hasher(cfg).signatures(table["text"].take(keep).to_pylist()), bands, task.rows, seed=cfg.seed)
     flat = keys.ravel()  # document-major: doc 0's bands, doc 1's, ...
     out = pa.table({"band": pa.array(flat, pa.uint64()),
-                    "part": pa.array((flat % np.uint64(task["partitions"])).astype(np.int32)),
-                    "key": pa.array(np.repeat((np.int64(task["part"]) << np.int64(ROW_BITS)) + keep.astype(np.int64), bands))})
-    Path(task["out"]).mkdir(parents=True, exist_ok=True)
-    pq.write_table(out, Path(task["out"]) / f"bands-{task['part']:05d}.parquet")
+                    "part": pa.array((flat % np.uint64(task.partitions)).astype(np.int32)),
+                    "key": pa.array(np.repeat((np.int64(task.part) << np.int64(ROW_BITS)) + keep.astype(np.int64), bands))})
+    Path(task.out).mkdir(parents=True, exist_ok=True)
+    pq.write_table(out, Path(task.out) / f"bands-{task.part:05d}.parquet")
     return {"documents": len(keep), "bytes": out.nbytes}
 
 
@@ -217,13 +241,13 @@ def candidate_keys(batch: pa.Table) -> pa.Table:
     return pa.table({"part": pa.array(routes[:, 0] >> ROW_BITS), "key": pa.array(routes[:, 0]), "dest": pa.array(routes[:, 1])})
 
 
-def read_documents(path: str, keys: np.ndarray, config: dict) -> tuple[pa.Table, list[np.ndarray]]:
+def read_documents(path: str, keys: np.ndarray, config: DedupConfig) -> tuple[pa.Table, list[np.ndarray]]:
     """Some documents of one part, by key (sorted, unique): their ids and sources, and their shingle sets."""
     table = pq.read_table(path, columns=["id", "source", "text"]).take(pa.array(keys & ((1 << ROW_BITS) - 1)))
-    return table.select(["id", "source"]), hasher(DedupConfig(**config)).shingle_sets(table["text"].to_pylist())
+    return table.select(["id", "source"]), hasher(config).shingle_sets(table["text"].to_pylist())
 
 
-def shingle_rows(group: pa.Table, paths: list[str], config: dict) -> pa.Table:
+def shingle_rows(group: pa.Table, paths: list[str], config: DedupConfig) -> pa.Table:
     """The candidate documents of one part -> for each part that verifies one of their pairs elsewhere, their
     id, source and shingle set, read from this part alone. A document verified only here gets one row
     (part -1, nothing in it) so that `first` counts every candidate document once."""
@@ -254,7 +278,7 @@ def pairs_keyed(batch: pa.Table) -> pa.Table:
                      "first": pa.array(np.zeros(n, np.int64))}, schema=JOIN_SCHEMA)
 
 
-def verify(group: pa.Table, paths: list[str], config: dict) -> pa.Table:
+def verify(group: pa.Table, paths: list[str], config: DedupConfig) -> pa.Table:
     """One part's pairs (each once, though several bands may have proposed it) and the shingle sets of
     their second documents held elsewhere -> each pair's exact Jaccard. The part's own documents are
     read from the part; a pair is written (a, b) in (id, source) order."""
@@ -547,12 +571,22 @@ def assemble_on_ray(graph, labels, grouped, partitions: int, priority: dict[str,
 # --------------------------------------------------------------------------- 6: output
 
 
-def filter_task(task: dict) -> dict:
+@dataclass(frozen=True)
+class FilterTask:
+    """One part of normalize's output, written by `filter_task` without the rows dedup removed."""
+    path: str
+    part: int
+    stem: str  # of the part files it writes
+    removed: dict[str, str]  # reason -> the folder of the rows removed for it, by part (write_by_part)
+    output: str
+
+
+def filter_task(task: FilterTask) -> dict:
     """One part minus its removed rows (by row number, against the part's sorted array), a row group at a time."""
-    by_reason = {reason: removed_rows(Path(folder), task["part"]) for reason, folder in task["removed"].items()}
+    by_reason = {reason: removed_rows(Path(folder), task.part) for reason, folder in task.removed.items()}
     gone = np.sort(np.concatenate(list(by_reason.values())))
-    docs = Parts(task["output"], task["stem"], DOCUMENT_SCHEMA)
-    parquet, start = pq.ParquetFile(task["path"]), 0
+    docs = Parts(task.output, task.stem, DOCUMENT_SCHEMA)
+    parquet, start = pq.ParquetFile(task.path), 0
     for i in range(parquet.num_row_groups):
         table = parquet.read_row_group(i)
         keep = np.ones(table.num_rows, dtype=bool)
@@ -569,7 +603,6 @@ def run(ctx: StageContext) -> StageResult:
     import ray.data
 
     cfg: DedupConfig = ctx.section
-    config = dataclasses.asdict(cfg)
     bands, rows = (cfg.bands, cfg.rows) if cfg.bands else choose_banding(cfg.num_perm, cfg.threshold)
     parts = input_parts(ctx.inputs, "normalize")
     if not parts:  # normalize kept nothing
@@ -588,12 +621,11 @@ def run(ctx: StageContext) -> StageResult:
         shuffled[phase] = shuffled.get(phase, 0) + size
         return groupby(ds, "part", size, ctx.config.ray, num_partitions=max(1, -(-size // PARTITION_BYTES)))
 
-    def tasks(out: str, **extra) -> list[dict]:
-        return [{"path": p, "part": i, "out": str(work / out), "partitions": partitions, "eval": i >= first_eval, **extra}
-                for i, p in enumerate(parts)]
+    def tasks(kind: type[PartTask], out: str, **extra) -> list[PartTask]:
+        return [kind(p, i, str(work / out), partitions, i >= first_eval, **extra) for i, p in enumerate(parts)]
 
     with Bar("dedup", "phases", 6) as bar:  # exact; bands and candidates; candidate documents; verification; components; output
-        run_tasks(index_task, tasks("index", priority=priority))
+        run_tasks(index_task, tasks(IndexTask, "index", priority=priority))
         exact = work / "exact"
         grouped(ray.data.read_parquet(str(work / "index")), "exact").map_groups(exact_groups, batch_format="pyarrow") \
             .write_parquet(str(exact))
@@ -604,7 +636,7 @@ def run(ctx: StageContext) -> StageResult:
                                                fn_kwargs={"folder": str(work / "exact_rows")}).materialize()
         bar.update()
 
-        run_tasks(band_task, tasks("bands", config=config, bands=bands, rows=rows, exact=str(work / "exact_rows")))
+        run_tasks(band_task, tasks(BandTask, "bands", config=cfg, bands=bands, rows=rows, exact=str(work / "exact_rows")))
         grouped(ray.data.read_parquet(str(work / "bands")), "candidates").map_groups(candidate_pairs, batch_format="pyarrow") \
             .write_parquet(str(work / "pairs"))
         bar.update()
@@ -614,14 +646,14 @@ def run(ctx: StageContext) -> StageResult:
             pairs = ray.data.read_parquet(str(work / "pairs"))
             which = pairs.map_batches(candidate_keys, batch_format="pyarrow")
             grouped(which, "candidate documents").map_groups(shingle_rows, batch_format="pyarrow",
-                                                             fn_kwargs={"paths": parts, "config": config}) \
+                                                             fn_kwargs={"paths": parts, "config": cfg}) \
                 .write_parquet(str(work / "shingles"))
             candidate_documents = ray.data.read_parquet(str(work / "shingles"), columns=["first"]).sum("first") or 0
             bar.update()
             sent = ray.data.read_parquet(str(work / "shingles")).map_batches(
                 lambda b: b.filter(pc.greater_equal(b["part"], 0)), batch_format="pyarrow")
             grouped(pairs.map_batches(pairs_keyed, batch_format="pyarrow").union(sent), "verification") \
-                .map_groups(verify, batch_format="pyarrow", fn_kwargs={"paths": parts, "config": config}) \
+                .map_groups(verify, batch_format="pyarrow", fn_kwargs={"paths": parts, "config": cfg}) \
                 .write_parquet(str(candidates))
         bar.update_to(4)
 
@@ -657,8 +689,8 @@ def run(ctx: StageContext) -> StageResult:
         bar.update()
 
         counts: collections.Counter = collections.Counter()
-        for result in run_tasks(filter_task, [{"path": p, "part": i, "stem": Path(p).stem, "removed": removed,
-                                               "output": str(ctx.output)} for i, p in enumerate(training)]):
+        for result in run_tasks(filter_task, [FilterTask(p, i, Path(p).stem, removed, str(ctx.output))
+                                              for i, p in enumerate(training)]):
             counts.update(result)
         bar.update()
     check_written(folders[DUPLICATE], counts[DUPLICATE], "duplicates removed")
@@ -704,7 +736,8 @@ def _log_histogram(sizes: dict[int, int], ctx: StageContext) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    from mlflow import MlflowClient
+
+    from core.tracking import StageRun
 
     fig, ax = plt.subplots(figsize=(6, 4))
     ax.bar([str(k) for k in sorted(sizes)], [sizes[k] for k in sorted(sizes)])
@@ -712,5 +745,5 @@ def _log_histogram(sizes: dict[int, int], ctx: StageContext) -> None:
     ax.set_ylabel("clusters")
     ax.set_title("near-duplicate clusters (kept one of each)")
     fig.tight_layout()
-    MlflowClient(ctx.config.mlflow.tracking_uri).log_figure(ctx.mlflow_run_id, fig, "cluster_sizes.png")
+    StageRun(ctx.config.mlflow.tracking_uri, ctx.mlflow_run_id).log_figure(fig, "cluster_sizes.png")
     plt.close(fig)

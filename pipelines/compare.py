@@ -1,9 +1,7 @@
 """Data ablations side by side: `python pipelines/compare.py [--config C] [--experiment E] [NAME ...]`.
 
 An ablation is every pipeline run tagged with its name (`full.py --ablation NAME`; "base" for the
-config file as it is). For each ablation and stage, the newest stage run among its pipeline runs
-counts (ran or cache hit: a cache hit logs the counts of the output it reuses), so an ablation
-built over several invocations (`--only dedup`, then the rest) is still one column.
+config file as it is), read from MLflow by pipelines/ablations.py: one column each.
 
 The first table: rows in and out and every reason rows left, per stage; the subsets the screen
 dropped; tokens per source; final training loss (labelled: each ablation's own data, so not a
@@ -19,7 +17,8 @@ many-to-one setting: more ablations, more degrees of freedom), Welch's otherwise
 family-wise error rate for each ablation (Bonferroni over its rows), so that a null ablation says
 `within noise` on all of its rows 95% of the time. Runs identical to base's, bit for bit, are
 `within noise` and left out of the pooled spread. One seed gives no interval and no verdict.
-Runs evaluated on different sets (their `eval.fingerprint` tags differ) are refused.
+Runs evaluated on different sets (their `eval.fingerprint` tags differ) are refused. The statistics are
+core/stats.py's, the screen's too.
 
 The PNG: bits per byte per row with the intervals, and each ablation's training loss against the step.
 
@@ -30,7 +29,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from dataclasses import dataclass, field
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the project importable without installing
@@ -38,146 +36,20 @@ if __package__ in (None, ""):  # run as a script: make the project importable wi
 
 import numpy as np
 
-from core.config import ConfigError, load_config
-from pipelines.stages import CHECKS, STAGES
+from core import stats
+from core.stats import Difference
+from pipelines.ablations import Ablation, Unreadable, read
+from pipelines.stages import STAGES
 
 
 TRAIN_LOSS_ROW = "train final loss (own data: not comparable)"
 ALPHA = 0.05  # the table's family-wise error rate
+# A difference in bits per byte from the base: above 0 is worse, below better (core.stats.side).
+VERDICT = {stats.ABOVE: "worse", stats.BELOW: "better", stats.WITHIN: "within noise"}
 
 
-class Incomparable(ValueError):
-    """Ablations that were not evaluated on the same held-out set."""
-
-
-@dataclass
-class Ablation:
-    name: str
-    diff: str
-    pipeline_runs: list[str] = field(default_factory=list)
-    stages: dict[str, object] = field(default_factory=dict)  # stage -> its newest MLflow run
-    loss: list[tuple[int, float]] = field(default_factory=list)  # (step, training loss)
-    fingerprint: str | None = None  # the evaluation set's (the train run's `eval.fingerprint` tag)
-    bpb: dict[str, list[float]] = field(default_factory=dict)  # row ("" for the whole set) -> one value per seed
-    seeds: list[int] = field(default_factory=list)
-
-
-def collect(client, experiment_id: str, names: list[str] | None) -> list[Ablation]:
-    """The ablations of an experiment (all, or those named, in that order), newest stage runs first."""
-    parents = client.search_runs([experiment_id], "tags.kind = 'pipeline'", order_by=["attributes.start_time DESC"],
-                                 max_results=5000)
-    found: dict[str, Ablation] = {}
-    for run in parents:
-        name = run.data.tags.get("ablation")
-        if name is None:
-            continue
-        ablation = found.setdefault(name, Ablation(name, run.data.tags.get("ablation.diff", "")))
-        ablation.pipeline_runs.append(run.info.run_id)
-    if names:
-        missing = [n for n in names if n not in found]
-        if missing:
-            raise LookupError(f"no pipeline run tagged ablation={missing[0]!r}; there are: {', '.join(sorted(found)) or 'none'}")
-        chosen = [found[n] for n in names]
-    else:
-        chosen = sorted(found.values(), key=lambda a: (a.name != "base", a.name))
-    for ablation in chosen:
-        for parent in ablation.pipeline_runs:  # newest first: the first run of a stage found is the one shown
-            for run in client.search_runs([experiment_id], f"tags.mlflow.parentRunId = '{parent}'", max_results=1000):
-                stage = run.data.tags.get("stage")
-                if stage in {s.name for s in STAGES} and stage not in ablation.stages:
-                    ablation.stages[stage] = run
-        train = ablation.stages.get("train")
-        if train is not None:
-            source = train.data.tags.get("cached_from_run") if train.data.tags.get("cache_hit") == "true" else train.info.run_id
-            history = client.get_metric_history(source, "loss")
-            by_step = {m.step: m.value for m in sorted(history, key=lambda m: m.timestamp)}  # a redone step: its last value
-            ablation.loss = sorted(by_step.items())
-            tags = client.get_run(source).data.tags
-            ablation.fingerprint = tags.get("eval.fingerprint")
-            ablation.seeds = [int(s) for s in tags.get("eval.seeds", "").split(",") if s]
-            ablation.bpb = seed_values(train.data.metrics, ablation.seeds)
-    return chosen
-
-
-def seed_values(metrics: dict[str, float], seeds: list[int]) -> dict[str, list[float]]:
-    """`seed<s>/eval.bpb[.<row>]` metrics -> {row: [value for each seed]} (rows every seed has)."""
-    out: dict[str, list[float]] = {}
-    for seed in seeds:
-        prefix = f"seed{seed}/eval.bpb"
-        for key, value in metrics.items():
-            if key == prefix or key.startswith(prefix + "."):
-                out.setdefault(key[len(prefix) + 1:], []).append(value)
-    return {row: values for row, values in out.items() if len(values) == len(seeds)}
-
-
-def check_comparable(ablations: list[Ablation]) -> None:
-    """One evaluation set for every ablation with a training run, or Incomparable naming two that differ."""
-    trained = [a for a in ablations if a.stages.get("train") is not None]
-    for a in trained[1:]:
-        if a.fingerprint != trained[0].fingerprint:
-            raise Incomparable(f"{trained[0].name} was evaluated on eval.fingerprint={trained[0].fingerprint} and {a.name} on "
-                               f"eval.fingerprint={a.fingerprint}: different held-out sets (eval.* or normalize settings), "
-                               "so their bits per byte do not compare")
-
-
-@dataclass
-class Difference:
-    delta: float  # the ablation's mean minus the base's
-    half: float  # the half-width of its interval (nan: no interval)
-    verdict: str  # worse, better, within noise, or "no interval (...)"
-
-
-def interval(values: list[float], alpha: float) -> float:
-    """The half-width of the mean's two-sided (1 - alpha) Student t interval (nan under two values)."""
-    from scipy import stats
-
-    n = len(values)
-    if n < 2:
-        return float("nan")
-    return float(stats.t.ppf(1 - alpha / 2, n - 1) * np.std(values, ddof=1) / np.sqrt(n))
-
-
-def paired_noise(base: list[float], others: list[list[float]]) -> tuple[float, int]:
-    """The spread of the per-seed differences from the base, pooled over the ablations that ran the base's seeds
-    (each around its own mean difference, so their effects do not count): (sum of squares, degrees of freedom).
-    An ablation whose runs are the base's, bit for bit (a difference of 0 on every seed), tells nothing of the
-    noise and is left out."""
-    ss, df = 0.0, 0
-    for values in others:
-        d = np.subtract(values, base)
-        if len(d) >= 2 and np.any(d != 0):
-            ss += float(np.sum((d - d.mean()) ** 2))
-            df += len(d) - 1
-    return ss, df
-
-
-def difference(base: list[float], other: list[float], alpha: float, noise: tuple[float, int] | None = None) -> Difference:
-    """The ablation's difference from the base over seeds, its two-sided (1 - alpha) interval and the verdict.
-    With `noise` (paired_noise: the ablation ran the base's seeds), Student t over the per-seed differences
-    with that pooled spread; without, Welch's t over the two groups of seeds."""
-    from scipy import stats
-
-    delta = float(np.mean(other) - np.mean(base))
-    if noise is not None:
-        diffs = np.subtract(other, base)
-        if len(diffs) and not np.any(diffs != 0):
-            return Difference(0.0, 0.0, "within noise")  # the same runs
-        ss, df = noise
-        if df < 1:
-            return Difference(delta, float("nan"), "no interval (1 seed)")
-        half = float(stats.t.ppf(1 - alpha / 2, df) * np.sqrt(ss / df) / np.sqrt(len(diffs)))
-    else:
-        if min(len(base), len(other)) < 2:
-            return Difference(delta, float("nan"), "no interval (1 seed)")
-        va, vb = np.var(other, ddof=1) / len(other), np.var(base, ddof=1) / len(base)
-        se = float(np.sqrt(va + vb))
-        df = (va + vb) ** 2 / (va ** 2 / (len(other) - 1) + vb ** 2 / (len(base) - 1)) if se > 0 else 1.0
-        half = float(stats.t.ppf(1 - alpha / 2, df) * se)
-    if delta - half > 0:
-        return Difference(delta, half, "worse")
-    if delta + half < 0:
-        return Difference(delta, half, "better")
-    return Difference(delta, half, "within noise")
+def verdict(d: Difference) -> str:
+    return VERDICT.get(d.side, d.side)  # or why there is none ("no interval (1 seed)")
 
 
 def bpb_rows(ablations: list[Ablation]) -> list[str]:
@@ -198,10 +70,10 @@ def verdicts(scored: list[Ablation]) -> tuple[list[str], float, dict[str, dict[s
         if row not in base.bpb:
             continue
         paired = [a for a in others if a.seeds == base.seeds and row in a.bpb]
-        noise = paired_noise(base.bpb[row], [a.bpb[row] for a in paired])
+        noise = stats.paired_noise(base.bpb[row], [a.bpb[row] for a in paired])
         for a in others:
             if row in a.bpb:
-                out[a.name][row] = difference(base.bpb[row], a.bpb[row], alpha, noise if a in paired else None)
+                out[a.name][row] = stats.difference(base.bpb[row], a.bpb[row], alpha, noise if a in paired else None)
     return rows, alpha, out
 
 
@@ -220,11 +92,11 @@ def bpb_table(ablations: list[Ablation]) -> str:
         cells = [row or "all"]
         for a in scored:
             values = a.bpb.get(row)
-            half = interval(values, ALPHA) if values else float("nan")
+            half = stats.mean_interval(values, ALPHA) if values else float("nan")
             cells.append("-" if not values else f"{np.mean(values):.4f}" + (f"±{half:.4f}" if np.isfinite(half) else ""))
         for a in others:
             d = found[a.name].get(row)
-            cells += ["-", "-"] if d is None else [f"{d.delta:+.4f}" + (f"±{d.half:.4f}" if np.isfinite(d.half) else ""), d.verdict]
+            cells += ["-", "-"] if d is None else [f"{d.delta:+.4f}" + (f"±{d.half:.4f}" if np.isfinite(d.half) else ""), verdict(d)]
         body.append(cells)
     widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in [header, *body]]
@@ -315,7 +187,7 @@ def plot(ablations: list[Ablation], path: Path) -> Path | None:
     for k, a in enumerate(scored):
         x = np.arange(len(rows)) + (k - (len(scored) - 1) / 2) * 0.8 / max(1, len(scored))
         means = [np.mean(a.bpb[r]) if r in a.bpb else np.nan for r in rows]
-        halves = [interval(a.bpb[r], ALPHA) if r in a.bpb else np.nan for r in rows]
+        halves = [stats.mean_interval(a.bpb[r], ALPHA) if r in a.bpb else np.nan for r in rows]
         bars.errorbar(x, means, yerr=np.nan_to_num(halves), fmt="o", capsize=3, label=f"{a.name} ({len(a.seeds)} seeds)")
     bars.set_xticks(np.arange(len(rows)), [r or "all" for r in rows], rotation=60, ha="right", fontsize=8)
     bars.set_ylabel("bits per byte (held-out set)")
@@ -350,29 +222,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default="ablations.png", help="the loss-curve chart (default: ablations.png)")
     args = p.parse_args(argv)
     try:
-        config = load_config(args.config, [], args.workdir, checks=CHECKS)
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    from mlflow import MlflowClient
-
-    client = MlflowClient(args.tracking_uri or config.mlflow.tracking_uri)
-    experiment = client.get_experiment_by_name(args.experiment or config.mlflow.experiment)
-    if experiment is None:
-        print(f"error: no MLflow experiment {args.experiment or config.mlflow.experiment!r} in "
-              f"{args.tracking_uri or config.mlflow.tracking_uri}", file=sys.stderr)
-        return 2
-    try:
-        ablations = collect(client, experiment.experiment_id, args.names)
-    except LookupError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    if not ablations:
-        print(f"error: no pipeline runs in experiment {experiment.name!r}", file=sys.stderr)
-        return 2
-    try:
-        check_comparable(ablations)
-    except Incomparable as exc:
+        ablations = read(args.names, config=args.config, workdir=args.workdir, experiment=args.experiment,
+                         tracking_uri=args.tracking_uri)
+    except Unreadable as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(table(ablations))

@@ -112,7 +112,7 @@ def ablation_tags(args: argparse.Namespace, config: PipelineConfig) -> dict[str,
 
 def run(config: PipelineConfig, args: argparse.Namespace, only: list[str] | None, stages: list[Stage],
         ablation: dict[str, str]) -> int:
-    from core.engines import start_ray
+    from core.ray_session import start_ray
     from core.tracking import MlflowTracker
 
     ray_started: list[bool] = []

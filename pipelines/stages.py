@@ -37,22 +37,15 @@ def tokenizer_files_identity(tok: TokenizerConfig) -> list[list]:
 
 
 STAGES: tuple[Stage, ...] = (
-    Stage("ingest", (), ("ingest", "sources"), run=ingest.run, code=("corpus.ingest", "corpus.readers", "corpus.reddit", "corpus.parts", "core.storage"),
-          external=raw_files_identity),
-    Stage("normalize", ("ingest",), ("normalize", "eval"), run=normalize.run, code=("corpus.normalize", "corpus.evalset", "corpus.parts")),
-    Stage("dedup", ("normalize",), "dedup", run=dedup_stage.run, code=("dedup.stage", "dedup.minhash", "dedup.lsh", "corpus.evalset", "corpus.parts")),
+    # Each stage's code is its run function's module and every module of ours that it imports (core/imports.py).
+    Stage("ingest", (), ("ingest", "sources"), run=ingest.run, external=raw_files_identity),
+    Stage("normalize", ("ingest",), ("normalize", "eval"), run=normalize.run),
+    Stage("dedup", ("normalize",), "dedup", run=dedup_stage.run),
     Stage("screen", ("dedup",), "screen", run=screen_stage.run,
-          code=("screen.stage", "screen.mixture", "screen.score", "corpus.tokenize", "corpus.tokenizer", "corpus.parts",
-                "train.stage", "train.loop", "train.loader", "train.optim", "train.build", "train.parallel",
-                "train.plan.network", "train.plan.hardware", "model.opt", "model.configs"),
           external=lambda config: tokenizer_files_identity(config.screen.tokenizer)),
     # normalize's output too: a trained tokenizer is sampled from it, before dedup and the screen, so that their
     # ablations all get the same tokenizer; and its evaluation set, tokenized beside the training shards
     Stage("tokenize", ("screen", "normalize"), "tokenize", run=tokenize.run,
-          code=("corpus.tokenize", "corpus.tokenizer", "corpus.evalset", "corpus.parts"),
           external=lambda config: tokenizer_files_identity(config.tokenize.tokenizer)),
-    Stage("train", ("tokenize",), "train", run=train_stage.run, resumable=True,
-          code=("train.stage", "train.loop", "train.loader", "train.checkpoint", "train.optim", "train.autopilot",
-                "train.build", "train.parallel", "train.plan.network", "train.plan.hardware", "train.plot", "model.opt",
-                "model.configs", "model.hf", "screen.score")),
+    Stage("train", ("tokenize",), "train", run=train_stage.run, resumable=True),
 )

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import collections
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -43,9 +44,16 @@ SAMPLE_SCHEMA = pa.schema([("role", pa.string()), ("draw", pa.float64()), ("id",
                            ("subset", pa.string()), ("text", pa.string())])
 
 
-def census_task(task: dict) -> dict:
+@dataclass(frozen=True)
+class CensusTask:
+    """A run of row groups of one of dedup's parts, counted by `census_task`."""
+    path: str
+    row_groups: tuple[int, ...]
+
+
+def census_task(task: CensusTask) -> dict:
     """{"source\\0subset": [documents, text bytes]} of one run of row groups."""
-    table = pq.ParquetFile(task["path"]).read_row_groups(task["row_groups"], columns=["source", "subset", "text"])
+    table = pq.ParquetFile(task.path).read_row_groups(list(task.row_groups), columns=["source", "subset", "text"])
     sizes = pc.binary_length(pc.cast(table.column("text"), pa.binary())).to_numpy(zero_copy_only=False)
     out: dict = collections.defaultdict(lambda: [0, 0])
     for source, subset, size in zip(table.column("source").to_pylist(), table.column("subset").to_pylist(), sizes):
@@ -55,20 +63,33 @@ def census_task(task: dict) -> dict:
     return dict(out)
 
 
-def sample_task(task: dict) -> dict:
+@dataclass(frozen=True)
+class SampleTask:
+    """A run of row groups of one of dedup's parts, sampled by `sample_task` into `output` (SAMPLE_SCHEMA)."""
+    path: str
+    row_groups: tuple[int, ...]
+    stem: str  # of the part files it writes
+    output: str
+    seed: int
+    baseline_rate: float
+    subset_rates: dict[str, float]  # the screened subsets' rates (rates())
+    baseline_is_everything: bool
+
+
+def sample_task(task: SampleTask) -> dict:
     """The documents of one run of row groups that fall in the baseline's or their subset's sample."""
-    screened = set(task["subset_rates"])
-    out = Parts(task["output"], task["stem"], SAMPLE_SCHEMA)
-    rows = list(iter_rows(task["path"], columns=["id", "source", "subset", "text"], row_groups=task["row_groups"]))
-    _, draws = document_keys([r["source"] for r in rows], [r["id"] for r in rows], task["seed"])
+    screened = set(task.subset_rates)
+    out = Parts(task.output, task.stem, SAMPLE_SCHEMA)
+    rows = list(iter_rows(task.path, columns=["id", "source", "subset", "text"], row_groups=list(task.row_groups)))
+    _, draws = document_keys([r["source"] for r in rows], [r["id"] for r in rows], task.seed)
     counts: collections.Counter = collections.Counter()
     for row, draw in zip(rows, draws):
         draw = float(draw)
         key = row["subset"]
-        if draw < task["baseline_rate"] and (key not in screened or task["baseline_is_everything"]):
+        if draw < task.baseline_rate and (key not in screened or task.baseline_is_everything):
             out.add({"role": BASELINE, "draw": draw, **row}, len(row["text"]))
             counts[BASELINE] += 1
-        if key in screened and draw < task["subset_rates"][key]:
+        if key in screened and draw < task.subset_rates[key]:
             out.add({"role": key, "draw": draw, **row}, len(row["text"]))
             counts[key] += 1
     out.close()
@@ -123,14 +144,26 @@ def _take_tokens(tok, texts: list[str], budget: int) -> tuple[list[np.ndarray], 
     return out, total, docs
 
 
-def mixture_task(task: dict) -> dict:
-    """One mixture's token shards (train/00000.arrow + index.json) in task["output"]."""
-    tok = tokenizers.load(task["tokenizer"])
+@dataclass(frozen=True)
+class MixtureTask:
+    """One mixture `mixture_task` builds from the sample: the baseline's, or the baseline with `subset` up-weighted."""
+    subset: str  # BASELINE for the baseline mix
+    sample: str
+    tokens: int  # the mixture's size
+    seq_len: int
+    upweight: float
+    output: str
+    tokenizer: str  # the tokenizer file
+
+
+def mixture_task(task: MixtureTask) -> dict:
+    """One mixture's token shards (train/00000.arrow + index.json) in task.output."""
+    tok = tokenizers.load(task.tokenizer)
     vocab_size = tokenizers.padded_vocab_size(tok)
     dtype = np.dtype(token_dtype(vocab_size))
-    sample, budget, block = Path(task["sample"]), task["tokens"], task["seq_len"] + 1
-    subset = task["subset"]
-    share = 0 if subset == BASELINE else int(round(task["upweight"] * budget))
+    sample, budget, block = Path(task.sample), task.tokens, task.seq_len + 1
+    subset = task.subset
+    share = 0 if subset == BASELINE else int(round(task.upweight * budget))
     base, base_tokens, base_docs = _take_tokens(tok, _documents(sample, BASELINE), budget - share)
     extra, extra_tokens, extra_docs = [], 0, 0
     if share:
@@ -140,15 +173,15 @@ def mixture_task(task: dict) -> dict:
         extra, extra_tokens, extra_docs = _take_tokens(tok, texts, share)
     tokens = np.concatenate(base + extra) if base or extra else np.zeros(0, np.uint32)
     sequences = len(tokens) // block
-    output = Path(task["output"])
+    output = Path(task.output)
     rows = tokens[: sequences * block].astype(dtype).reshape(sequences, block)
     write_rows(output / "train" / "00000.arrow", rows)
     index = {
-        "format": FORMAT, "seq_len": task["seq_len"], "block": block, "dtype": dtype.name, "vocab_size": vocab_size,
-        "tokenizer": {"file": task["tokenizer"]}, "eos_id": tokenizers.EOS, "pad_id": tokenizers.PAD,
+        "format": FORMAT, "seq_len": task.seq_len, "block": block, "dtype": dtype.name, "vocab_size": vocab_size,
+        "tokenizer": {"file": task.tokenizer}, "eos_id": tokenizers.EOS, "pad_id": tokenizers.PAD,
         "sequences": sequences, "eval": {"units": []},  # proxies are scored on their grad norms, not evaluated
         "train": {"sequences": sequences, "tokens": int(len(tokens)), "shards": [{"file": "train/00000.arrow", "sequences": sequences}]},
-        "mixture": {"subset": subset, "upweight": task["upweight"] if share else 0.0,
+        "mixture": {"subset": subset, "upweight": task.upweight if share else 0.0,
                     "baseline": {"documents": base_docs, "tokens": base_tokens},
                     "subset_part": {"documents": extra_docs, "tokens": extra_tokens}},
     }

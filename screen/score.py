@@ -43,6 +43,8 @@ from pathlib import Path
 
 import numpy as np
 
+from core import stats
+
 BASELINE = "baseline"  # the baseline mix's name (a subset may not be called this)
 
 
@@ -174,14 +176,12 @@ def effects(scores: dict[str, dict[int, float]], baseline: dict[int, float]) -> 
 
 
 def decide(effects_by_subset: dict[str, list[float]], *, ratio: float, alpha: float, looks: int = 1) -> dict[str, Decision]:
-    """The outcome of every subset now, from its paired effects (a non-finite effect: dropped outright)."""
-    from scipy import stats
-
+    """The outcome of every subset now, from its paired effects (a non-finite effect: dropped outright): the
+    one-sided bounds at alpha / looks with the noise pooled over every subset (core/stats.py) against ln(ratio)."""
     line = math.log(ratio)
-    finite = {s: np.asarray(v, dtype=np.float64) for s, v in effects_by_subset.items() if np.all(np.isfinite(v))}
-    df = sum(len(v) - 1 for v in finite.values())
-    noise = math.sqrt(sum(float(((v - v.mean()) ** 2).sum()) for v in finite.values()) / df) if df > 0 else math.inf
-    quantile = float(stats.t.ppf(1 - alpha / looks, df)) if df > 0 else math.inf
+    finite = [v for v in effects_by_subset.values() if np.all(np.isfinite(v))]
+    ss, df = stats.pooled_spread(finite)
+    noise = math.sqrt(ss / df) if df > 0 else math.inf
     out = {}
     for subset, values in effects_by_subset.items():
         v = np.asarray(values, dtype=np.float64)
@@ -189,8 +189,8 @@ def decide(effects_by_subset: dict[str, list[float]], *, ratio: float, alpha: fl
             out[subset] = Decision(subset, DROP, len(v), math.inf, math.inf, math.inf, line, noise, df)
             continue
         mean = float(v.mean())
-        half = quantile * noise / math.sqrt(len(v)) if math.isfinite(noise) else math.inf
-        outcome = DROP if mean - half > line else KEEP if mean + half < line else INCONCLUSIVE
+        half = stats.half_width(ss, df, len(v), alpha / looks)
+        outcome = {stats.ABOVE: DROP, stats.BELOW: KEEP, stats.WITHIN: INCONCLUSIVE}[stats.side(mean - half, mean + half, line)]
         out[subset] = Decision(subset, outcome, len(v), mean, mean - half, mean + half, line, noise, df)
     return out
 

@@ -34,7 +34,7 @@ from pathlib import Path
 
 from corpus.parts import DOCUMENT_SCHEMA, DROPPED_SCHEMA, Parts, check_read, check_written, input_parts, iter_rows, \
     parquet_bytes, parquet_files, row_group_ranges, run_tasks, task_bytes
-from corpus.tokenize import tokenizer_task
+from corpus.tokenize import TokenizerTask, tokenizer_task
 from corpus import tokenizer as tokenizers
 from core.config import AutopilotConfig, PipelineConfig, ScreenConfig, TrainConfig
 from core.console import Bar
@@ -71,7 +71,7 @@ def run(ctx: StageContext) -> StageResult:
     parts = input_parts(ctx.inputs, "dedup")
     ranges = row_group_ranges(parts, task_bytes(parquet_bytes(parts), TASK_BYTES))
     census: dict[tuple[str, str], list[int]] = {}
-    for result in run_tasks(mixture.census_task, [{"path": p, "row_groups": g} for p, g in ranges]):
+    for result in run_tasks(mixture.census_task, [mixture.CensusTask(p, tuple(g)) for p, g in ranges]):
         for key, (docs, size) in result.items():
             entry = census.setdefault(tuple(key.split("\0")), [0, 0])
             entry[0] += docs
@@ -153,18 +153,16 @@ def measure(ctx: StageContext, ranges, census, screened: list[str]) -> tuple[dic
     base_rate, sub_rates = mixture.rates(census, screened, mixture_tokens * mixture.BYTES_PER_TOKEN, cfg.upweight)
     sample = ctx.folder / "sample"
     t0 = time.perf_counter()
-    run_tasks(mixture.sample_task, [{"path": p, "row_groups": g, "stem": f"{Path(p).stem}-{g[0]:05d}", "output": str(sample),
-                                     "seed": cfg.seed, "baseline_rate": base_rate, "subset_rates": sub_rates,
-                                     "baseline_is_everything": mixture.baseline_is_everything(census, screened)}
-                                    for p, g in ranges])
+    everything = mixture.baseline_is_everything(census, screened)
+    run_tasks(mixture.sample_task, [mixture.SampleTask(p, tuple(g), f"{Path(p).stem}-{g[0]:05d}", str(sample), cfg.seed,
+                                                       base_rate, sub_rates, everything) for p, g in ranges])
     tok_dir = ctx.folder / "tokenizer"
-    run_tasks(tokenizer_task, [{"tokenizer": dataclasses.asdict(cfg.tokenizer), "parts": parquet_files(sample),
-                                "seed": cfg.seed, "output": str(tok_dir)}])
+    run_tasks(tokenizer_task, [TokenizerTask(cfg.tokenizer, cfg.seed, tuple(parquet_files(sample)), str(tok_dir))])
     names = [BASELINE] + screened
     mixtures = {name: ctx.folder / "mixtures" / slug(name) for name in names}
-    built = run_tasks(mixture.mixture_task, [{"subset": name, "sample": str(sample), "tokens": mixture_tokens,
-                                              "seq_len": seq_len, "upweight": cfg.upweight, "output": str(mixtures[name]),
-                                              "tokenizer": str(tok_dir / tokenizers.FILE)} for name in names])
+    built = run_tasks(mixture.mixture_task, [mixture.MixtureTask(name, str(sample), mixture_tokens, seq_len, cfg.upweight,
+                                                                 str(mixtures[name]), str(tok_dir / tokenizers.FILE))
+                                             for name in names])
     info = dict(zip(names, built))
     for name, found in info.items():
         ctx.log.info("mixture %s: %s", name, found)
@@ -197,33 +195,26 @@ def measure(ctx: StageContext, ranges, census, screened: list[str]) -> tuple[dic
 def run_proxies(ctx: StageContext, pool: ProxyJobs, jobs: list[dict]) -> None:
     """A round's proxy runs on the screen's jobs (screen/proxies.py); every proxy run gets a nested MLflow
     run under the stage's, and its score when it is done."""
-    from mlflow import MlflowClient
-
-    from mlflow.entities import Metric
-
-    from core.tracking import log_params
+    from core.tracking import StageRun
     from train.loop.config import loop_config
 
     cfg: ScreenConfig = ctx.section
-    client = MlflowClient(ctx.config.mlflow.tracking_uri)
-    parent = client.get_run(ctx.mlflow_run_id)
-    inherited = {k: v for k, v in parent.data.tags.items() if k == "ablation" or k.startswith("ablation.")}
+    stage_run = StageRun(ctx.config.mlflow.tracking_uri, ctx.mlflow_run_id)
+    inherited = {k: v for k, v in stage_run.tags().items() if k == "ablation" or k.startswith("ablation.")}
     held_out = ctx.inputs["dedup"].get("eval") or {}
     if held_out.get("fingerprint"):  # the evaluation set its corpus was drawn beside (normalize's, via dedup)
         inherited["eval.fingerprint"] = held_out["fingerprint"]
     items = []
     for job in jobs:
         role = "baseline" if job["subset"] == BASELINE else "candidate"
-        run = client.create_run(parent.info.experiment_id, run_name=f"screen {job['subset']} seed {job['seed']}", tags={
-            "mlflow.parentRunId": ctx.mlflow_run_id, "stage": "screen.proxy", "subset": job["subset"],
-            "seed": str(job["seed"]), "role": role, **inherited})
-        job["run_id"] = run.info.run_id
-        log_params(client, run.info.run_id, {"proxy": dataclasses.asdict(cfg.proxy), "steps": cfg.steps,
-                                             "seed": job["seed"], "upweight": cfg.upweight, "mixture": job["info"]})
+        job["run_id"] = stage_run.child(f"screen {job['subset']} seed {job['seed']}", tags={
+            "stage": "screen.proxy", "subset": job["subset"], "seed": str(job["seed"]), "role": role, **inherited},
+            params={"proxy": dataclasses.asdict(cfg.proxy), "steps": cfg.steps, "seed": job["seed"],
+                    "upweight": cfg.upweight, "mixture": job["info"]})
         job["folder"].mkdir(parents=True, exist_ok=True)
         items.append({"key": f"{job['subset']} seed {job['seed']}", "config": loop_config(
             proxy_train_config(cfg, job["seed"]), job["shards"], job["folder"], export_dir=None,
-            tracking_uri=ctx.config.mlflow.tracking_uri, mlflow_run_id=run.info.run_id)})
+            tracking_uri=ctx.config.mlflow.tracking_uri, mlflow_run_id=job["run_id"])})
 
     runs = {item["key"]: job["folder"] for item, job in zip(items, jobs)}
     with Bar("screen", "proxy steps", len(jobs) * cfg.steps) as bar, Follower("screen", runs, bar):
@@ -231,7 +222,7 @@ def run_proxies(ctx: StageContext, pool: ProxyJobs, jobs: list[dict]) -> None:
             pool.run(items)
         except Exception:
             for job in jobs:
-                client.set_terminated(job["run_id"], "FAILED")
+                stage_run.finish(job["run_id"], "FAILED")
             raise
     for job in jobs:
         batches, grad_norms = score.read_run(job["folder"] / "metrics.jsonl")
@@ -239,34 +230,40 @@ def run_proxies(ctx: StageContext, pool: ProxyJobs, jobs: list[dict]) -> None:
             mixture.subset_shares(job["shards"], batches, job["global_batch"], job["seed"])
         job["score"] = score.roughness(batches, grad_norms, shares, burn_in=cfg.burn_in, spike_ratio=cfg.spike_ratio)
         ctx.log.info("proxy %s seed %d: %s", job["subset"], job["seed"], job["score"])
-        now = int(time.time() * 1000)
-        client.log_batch(job["run_id"], metrics=[Metric(f"spike.{key}", float(value), now, 0)
-                                                 for key, value in job["score"].to_dict().items()])
-        client.set_terminated(job["run_id"], "FINISHED")
+        stage_run.log_metrics(job["run_id"], {f"spike.{key}": value for key, value in job["score"].to_dict().items()})
+        stage_run.finish(job["run_id"])
 
 
 def track_decisions(ctx: StageContext, decisions: dict[str, score.Decision], runs: list[dict]) -> None:
     """Each subset's outcome as a tag of the stage's MLflow run (decision.<subset>), and screen.png."""
-    from mlflow import MlflowClient
-
-    from core.tracking import metric_name
+    from core.tracking import StageRun, metric_name
     from screen.chart import decision_chart
 
-    client = MlflowClient(ctx.config.mlflow.tracking_uri)
+    stage_run = StageRun(ctx.config.mlflow.tracking_uri, ctx.mlflow_run_id)
     for subset, d in decisions.items():
-        client.set_tag(ctx.mlflow_run_id, metric_name(f"decision.{subset}"), d.outcome)
-    path = decision_chart(decisions, runs, ctx.folder, ctx.folder / "screen.png")
-    client.log_artifact(ctx.mlflow_run_id, str(path))
+        stage_run.set_tag(metric_name(f"decision.{subset}"), d.outcome)
+    stage_run.log_artifact(decision_chart(decisions, runs, ctx.folder, ctx.folder / "screen.png"))
 
 
-def filter_task(task: dict) -> dict:
+@dataclasses.dataclass(frozen=True)
+class FilterTask:
+    """A run of row groups of one of dedup's parts, split by `filter_task` into kept and dropped documents."""
+    path: str
+    row_groups: tuple[int, ...]
+    stem: str  # of the part files it writes
+    drop: dict[str, str]  # subset -> why its documents are dropped
+    output: str
+    dropped: str
+
+
+def filter_task(task: FilterTask) -> dict:
     """One run of row groups of dedup's documents: kept ones to the output, dropped subsets' to dropped/."""
-    docs = Parts(task["output"], task["stem"], DOCUMENT_SCHEMA)
-    dropped = Parts(task["dropped"], task["stem"], DROPPED_SCHEMA)
+    docs = Parts(task.output, task.stem, DOCUMENT_SCHEMA)
+    dropped = Parts(task.dropped, task.stem, DROPPED_SCHEMA)
     counts = {"rows_in": 0, "rows_out": 0, "dropped": 0}
-    for row in iter_rows(task["path"], row_groups=task["row_groups"]):
+    for row in iter_rows(task.path, row_groups=list(task.row_groups)):
         counts["rows_in"] += 1
-        reason = task["drop"].get(row["subset"])
+        reason = task.drop.get(row["subset"])
         if reason is None:
             docs.add(row, len(row["text"]))
             counts["rows_out"] += 1
@@ -281,8 +278,8 @@ def filter_task(task: dict) -> dict:
 
 
 def filter_documents(ctx: StageContext, ranges, drop: dict[str, str]) -> dict[str, int]:
-    tasks = [{"path": p, "row_groups": g, "stem": f"{Path(p).stem}-{g[0]:05d}", "drop": drop,
-              "output": str(ctx.output), "dropped": str(ctx.aside("dropped"))} for p, g in ranges]
+    tasks = [FilterTask(p, tuple(g), f"{Path(p).stem}-{g[0]:05d}", drop, str(ctx.output), str(ctx.aside("dropped")))
+             for p, g in ranges]
     counts: dict[str, int] = {"rows_in": 0, "rows_out": 0, "dropped": 0}
     for result in run_tasks(filter_task, tasks):
         for key, value in result.items():

@@ -25,7 +25,7 @@ def ray_session():
 
     import minipipeline
 
-    from core.engines import init_ray
+    from core.ray_session import init_ray
 
     # Test-only stage code lives in tests/, which Ray workers cannot import: ship it by value.
     ray.cloudpickle.register_pickle_by_value(minipipeline)

@@ -2,7 +2,7 @@
 
 core/ is the ground: it imports no stage package and nothing of model/ or pipelines/. model/ is a library
 that imports nothing of ours but itself. The stage packages (corpus, dedup, screen, train) never import
-pipelines/, the top. And no function in train/ runs past MAX_FUNCTION_LINES.
+pipelines/, the top. And no function of ours runs past MAX_FUNCTION_LINES (one, until its issue splits it).
 """
 
 from __future__ import annotations
@@ -80,8 +80,17 @@ def long_functions(package: str, limit: int = MAX_FUNCTION_LINES) -> list[str]:
     return found
 
 
-def test_no_function_in_train_is_longer_than_80_lines():
-    assert long_functions("train") == []
+# dedup/stage.py's run is split by phase with the dedup-at-scale issue, which rewrites that file: until then it is
+# the one function allowed past the limit (and only while it is).
+TOO_LONG_UNTIL_SPLIT = {"dedup/stage.py run"}
+
+
+def test_no_function_of_ours_is_longer_than_80_lines():
+    """Every package, the sample generator included (benchmarks and tests are scripts, not the product)."""
+    found = [f for package in sorted(OURS) for f in long_functions(package)]
+    excused = [f for f in found if f"{f.split(':')[0]} {f.split(' ')[1]}" in TOO_LONG_UNTIL_SPLIT]
+    assert [f for f in found if f not in excused] == []
+    assert len(excused) == len(TOO_LONG_UNTIL_SPLIT), f"{TOO_LONG_UNTIL_SPLIT} is short enough now: drop it from the list"
 
 
 @pytest.mark.parametrize("limit, expected", [(3, []), (2, ["f is 3 lines"])])
@@ -90,3 +99,13 @@ def test_the_length_rule_counts_from_def_to_last_line(tmp_path, monkeypatch, lim
     (tmp_path / "pkg" / "m.py").write_text("def f():\n    x = 1\n    return x\n")
     monkeypatch.setattr(sys.modules[__name__], "ROOT", tmp_path)
     assert [line.split(" ", 1)[1].rsplit(" (", 1)[0] for line in long_functions("pkg", limit)] == expected
+
+
+def test_ray_tasks_are_typed_records_not_dicts():
+    """A task is a frozen dataclass built on the driver (corpus.parts.run_tasks): no `task["key"]` in our code, where
+    a misspelt key would fail inside a Ray worker."""
+    found = [f"{path.relative_to(ROOT)}:{node.lineno}" for package in sorted(OURS) for path in sources(package)
+             for node in ast.walk(ast.parse(path.read_text(), str(path)))
+             if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id == "task"
+             and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str)]
+    assert found == []

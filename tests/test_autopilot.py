@@ -7,7 +7,7 @@ import math
 import random
 
 from core.config import AutopilotConfig
-from train.autopilot import Detectors, Incident, Logbook, SimulatedScaler, State, apply_to_state, decide
+from train.autopilot_policy import Detectors, Incident, Logbook, SimulatedScaler, State, apply_to_state, decide
 
 
 def clean(steps: int, seed: int = 0):

@@ -12,7 +12,7 @@ import torch
 
 from model.configs import get
 from model.opt import OPT
-from train import checkpoint
+from train import checkpoint_files
 from train.optim import Schedule, adamw, deepspeed_config, param_groups
 
 
@@ -50,10 +50,10 @@ def test_save_verify_fall_back_and_prune(engine_factory, tmp_path, caplog):
     saved = {}
     for step in (1, 2, 3):
         train_step(engine, step)
-        path = checkpoint.save(engine, tmp_path, step, {"loader": {"epoch": 0, "step": step}, "health": {"healthy": step == 1}}).wait()
+        path = checkpoint_files.save(engine, tmp_path, step, {"loader": {"epoch": 0, "step": step}, "health": {"healthy": step == 1}}).wait()
         saved[step] = weights(engine)
-        assert path.name == f"step-{step:08d}" and checkpoint.verify(path) is None
-    meta = checkpoint.read_meta(tmp_path / "step-00000003")
+        assert path.name == f"step-{step:08d}" and checkpoint_files.verify(path) is None
+    meta = checkpoint_files.read_meta(tmp_path / "step-00000003")
     assert meta["step"] == 3 and meta["loader"] == {"epoch": 0, "step": 3} and meta["world_size"] == 1
     assert any(name.startswith("ds/") for name in meta["files"]) and "rng-rank00000.pt" in meta["files"]
     # Every file is listed with the rank that wrote and hashed it: here rank 0, DeepSpeed's `latest` and
@@ -71,36 +71,36 @@ def test_save_verify_fall_back_and_prune(engine_factory, tmp_path, caplog):
     skipped = []
     fresh = engine_factory(seed=1)
     with caplog.at_level(logging.WARNING):
-        loaded = checkpoint.load_latest(fresh, tmp_path, on_skip=skipped.append)
+        loaded = checkpoint_files.load_latest(fresh, tmp_path, on_skip=skipped.append)
     assert loaded["step"] == 2 and torch.equal(weights(fresh), saved[2])
     assert skipped == [f"step-00000003: ds/{model_file.name} does not match its SHA-256 in meta.json"]
     assert "skipping checkpoint step-00000003" in caplog.text
     # With two ranks, each checks the files of its own number: the corrupt one is rank 0's to find.
-    assert checkpoint.verify(tmp_path / "step-00000003", rank=1, world=2) is None
-    assert "does not match" in checkpoint.verify(tmp_path / "step-00000003", rank=0, world=2)
+    assert checkpoint_files.verify(tmp_path / "step-00000003", rank=1, world=2) is None
+    assert "does not match" in checkpoint_files.verify(tmp_path / "step-00000003", rank=0, world=2)
 
     # A checkpoint without its meta.json is partial: the one before it is loaded.
     (tmp_path / "step-00000002" / "meta.json").unlink()
-    loaded = checkpoint.load_latest(engine_factory(seed=2), tmp_path, on_skip=skipped.append)
+    loaded = checkpoint_files.load_latest(engine_factory(seed=2), tmp_path, on_skip=skipped.append)
     assert loaded["step"] == 1 and "step-00000002: no readable meta.json" in skipped
 
     # Keep the newest K and the newest healthy ones.
-    assert checkpoint.prune(tmp_path, keep=1, keep_healthy=1) == ["step-00000002"]
-    assert [p.name for p in checkpoint.published(tmp_path)] == ["step-00000003", "step-00000001"]
-    assert checkpoint.load_latest(engine_factory(seed=3), tmp_path / "nothing") is None
+    assert checkpoint_files.prune(tmp_path, keep=1, keep_healthy=1) == ["step-00000002"]
+    assert [p.name for p in checkpoint_files.published(tmp_path)] == ["step-00000003", "step-00000001"]
+    assert checkpoint_files.load_latest(engine_factory(seed=3), tmp_path / "nothing") is None
 
 
 def test_resume_continues_rng_and_optimizer_exactly(engine_factory, tmp_path):
     a = engine_factory()
     a.train()
     train_step(a, 1)
-    checkpoint.save(a, tmp_path, 1, {})
+    checkpoint_files.save(a, tmp_path, 1, {})
     train_step(a, 2)
     after = weights(a)
     b = engine_factory(seed=9)  # another init, another RNG state: both come back from the checkpoint
     b.train()
     torch.rand(3)
-    checkpoint.load_latest(b, tmp_path)
+    checkpoint_files.load_latest(b, tmp_path)
     train_step(b, 2)  # dropout masks and Adam moments as in a's second step
     assert torch.equal(weights(b), after)
 
@@ -113,7 +113,7 @@ def test_a_background_save_holds_the_state_at_the_call_and_a_failed_write_leaves
     a = engine_factory()
     a.train()
     train_step(a, 1)
-    checkpoint.save(a, tmp_path, 1, {}).wait()
+    checkpoint_files.save(a, tmp_path, 1, {}).wait()
     train_step(a, 2)
     at_save = weights(a)
     gate, real_save = threading.Event(), torch.save
@@ -123,15 +123,15 @@ def test_a_background_save_holds_the_state_at_the_call_and_a_failed_write_leaves
         real_save(obj, path, *args, **kwargs)
 
     monkeypatch.setattr(torch, "save", held_save)
-    write = checkpoint.save(a, tmp_path, 2, {"loader": {"step": 2}}, background=True)
+    write = checkpoint_files.save(a, tmp_path, 2, {"loader": {"step": 2}}, background=True)
     train_step(a, 3)  # the thread has written nothing yet: the tensors it holds are copies
     after_3 = weights(a)
-    assert [p.name for p in checkpoint.published(tmp_path)] == ["step-00000001"]
+    assert [p.name for p in checkpoint_files.published(tmp_path)] == ["step-00000001"]
     gate.set()
     assert write.wait().name == "step-00000002" and write.seconds > 0
     b = engine_factory(seed=9)
     b.train()
-    assert checkpoint.load_latest(b, tmp_path)["loader"] == {"step": 2}
+    assert checkpoint_files.load_latest(b, tmp_path)["loader"] == {"step": 2}
     assert torch.equal(weights(b), at_save)
     train_step(b, 3)  # Adam's moments and the RNG as they were at the call
     assert torch.equal(weights(b), after_3)
@@ -145,13 +145,13 @@ def test_a_background_save_holds_the_state_at_the_call_and_a_failed_write_leaves
         real_save(obj, path, *args, **kwargs)
 
     monkeypatch.setattr(torch, "save", failing_save)
-    write = checkpoint.save(a, tmp_path, 3, {}, background=True)
+    write = checkpoint_files.save(a, tmp_path, 3, {}, background=True)
     with pytest.raises(RuntimeError, match="checkpoint step-00000003 was not written: OSError"):
         write.wait()
     monkeypatch.setattr(torch, "save", real_save)
-    assert [p.name for p in checkpoint.published(tmp_path)] == ["step-00000002", "step-00000001"]
+    assert [p.name for p in checkpoint_files.published(tmp_path)] == ["step-00000002", "step-00000001"]
     assert (tmp_path / ".tmp-step-00000003").is_dir() and written
-    assert checkpoint.load_latest(engine_factory(seed=5), tmp_path)["step"] == 2
+    assert checkpoint_files.load_latest(engine_factory(seed=5), tmp_path)["step"] == 2
 
 
 def test_schedule_is_opt_s():
@@ -194,9 +194,9 @@ def test_a_gpus_rng_state_goes_into_the_checkpoint_and_back(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_rng_state", lambda device="cuda": device_state.clone())
     monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device="cuda": restored.append(state))
-    state = checkpoint.rng_state()
+    state = checkpoint_files.rng_state()
     assert torch.equal(state["cuda"], device_state)
-    checkpoint.set_rng_state(state)
+    checkpoint_files.set_rng_state(state)
     assert len(restored) == 1 and torch.equal(restored[0], device_state)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert "cuda" not in checkpoint.rng_state()
+    assert "cuda" not in checkpoint_files.rng_state()

@@ -11,29 +11,42 @@ from pipelines import compare
 
 
 def test_a_verdict_says_worse_only_beyond_the_seed_noise():
-    from pipelines.compare import difference, paired_noise
+    from core.stats import Difference, difference, paired_noise
+    from pipelines.compare import verdict
 
     rng = np.random.default_rng(0)
     base = list(2.0 + rng.normal(0, 0.01, 3))
     alpha = 0.05 / 14
     # The same runs, bit for bit: nothing to tell, and nothing of the noise either.
-    assert difference(base, base, alpha, paired_noise(base, [base])) == compare.Difference(0.0, 0.0, "within noise")
+    same = difference(base, base, alpha, paired_noise(base, [base]))
+    assert same == Difference(0.0, 0.0, "within") and verdict(same) == "within noise"
     assert paired_noise(base, [base]) == (0.0, 0)
     shifted = [b + 0.1 + e for b, e in zip(base, rng.normal(0, 0.002, 3))]
     worse = difference(base, shifted, alpha, paired_noise(base, [shifted]))
-    assert worse.verdict == "worse" and worse.delta == pytest.approx(0.1, abs=0.01) and 0 < worse.half < 0.1
-    assert difference(shifted, base, alpha, paired_noise(shifted, [base])).verdict == "better"
+    assert verdict(worse) == "worse" and worse.delta == pytest.approx(0.1, abs=0.01) and 0 < worse.half < 0.1
+    assert verdict(difference(shifted, base, alpha, paired_noise(shifted, [base]))) == "better"
     # Seed-to-seed noise as large as the shift: not a difference anyone can claim from 3 seeds.
     noisy = [b + 0.1 + e for b, e in zip(base, rng.normal(0, 0.2, 3))]
-    assert difference(base, noisy, alpha, paired_noise(base, [noisy])).verdict == "within noise"
+    assert verdict(difference(base, noisy, alpha, paired_noise(base, [noisy]))) == "within noise"
     # The spread pooled with a second ablation's (its own effect does not count): the degrees of freedom add up.
     second = [b - 0.5 + e for b, e in zip(base, rng.normal(0, 0.002, 3))]
     ss, df = paired_noise(base, [shifted, second])
     assert df == 4 and ss == pytest.approx(paired_noise(base, [shifted])[0] + paired_noise(base, [second])[0])
     # Other seeds than the base's: Welch's t over the two groups.
     welch = difference(base, list(2.5 + rng.normal(0, 0.01, 4)), 0.05)
-    assert welch.verdict == "worse" and np.isfinite(welch.half)
-    assert difference(base[:1], shifted[:1], 0.05, paired_noise(base[:1], [shifted[:1]])).verdict == "no interval (1 seed)"
+    assert verdict(welch) == "worse" and np.isfinite(welch.half)
+    assert verdict(difference(base[:1], shifted[:1], 0.05, paired_noise(base[:1], [shifted[:1]]))) == "no interval (1 seed)"
+
+
+def test_the_mean_interval_is_students_t_over_the_seeds():
+    from scipy import stats as scipy_stats
+
+    from core.stats import mean_interval
+
+    values = [1.0, 1.2, 0.9, 1.1]
+    expected = scipy_stats.t.ppf(0.975, 3) * np.std(values, ddof=1) / np.sqrt(4)
+    assert mean_interval(values, 0.05) == pytest.approx(expected, rel=1e-12)
+    assert np.isnan(mean_interval([1.0], 0.05))
 
 
 def test_compare_refuses_runs_evaluated_on_different_sets(tmp_path, capsys):

@@ -259,15 +259,57 @@ def test_code_change_changes_fingerprint_of_the_stage_and_downstream(tmp_path, m
         Stage("dedup", ("normalize",), "dedup", None),
     ]
     before = fingerprints(cfg, stages)
-    v1 = code_version(("norm_code",))
+    v1 = code_version(stages[1])
     (tmp_path / "norm_code.py").write_text("VERSION = 2\n")
-    assert code_version(("norm_code",)) != v1
+    assert code_version(stages[1]) != v1
     after = fingerprints(cfg, stages)
     assert before["ingest"] == after["ingest"]
     assert before["normalize"] != after["normalize"] and before["dedup"] != after["dedup"]
     # A new raw file changes ingest's fingerprint (and so everything's).
     (tmp_path / "raw" / "b.jsonl").write_text('{"text": "y"}\n')
     assert fingerprints(cfg, stages)["ingest"] != after["ingest"]
+
+
+def test_a_stages_code_is_what_its_run_imports_so_a_new_module_reruns_it_and_an_unused_one_does_not(tmp_path,
+                                                                                                 monkeypatch):
+    """The code version follows imports (core/imports.py): one inside a function, a package's __init__ on the way,
+    a module named in `from package import module`. A hand-kept list of modules would miss the new one."""
+    import importlib
+
+    from core.dag import code_modules
+
+    pkg = tmp_path / "proj"
+    (pkg / "sub").mkdir(parents=True)
+    for name, text in {"__init__.py": "", "stage.py": "def run(ctx):\n    from proj import helper\n    return helper.go(ctx)\n",
+                       "helper.py": "def go(ctx):\n    return ctx\n", "orphan.py": "X = 1\n",
+                       "sub/__init__.py": "", "sub/deep.py": "Y = 1\n"}.items():
+        (pkg / name).write_text(text)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    stage = Stage("dedup", (), "dedup", importlib.import_module("proj.stage").run)
+    assert list(code_modules(stage)) == ["proj", "proj.helper", "proj.stage"]
+    v1 = code_version(stage)
+
+    (pkg / "orphan.py").write_text("X = 2\n")  # imported by nobody
+    assert code_version(stage) == v1
+    (pkg / "helper.py").write_text("from proj.sub import deep\n\ndef go(ctx):\n    return deep.Y\n")
+    assert list(code_modules(stage)) == ["proj", "proj.helper", "proj.stage", "proj.sub", "proj.sub.deep"]
+    v2 = code_version(stage)
+    assert v2 != v1
+    (pkg / "sub" / "deep.py").write_text("Y = 2\n")  # the new module's edits rerun the stage too
+    assert code_version(stage) != v2
+
+
+def test_the_pipelines_stages_hash_every_module_they_import():
+    """The train stage's hand-kept list once left out five modules train/stage.py imports: with the imports read,
+    each is part of its code version, and the screen's (which trains proxies) too."""
+    from core.dag import code_modules
+    from pipelines.stages import STAGES
+
+    code = {stage.name: set(code_modules(stage)) for stage in STAGES}
+    missed = {"train.goodput", "train.health", "train.failures", "train.follow", "train.loop.trainer"}
+    assert missed <= code["train"] and missed <= code["screen"], (missed - code["train"], missed - code["screen"])
+    assert {"dedup.stage", "dedup.lsh", "dedup.minhash", "corpus.evalset"} <= code["dedup"]
+    assert not any(m.startswith(("train.", "screen.", "dedup.")) for m in code["ingest"] | code["normalize"])
 
 
 def test_killed_mid_stage_leaves_no_half_output_taken_as_complete(project, tmp_path, capsys):

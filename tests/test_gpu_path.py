@@ -49,7 +49,7 @@ def eval_loss(engine) -> float:
 def test_the_autopilot_sees_the_loss_scale_collapse_before_deepspeed_gives_up_and_a_reset_takes(
         deepspeed_rank, torch_fp16, zero_stage):
     from core.config import AutopilotConfig
-    from train.autopilot import Detectors
+    from train.autopilot_policy import Detectors
     from train.loop.pilot import loss_scale, reset_loss_scale
 
     engine = engine_for(zero_stage, "fp16")

@@ -288,20 +288,20 @@ def _deepspeed_run(rank, world, tp, pp, export_to=None, zero=1, checkpoint_to=No
 
 
 def _round_trip(engine, groups, root):
-    """A checkpoint saved and loaded back (train/checkpoint.py) into the engine, its weights zeroed first: the
+    """A checkpoint saved and loaded back (train/checkpoint_files.py) into the engine, its weights zeroed first: the
     files this rank read from storage, and whether every weight came back."""
     from pathlib import Path
 
-    from train import checkpoint
+    from train import checkpoint_files
 
-    checkpoint.save(engine, Path(root), 10, {})
+    checkpoint_files.save(engine, Path(root), 10, {})
     kept = [p.detach().clone() for p in engine.module.parameters()]
     with torch.no_grad():
         for p in engine.module.parameters():
             p.zero_()
     opened, read = [], engine.checkpoint_engine.load
     engine.checkpoint_engine.load = lambda path, *args, **kwargs: opened.append(Path(path).name) or read(path, *args, **kwargs)
-    checkpoint.load(engine, Path(root) / checkpoint.step_name(10), groups.data)
+    checkpoint_files.load(engine, Path(root) / checkpoint_files.step_name(10), groups.data)
     return opened, all(torch.equal(a, b) for a, b in zip(kept, engine.module.parameters()))
 
 

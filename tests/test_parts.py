@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pyarrow as pa
+import pytest
 
 from corpus.parts import DOCUMENT_SCHEMA, Parts, group_by_size, iter_rows, parquet_bytes, parquet_files, row_group_ranges, rows_in_folder
 
@@ -77,3 +78,15 @@ def test_an_input_stages_output_that_is_missing_short_or_unreadable_is_an_error_
     inputs["dedup"]["output"] = str(tmp_path / "moved-away")
     with pytest.raises(FileNotFoundError, match=r"moved-away: dedup's output is missing \(4 rows committed there\)"):
         input_parts(inputs, "dedup")
+
+
+def test_a_task_is_a_frozen_dataclass_checked_on_the_driver():
+    """run_tasks refuses a dict before anything reaches Ray, and a task's misspelt field fails where it is built."""
+    from corpus.normalize import NormalizeTask
+    from corpus.parts import run_tasks
+
+    with pytest.raises(TypeError, match="frozen dataclasses of one kind"):
+        run_tasks(lambda task: {}, [{"path": "x.parquet", "row_groups": [0]}])
+    with pytest.raises(TypeError, match="row_group"):
+        NormalizeTask(path="x.parquet", row_group=(0,), stem="x", config=None, eval=None, output="o", dropped="d",
+                      eval_folder="e")

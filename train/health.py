@@ -266,7 +266,7 @@ def _probes(path: Path) -> list[Probe]:
 
 
 def _write_down(run_dir: Path, p: Probe, why: str, accepted: bool) -> None:
-    from train.autopilot import Logbook
+    from train.autopilot_policy import Logbook
 
     what = f"node {p.node} ({p.host}) excluded: {why}" + ("" if accepted else " (Ray did not accept the drain)")
     with open(run_dir / "incidents.jsonl", "a") as f:

@@ -26,7 +26,7 @@ from pathlib import Path
 from core.config import TrainConfig
 from core.console import Bar
 from core.dag import StageContext, StageResult
-from train import autopilot, goodput, health
+from train import autopilot_policy, goodput, health
 from train.follow import Follower
 from train.loader import read_index
 from train.loop.config import LoopConfig, loop_config
@@ -98,7 +98,7 @@ def run(ctx: StageContext) -> StageResult:
     for name in ("metrics.jsonl", "incidents.jsonl", "failures.jsonl", "stragglers.jsonl", "health.jsonl", "loop_config.json", "logbook.jsonl", "LOGBOOK.md", "train.log"):
         if (folder / name).exists():
             (ctx.output / name).write_bytes((folder / name).read_bytes())
-    logbook = autopilot.Logbook(folder).entries()
+    logbook = autopilot_policy.Logbook(folder).entries()
     with open(ctx.output / "LOGBOOK.md", "a") as f:
         f.write(("\n" if f.tell() else "# Logbook\n\n") + goodput.summary(time_spent))
     charts = [plot_run(folder / "metrics.jsonl", logbook, ctx.output / "training.png")] if (folder / "metrics.jsonl").exists() else []
@@ -142,18 +142,18 @@ def track_seeds(ctx: StageContext, cfg: TrainConfig, index: dict, folders: dict[
     """Each seed's final evaluation as `seed<s>/eval.*` metrics of the stage's run, with the tags `eval.seeds` and
     `eval.fingerprint`; returns the first seed's `eval.*` (the run's own, which MLflow has step by step) and the
     others' as metrics for the manifest."""
-    from mlflow import MlflowClient
+    from core.tracking import StageRun
 
-    client = MlflowClient(ctx.config.mlflow.tracking_uri)
+    stage_run = StageRun(ctx.config.mlflow.tracking_uri, ctx.mlflow_run_id)
     out: dict[str, float] = {}
     for seed, folder in folders.items():
         found = last_evaluation(folder / "metrics.jsonl")
         if seed == cfg.seed:
             out.update(found)
         out.update({f"seed{seed}/{k}": v for k, v in found.items()})
-    client.set_tag(ctx.mlflow_run_id, "eval.seeds", ",".join(map(str, folders)))
+    stage_run.set_tag("eval.seeds", ",".join(map(str, folders)))
     if index["eval"].get("fingerprint"):
-        client.set_tag(ctx.mlflow_run_id, "eval.fingerprint", index["eval"]["fingerprint"])
+        stage_run.set_tag("eval.fingerprint", index["eval"]["fingerprint"])
     return out
 
 
@@ -189,18 +189,18 @@ def checkpoint_times(metrics_file: Path) -> dict[str, float]:
 def track_logbook(ctx: StageContext, logbook: list[dict], files: list[Path]) -> None:
     """The interventions as tags of the stage's MLflow run (autopilot.N = "step S: kind -> actions"),
     the logbook and the chart as its artifacts."""
-    from mlflow import MlflowClient
+    from core.tracking import StageRun
 
-    client = MlflowClient(ctx.config.mlflow.tracking_uri)
+    stage_run = StageRun(ctx.config.mlflow.tracking_uri, ctx.mlflow_run_id)
     probes = goodput.read_jsonl(ctx.output / "health.jsonl")
     if probes:  # the health checks as a table in MLflow's artifact view, a row per node probed
-        client.log_table(ctx.mlflow_run_id, {k: [p.get(k) for p in probes] for k in probes[0]}, "health_checks.json")
+        stage_run.log_table({k: [p.get(k) for p in probes] for k in probes[0]}, "health_checks.json")
     for straggler in goodput.read_jsonl(ctx.output / "stragglers.jsonl"):
-        client.set_tag(ctx.mlflow_run_id, f"straggler.rank{straggler['rank']}",
-                       f"step {straggler['step']}: {straggler['host']} (node {straggler['node']})")
+        stage_run.set_tag(f"straggler.rank{straggler['rank']}",
+                          f"step {straggler['step']}: {straggler['host']} (node {straggler['node']})")
     logbook = interventions(logbook)
-    client.set_tag(ctx.mlflow_run_id, "autopilot.interventions", str(len(logbook)))
+    stage_run.set_tag("autopilot.interventions", str(len(logbook)))
     for i, entry in enumerate(logbook, 1):
-        client.set_tag(ctx.mlflow_run_id, f"autopilot.{i}", f"step {entry['step']}: {entry['kind']} -> {', '.join(entry['actions'])}")
+        stage_run.set_tag(f"autopilot.{i}", f"step {entry['step']}: {entry['kind']} -> {', '.join(entry['actions'])}")
     for path in files:
-        client.log_artifact(ctx.mlflow_run_id, str(path))
+        stage_run.log_artifact(path)

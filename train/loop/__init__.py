@@ -83,7 +83,7 @@ def stop_before_starting(ctx, why: str) -> None:
     (summary.json's `stopped`, incidents.jsonl, the logbook); every rank returns, so Ray Train ends the run."""
     import time
 
-    from train.autopilot import Logbook
+    from train.autopilot_policy import Logbook
     from train.loop.context import incident
 
     if ctx.leader:

@@ -1,6 +1,6 @@
 """The run's checkpoints as the loop uses them: save (and prune) with the autopilot's health mark, resume
 from the newest that verifies, roll back to a healthy one, and tell Ray Train about each. The files,
-their verification and their publishing are `train.checkpoint`'s."""
+their verification and their publishing are `train.checkpoint_files`'s."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from train import checkpoint
+from train import checkpoint_files
 from train.loop.context import Context, incident
 from train.parallel.collectives import barrier
 
@@ -40,7 +40,7 @@ class Checkpointer:
         With `report_loss`, Ray Train hears of it once it is published."""
         started = time.monotonic()
         self.flush()
-        write = checkpoint.save(self.engine, self.dir, step, meta, background=self.background)
+        write = checkpoint_files.save(self.engine, self.dir, step, meta, background=self.background)
         self.pending = (write, time.monotonic() - started, report_loss)
         if not self.background:
             self.flush()
@@ -56,7 +56,7 @@ class Checkpointer:
         if self.background:
             blocked += time.monotonic() - waited  # still writing when the next save (or the end) came
         if self.ctx.leader:
-            checkpoint.prune(self.dir, self.keep, self.keep_healthy)
+            checkpoint_files.prune(self.dir, self.keep, self.keep_healthy)
         if loss is not None:
             self.report(write.step, loss, path)
         if self.on_written is not None:
@@ -69,7 +69,7 @@ class Checkpointer:
         def skipped(reason: str) -> None:
             incident(self.ctx, 0, f"checkpoint skipped on load: {reason}")
 
-        resumed = checkpoint.load_latest(self.engine, self.dir, on_skip=skipped, data_group=self.data_group)
+        resumed = checkpoint_files.load_latest(self.engine, self.dir, on_skip=skipped, data_group=self.data_group)
         if resumed is not None and self.ctx.leader:
             incident(self.ctx, resumed["step"], f"resumed from {Path(resumed['path']).name}")
         return resumed
@@ -77,14 +77,14 @@ class Checkpointer:
     def healthy_before(self, step: int) -> dict | None:
         """The meta of the newest checkpoint before `step` marked healthy: a rollback target."""
         self.flush()
-        metas = (checkpoint.read_meta(p) or {} for p in checkpoint.published(self.dir))
+        metas = (checkpoint_files.read_meta(p) or {} for p in checkpoint_files.published(self.dir))
         return next((m for m in metas if m.get("step", 10**18) < step and m.get("health", {}).get("healthy", False)),
                     None)
 
     def abandon_after(self, step: int, decided_at: float) -> None:
         """Checkpoints after `step` saved before `decided_at` (a rollback past them) out of sight (rank 0)."""
         if self.ctx.leader:
-            checkpoint.abandon_after(self.dir, step, decided_at)
+            checkpoint_files.abandon_after(self.dir, step, decided_at)
 
     def roll_back(self, step: int, decided_at: float) -> dict:
         """Every rank back to checkpoint `step`, the ones after it abandoned first; its meta."""
@@ -92,7 +92,7 @@ class Checkpointer:
         barrier()
         self.abandon_after(step, decided_at)
         barrier()
-        meta = checkpoint.load_latest(self.engine, self.dir, accept=lambda m: m.get("step") == step,
+        meta = checkpoint_files.load_latest(self.engine, self.dir, accept=lambda m: m.get("step") == step,
                                       data_group=self.data_group)
         if meta is None:
             raise RuntimeError(f"autopilot: checkpoint step {step} no longer verifies")

@@ -1,4 +1,4 @@
-"""The autopilot in the loop: it watches every step, decides (train/autopilot.py, pure), and applies what it
+"""The autopilot in the loop: it watches every step, decides (train/autopilot_policy.py, pure), and applies what it
 decided to the engine, the schedule, the loader and the checkpoints, writing down why.
 
 Every rank sees the same all-reduced numbers, so every rank reaches the same decision without talking.
@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from train import autopilot
+from train import autopilot_policy
 from train.loader import Loader
 from train.loop.checkpointer import Checkpointer
 from train.loop.config import LoopConfig
@@ -42,7 +42,7 @@ def reset_loss_scale(engine) -> tuple[float, float]:
     return before, after
 
 
-def apply_settings(engine, schedule: Schedule, state: autopilot.State, rewarm_steps: int, grad_clip: float) -> None:
+def apply_settings(engine, schedule: Schedule, state: autopilot_policy.State, rewarm_steps: int, grad_clip: float) -> None:
     """The autopilot's standing changes: LR factor, a fresh warmup after an optimizer reset, the clip."""
     schedule.factor = state.lr_factor
     schedule.rewarm_from, schedule.rewarm_steps = state.rewarm_from, rewarm_steps
@@ -59,14 +59,14 @@ class Pilot:
         self.settings = cfg.train.autopilot
         # Without fp16 there is no loss scale to collapse; when overflows are injected, a simulated one.
         real_fp16 = cfg.train.precision == "fp16"
-        self.scaler = autopilot.SimulatedScaler() if not real_fp16 and simulate_overflow else None
+        self.scaler = autopilot_policy.SimulatedScaler() if not real_fp16 and simulate_overflow else None
         self.fp16 = real_fp16 or self.scaler is not None
         self.state_file = ctx.run_dir / "autopilot.json"
-        self.state = autopilot.State()
-        self.detectors = autopilot.Detectors(self.settings)
-        self.logbook = autopilot.Logbook(ctx.run_dir)
+        self.state = autopilot_policy.State()
+        self.detectors = autopilot_policy.Detectors(self.settings)
+        self.logbook = autopilot_policy.Logbook(ctx.run_dir)
         self.clean_steps = 0  # steps since the last incident: a checkpoint is healthy after a window of them
-        self.saved = autopilot.load_state(self.state_file)  # written before every intervention: newer than any checkpoint
+        self.saved = autopilot_policy.load_state(self.state_file)  # written before every intervention: newer than any checkpoint
         if self.saved is not None:  # a rollback decided before a crash: its abandoned checkpoints stay out
             checkpointer.abandon_after(self.saved[1]["rolled_back_to"], self.saved[1]["decided_at"])
 
@@ -79,7 +79,7 @@ class Pilot:
         if self.saved is not None:
             self.state = self.saved[0]
         elif resumed is not None and "autopilot" in resumed:
-            self.state = autopilot.State.from_dict(resumed["autopilot"])
+            self.state = autopilot_policy.State.from_dict(resumed["autopilot"])
         if resumed is not None and self.scaler is not None:
             self.scaler.scale = resumed.get("loss_scale", self.scaler.initial)
         self._apply()
@@ -96,7 +96,7 @@ class Pilot:
             self.scaler.update(overflow)
         return self.loss_scale()
 
-    def observe(self, step: int, result: StepResult) -> autopilot.Decision | None:
+    def observe(self, step: int, result: StepResult) -> autopilot_policy.Decision | None:
         """What to do about this step, if anything."""
         observed = {"loss": result.loss, "grad_norm": result.grad_norm, "loss_scale": self.loss_scale(),
                     "fp16": self.fp16, "overflow": result.overflow, "activation_norm": result.activation_norm}
@@ -107,7 +107,7 @@ class Pilot:
             self.clean_steps = 0 if result.overflow else self.clean_steps + 1
             return None
         self.clean_steps = 0
-        return autopilot.decide(self.state, found, self.settings, self.fp16)
+        return autopilot_policy.decide(self.state, found, self.settings, self.fp16)
 
     def healthy(self, step: int) -> bool:
         """Whether a checkpoint now is a rollback target: a window of clean steps, the scale above its floor,
@@ -115,14 +115,14 @@ class Pilot:
         return self.clean_steps >= min(self.settings.window, step) and \
             not (self.fp16 and self.loss_scale() < self.settings.scale_floor) and not self.detectors.trending_up()
 
-    def stop(self, step: int, decision: autopilot.Decision) -> str:
+    def stop(self, step: int, decision: autopilot_policy.Decision) -> str:
         found = decision.incident
         if self.ctx.leader:
             self.logbook.append({"time": time.time(), "step": step, "kind": found.kind, "detail": found.detail,
                                  "actions": ["stop"], "why": decision.why})
         return f"autopilot stopped the run at step {step}: {found.kind} ({found.detail}); {decision.why}"
 
-    def intervene(self, decision: autopilot.Decision, batch: int, loader: Loader) -> dict:
+    def intervene(self, decision: autopilot_policy.Decision, batch: int, loader: Loader) -> dict:
         """Roll back, skip, lower the LR or the clip, reset the scaler or Adam: the state is written first,
         then applied; the loader continues from the target with the new skip ranges. Returns the target
         checkpoint's meta."""
@@ -132,7 +132,7 @@ class Pilot:
         if target is None:
             raise RuntimeError(f"autopilot: no healthy checkpoint before step {before} to roll back to")
         target_step = target["step"]
-        autopilot.apply_to_state(self.state, decision, self.settings, target_step,
+        autopilot_policy.apply_to_state(self.state, decision, self.settings, target_step,
                                  loader.position_of(target["loader"]), batch)
         decided_at = time.time()
         if self.ctx.leader:
@@ -143,9 +143,9 @@ class Pilot:
         loader.load_state_dict(meta["loader"])
         return meta
 
-    def _write_down(self, decision: autopilot.Decision, target_step: int, decided_at: float) -> None:
+    def _write_down(self, decision: autopilot_policy.Decision, target_step: int, decided_at: float) -> None:
         state = self.state
-        autopilot.save_state(self.state_file, state, {"rolled_back_to": target_step, "decided_at": decided_at})
+        autopilot_policy.save_state(self.state_file, state, {"rolled_back_to": target_step, "decided_at": decided_at})
         self.logbook.append({
             "time": decided_at, "step": decision.incident.step, "kind": decision.incident.kind,
             "detail": decision.incident.detail, "actions": list(decision.actions), "why": decision.why,
@@ -154,7 +154,7 @@ class Pilot:
         incident(self.ctx, decision.incident.step, f"autopilot: {decision.incident.kind}: "
                                                    f"{', '.join(decision.actions)} (back to step {target_step})")
 
-    def _act(self, decision: autopilot.Decision, incident_step: int, meta: dict) -> None:
+    def _act(self, decision: autopilot_policy.Decision, incident_step: int, meta: dict) -> None:
         """The decision's actions on the engine and the scaler, after the rollback loaded the target."""
         if "reset_optimizer" in decision.actions:
             inner = getattr(self.engine.optimizer, "optimizer", self.engine.optimizer)

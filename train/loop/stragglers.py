@@ -18,7 +18,7 @@ import json
 import statistics
 import time
 
-from train.autopilot import Logbook
+from train.autopilot_policy import Logbook
 from train.loop.context import Context, incident
 from train.parallel.collectives import all_gather_float
 

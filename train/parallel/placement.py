@@ -81,7 +81,7 @@ def table(rows: list[dict]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from core.config import ConfigError, load_config
-    from core.engines import start_ray
+    from core.ray_session import start_ray
     from train.rules import check_config
 
     parser = argparse.ArgumentParser(prog="python -m train.parallel.placement", description=__doc__.split("\n")[0])

@@ -40,7 +40,7 @@ def init_ray(num_cpus: int | None = None, verbose: bool = False) -> None:
     import ray.data  # its loggers exist from here on
 
     route_ray_logging(verbose)  # before ray.init, which logs notices of its own
-    runtime_env = {"worker_process_setup_hook": "core.engines.quiet_worker_logs"}
+    runtime_env = {"worker_process_setup_hook": "core.ray_session.quiet_worker_logs"}
     if os.environ.get("RAY_ADDRESS"):
         ray.init(runtime_env=runtime_env, logging_level=logging.INFO, log_to_driver=verbose)
     else:

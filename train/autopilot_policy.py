@@ -250,7 +250,7 @@ class Logbook:
 
 
 def render_markdown(entries: list[dict]) -> str:
-    lines = ["# Logbook", "", "What the autopilot saw and did, in order. (Written by train/autopilot.py.)", ""]
+    lines = ["# Logbook", "", "What the autopilot saw and did, in order. (Written by train/autopilot_policy.py.)", ""]
     for e in entries:
         when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(e["time"]))
         lines += [f"## Step {e['step']}: {e['kind']} ({when} UTC)", "", f"- Seen: {e['detail']}",
