@@ -152,19 +152,19 @@ class StageOutcome:
     manifest: dict
 
 
-def code_modules(stage: Stage) -> dict[str, Path]:
+def code_modules(stage: Stage, parsed: dict | None = None) -> dict[str, Path]:
     """{name: file} of the project's modules that are the stage's code: its run function's module and what it
     imports, transitively (core/imports.py), with the modules it names by hand (`Stage.code`) and theirs."""
     found: dict[str, Path] = {}
     for name in ([stage.run.__module__] if stage.run is not None else []) + list(stage.code):
-        found.update(imported(name))
+        found.update(imported(name, parsed=parsed))
     return dict(sorted(found.items()))
 
 
-def code_version(stage: Stage) -> str:
+def code_version(stage: Stage, parsed: dict | None = None) -> str:
     """Hash of the source of the stage's code modules: editing any of them reruns the stage."""
     digest = hashlib.sha256()
-    for name, path in code_modules(stage).items():
+    for name, path in code_modules(stage, parsed).items():
         digest.update(name.encode() + b"\0" + path.read_bytes() + b"\0")
     return digest.hexdigest()[:16]
 
@@ -172,11 +172,12 @@ def code_version(stage: Stage) -> str:
 def fingerprints(config: PipelineConfig, stages: list[Stage]) -> dict[str, str]:
     """Every stage's fingerprint, in DAG order (each depends on its inputs' fingerprints)."""
     prints: dict[str, str] = {}
+    parsed: dict = {}  # each module's imports, read once for all the stages
     for stage in stages:
         body = {
             "stage": stage.name,
             "config": section_dict(config, stage.section),
-            "code": code_version(stage),
+            "code": code_version(stage, parsed),
             "inputs": {name: prints[name] for name in stage.inputs},
             "external": stage.external(config) if stage.external else None,
         }

@@ -38,9 +38,11 @@ def roots_for(module: str) -> tuple[Path, ...]:
     return (ROOT, own.parents[depth])
 
 
-def imported(module: str, roots: tuple[Path, ...] | None = None) -> dict[str, Path]:
-    """{name: file} of `module` and every project module it imports, transitively, with their packages."""
+def imported(module: str, roots: tuple[Path, ...] | None = None, parsed: dict | None = None) -> dict[str, Path]:
+    """{name: file} of `module` and every project module it imports, transitively, with their packages.
+    `parsed`: a cache of each file's imports shared by several calls (the six stages share most modules)."""
     roots = roots or roots_for(module)
+    parsed = {} if parsed is None else parsed
     found: dict[str, Path] = {}
     todo = [module]
     while todo:
@@ -52,7 +54,11 @@ def imported(module: str, roots: tuple[Path, ...] | None = None) -> dict[str, Pa
             continue
         found[name] = path
         parents = [".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)]
-        todo += parents + _imports_of(name, path, roots)
+        stat = path.stat()
+        key = (name, path, stat.st_mtime_ns, stat.st_size, roots)  # an edited file is read again
+        if key not in parsed:
+            parsed[key] = _imports_of(name, path, roots)
+        todo += parents + parsed[key]
     return dict(sorted(found.items()))
 
 
