@@ -7,12 +7,20 @@ from __future__ import annotations
 
 import ast
 import os
+import platform
 import re
 import subprocess
 import sys
 
+import pytest
+
 from conftest import CPU_FEATURE, ROOT
 from core.cpu import AVX2_ONLY, this_cpu
+
+
+# The simulation holds an x86-64 CPU to AVX2; an ARM CPU (a Mac laptop) has no such instruction set to hold to.
+x86_only = pytest.mark.skipif(platform.machine().lower() not in ("x86_64", "amd64"),
+                              reason=f"{CPU_FEATURE}: the AVX2-only simulation needs an x86-64 CPU, not {platform.machine()}")
 
 
 def _fp16_engine_on_an_avx2_only_cpu(rank, world):
@@ -60,6 +68,7 @@ def _fp16_engine_on_an_avx2_only_cpu(rank, world):
     return said
 
 
+@x86_only
 def test_fp16_engines_build_in_a_spawned_rank_on_an_avx2_only_cpu(monkeypatch):
     """The simulation takes hold in a spawned rank (oneDNN without fp16 or bf16, ATen's AVX2 kernels), DeepSpeed
     as shipped refuses fp16 there as on the AVX2-only EPYC host, and the suite's lift (tests/test_parallel.py's
@@ -107,6 +116,7 @@ def test_every_benchmark_prints_its_cpu_first():
     assert not late, late
 
 
+@x86_only
 def test_provenance_prints_the_cpu_and_any_isa_limit():
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "provenance.py")], capture_output=True, text=True,
                          env={**os.environ, **AVX2_ONLY}, check=True).stdout.splitlines()
