@@ -169,7 +169,7 @@ def test_bf16_zero_accumulates_gradients_in_fp32_and_mfu_knows_each_h100():
     assert peak_for("NVIDIA GeForce RTX 4090", "bf16") is None
 
 
-def test_the_gpu_check_passes_its_dry_run(ray_session, tmp_path):
+def test_the_gpu_check_passes_its_dry_run(ray_session, torch_fp16, tmp_path):
     """benchmarks/gpu_check.py, the first command a session with a GPU runs, end to end on this CPU at tiny
     scale (the train stage in bf16 with ZeRO-3 and its export to transformers, an fp16 overflow burst on
     DeepSpeed's real scaler, a kill and resume, bench_train), so that it works when a GPU comes."""
