@@ -255,28 +255,45 @@ class ParallelConfig:
 
 
 @dataclass
-class ProxyConfig:
-    """The proxy model of the screen: every proxy run trains it with these settings (only the data and seed differ)."""
+class EngineConfig:
+    """What a Ray Train + DeepSpeed run is given, in the training stage (`train`) and in each of the screen's
+    proxy runs (`screen.proxy`): one set of fields and checks for both, each section's YAML keys flat. The screen
+    turns its proxy section into a TrainConfig with these fields as they are (screen/stage.py)."""
 
-    model: str = "tiny"  # OPT measured spikes at 1.3B
-    seq_len: int = 2048
-    global_batch_tokens: int | None = None  # None: the model's batch (OPT's Table 1)
-    lr: float | None = None  # None: the model's peak LR (Table 1); constant after warmup
-    warmup_steps: int = 10
-    micro_batch_size: int = 1
-    num_workers: int = 1  # Ray Train workers per proxy run
+    model: str = "tiny"  # a name from model.configs: tiny, 125m, ..., 175b
+    num_workers: int = 2  # Ray Train workers (one per GPU on a cluster)
     gpus_per_worker: int = 0
-    cpus_per_worker: float = 1.0
-    zero_stage: int = 0
+    cpus_per_worker: float = 0.5  # fractional locally, so Ray Data can still schedule
+    zero_stage: int = 2
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)  # as train.parallel
+    micro_batch_size: int = 1  # sequences per worker per forward/backward
+    global_batch_tokens: int | None = None  # None: the model's batch from OPT's Table 1
+    lr: float | None = None  # None: the model's peak LR from OPT's Table 1
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
-    def validate(self, key: str) -> None:
-        _at_least(self, key, 1, "seq_len", "global_batch_tokens", "micro_batch_size", "num_workers")
-        _at_least(self, key, 0, "warmup_steps", "gpus_per_worker")
+    def validate_engine(self, key: str) -> None:
+        _at_least(self, key, 1, "num_workers", "micro_batch_size", "global_batch_tokens")
+        _at_least(self, key, 0, "gpus_per_worker")
         _positive(self, key, "cpus_per_worker", "lr")
         _check_engine(self, key)
         self.parallel.check(f"{key}.parallel", self)
+
+
+@dataclass
+class ProxyConfig(EngineConfig):
+    """The proxy model of the screen: every proxy run trains it with these settings (only the data and seed differ).
+    OPT measured spikes at 1.3B; the defaults are a laptop's."""
+
+    num_workers: int = 1  # Ray Train workers per proxy run
+    cpus_per_worker: float = 1.0
+    zero_stage: int = 0
+    seq_len: int = 2048
+    warmup_steps: int = 10  # then a constant LR: no decay to hide spikes
+
+    def validate(self, key: str) -> None:
+        _at_least(self, key, 1, "seq_len")
+        _at_least(self, key, 0, "warmup_steps")
+        self.validate_engine(key)
 
 
 @dataclass
@@ -433,16 +450,7 @@ class InjectConfig:
 
 
 @dataclass
-class TrainConfig:
-    model: str = "tiny"  # a name from model.configs: tiny, 125m, ..., 175b
-    num_workers: int = 2  # Ray Train workers (one per GPU on a cluster)
-    gpus_per_worker: int = 0
-    cpus_per_worker: float = 0.5  # fractional locally, so Ray Data can still schedule
-    zero_stage: int = 2
-    precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    micro_batch_size: int = 1  # sequences per worker per forward/backward
-    global_batch_tokens: int | None = None  # None: the model's batch from OPT's Table 1
-    lr: float | None = None  # None: the model's peak LR from OPT's Table 1
+class TrainConfig(EngineConfig):
     warmup_tokens: int = 375_000_000  # linear warmup (OPT: 375M tokens; 2000 steps for 175B)
     total_tokens: int = 300_000_000_000  # linear decay to final_lr_ratio * lr over this many tokens
     final_lr_ratio: float = 0.1
@@ -479,25 +487,22 @@ class TrainConfig:
     autopilot: AutopilotConfig = field(default_factory=AutopilotConfig)
     stragglers: StragglerConfig = field(default_factory=StragglerConfig)
     health: HealthConfig = field(default_factory=HealthConfig)
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
 
     @property
     def data_parallel(self) -> int:
         return self.num_workers // self.parallel.model_parallel
 
     def validate(self, key: str) -> None:
-        _at_least(self, key, 1, "num_workers", "micro_batch_size", "max_steps", "global_batch_tokens",
-                  "keep_checkpoints", "eval_micro_batch_size", "seeds")
-        _at_least(self, key, 0, "checkpoint_every", "gpus_per_worker", "warmup_tokens", "eval_every", "weight_decay",
-                  "keep_healthy", "max_stalled_restarts")
+        _at_least(self, key, 1, "max_steps", "keep_checkpoints", "eval_micro_batch_size", "seeds")
+        _at_least(self, key, 0, "checkpoint_every", "warmup_tokens", "eval_every", "weight_decay", "keep_healthy",
+                  "max_stalled_restarts")
         _at_least(self, key, -1, "max_failures")
-        _positive(self, key, "cpus_per_worker", "grad_clip", "total_tokens", "lr", "hang_seconds", "startup_seconds")
+        _positive(self, key, "grad_clip", "total_tokens", "hang_seconds", "startup_seconds")
         slowest = max(self.hang_seconds, self.startup_seconds)
         if self.collective_timeout_seconds <= slowest:
             raise ConfigError(f"{key}.collective_timeout_seconds", f"expected more than hang_seconds and startup_seconds "
                               f"({slowest:g}), got {self.collective_timeout_seconds:g}: a hung rank's watchdog must act first")
-        _check_engine(self, key)
-        self.parallel.check(f"{key}.parallel", self)
+        self.validate_engine(key)
         if self.precision == "fp16" and self.autopilot.enabled and self.autopilot.scale_floor <= DEEPSPEED_MIN_LOSS_SCALE:
             raise ConfigError(f"{key}.autopilot.scale_floor", f"expected more than {DEEPSPEED_MIN_LOSS_SCALE}, DeepSpeed's "
                               f"minimum loss scale, got {self.autopilot.scale_floor:g}: at its minimum DeepSpeed ends the "

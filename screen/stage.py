@@ -36,7 +36,7 @@ from corpus.parts import DOCUMENT_SCHEMA, DROPPED_SCHEMA, Parts, check_read, che
     parquet_bytes, parquet_files, row_group_ranges, run_tasks, task_bytes
 from corpus.tokenize import TokenizerTask, tokenizer_task
 from corpus import tokenizer as tokenizers
-from core.config import AutopilotConfig, PipelineConfig, ScreenConfig, TrainConfig
+from core.config import AutopilotConfig, EngineConfig, PipelineConfig, ScreenConfig, TrainConfig
 from core.console import Bar
 from core.dag import StageContext, StageResult
 from screen import mixture, score
@@ -53,13 +53,11 @@ def proxy_train_config(cfg: ScreenConfig, seed: int) -> TrainConfig:
     from model.configs import get
 
     batch_tokens = p.global_batch_tokens or get(p.model).batch_tokens
-    return TrainConfig(
-        model=p.model, num_workers=p.num_workers, gpus_per_worker=p.gpus_per_worker, cpus_per_worker=p.cpus_per_worker,
-        zero_stage=p.zero_stage, precision=p.precision, micro_batch_size=p.micro_batch_size,
-        global_batch_tokens=batch_tokens, lr=p.lr, warmup_tokens=p.warmup_steps * batch_tokens,
-        total_tokens=cfg.steps * batch_tokens, final_lr_ratio=1.0,  # constant LR after warmup: no decay to hide spikes
-        max_steps=cfg.steps, checkpoint_every=0, eval_every=0, max_failures=1, seed=seed,
-        autopilot=AutopilotConfig(enabled=False), parallel=p.parallel)
+    engine = {f.name: getattr(p, f.name) for f in dataclasses.fields(EngineConfig)}
+    return TrainConfig(**{**engine, "global_batch_tokens": batch_tokens}, warmup_tokens=p.warmup_steps * batch_tokens,
+                       total_tokens=cfg.steps * batch_tokens, final_lr_ratio=1.0,  # constant LR after warmup: no decay to hide spikes
+                       max_steps=cfg.steps, checkpoint_every=0, eval_every=0, max_failures=1, seed=seed,
+                       autopilot=AutopilotConfig(enabled=False))
 
 
 def slug(name: str) -> str:

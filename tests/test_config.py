@@ -248,6 +248,25 @@ def test_out_of_range_values(cfg, item, message):
     assert str(exc.value) == message
 
 
+def test_a_proxy_run_is_trained_with_every_engine_key_of_its_section(cfg):
+    """screen.proxy and train share one base (EngineConfig): each of its keys set in screen.proxy reaches the proxy
+    run's TrainConfig as it is, none copied by hand, and both sections keep their own defaults."""
+    import dataclasses
+
+    from core.config import EngineConfig, ProxyConfig, TrainConfig
+    from screen.stage import proxy_train_config
+
+    config = load_config(cfg(), ["screen.proxy.model=125m", "screen.proxy.num_workers=2", "screen.proxy.gpus_per_worker=0",
+                                 "screen.proxy.cpus_per_worker=0.25", "screen.proxy.zero_stage=1",
+                                 "screen.proxy.precision=bf16", "screen.proxy.micro_batch_size=3",
+                                 "screen.proxy.global_batch_tokens=12288", "screen.proxy.lr=0.001",
+                                 "screen.proxy.parallel.tensor=2"])
+    proxy = proxy_train_config(config.screen, seed=3)
+    for f in dataclasses.fields(EngineConfig):
+        assert getattr(proxy, f.name) == getattr(config.screen.proxy, f.name), f.name
+    assert (ProxyConfig().num_workers, ProxyConfig().zero_stage, TrainConfig().num_workers, TrainConfig().zero_stage) == (1, 0, 2, 2)
+
+
 def test_the_screens_proxies_take_the_training_layout_keys(cfg):
     from screen.stage import proxy_train_config
 

@@ -8,7 +8,7 @@ to every training section, train and screen.proxy, with the same keys and messag
 
 from __future__ import annotations
 
-from core.config import ConfigError, PipelineConfig, ProxyConfig, TrainConfig
+from core.config import ConfigError, EngineConfig, PipelineConfig
 from model.configs import CONFIGS, OPTConfig, param_count
 from train.plan.hardware import NODES
 
@@ -32,7 +32,7 @@ def check_config(config: PipelineConfig) -> None:
                 train.data_parallel, seq_len_key="tokenize.seq_len")
 
 
-def check_section(key: str, section: TrainConfig | ProxyConfig) -> None:
+def check_section(key: str, section: EngineConfig) -> None:
     """A training section's layout against its model's layers and widths and against the largest node."""
     t, p = section.parallel.tensor, section.parallel.pipeline
     model = CONFIGS.get(section.model)  # an unknown model is check_batch's error
