@@ -51,6 +51,14 @@ def log_params(client: MlflowClient, run_id: str, params: dict) -> None:
         client.log_batch(run_id, params=items[i : i + BATCH])
 
 
+def log_metrics(client: MlflowClient, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
+    """Metrics of a run under MLflow's names (metric_name), None values left out, BATCH per call."""
+    now = int(time.time() * 1000)
+    items = [Metric(metric_name(k), float(v), now, step) for k, v in metrics.items() if v is not None]
+    for i in range(0, len(items), BATCH):
+        client.log_batch(run_id, metrics=items[i : i + BATCH])
+
+
 class MlflowTracker:
     def __init__(self, tracking_uri: str, experiment: str, artifact_location: str | None = None,
                  tags: dict[str, str] | None = None):
@@ -121,10 +129,7 @@ class MlflowTracker:
                 self._run_id = outer
 
     def log_metrics(self, metrics: dict[str, float], step: int = 0) -> None:
-        now = int(time.time() * 1000)
-        items = [Metric(metric_name(k), float(v), now, step) for k, v in metrics.items() if v is not None]
-        for i in range(0, len(items), BATCH):
-            self.client.log_batch(self._run_id, metrics=items[i : i + BATCH])
+        log_metrics(self.client, self._run_id, metrics, step)
 
     def set_tag(self, key: str, value: str) -> None:
         self.client.set_tag(self._run_id, key, value)
@@ -165,11 +170,8 @@ class StageRun:
         return run.info.run_id
 
     def log_metrics(self, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
-        """Metrics of this run or of one of its children, BATCH per call."""
-        now = int(time.time() * 1000)
-        items = [Metric(metric_name(k), float(v), now, step) for k, v in metrics.items() if v is not None]
-        for i in range(0, len(items), BATCH):
-            self.client.log_batch(run_id, metrics=items[i : i + BATCH])
+        """Metrics of this run or of one of its children."""
+        log_metrics(self.client, run_id, metrics, step)
 
     def finish(self, run_id: str, status: str = "FINISHED") -> None:
         """A child run ended: FINISHED, or FAILED."""
