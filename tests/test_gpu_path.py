@@ -183,3 +183,29 @@ def test_the_gpu_check_passes_its_dry_run(ray_session, torch_fp16, tmp_path):
     verdicts = json.loads((tmp_path / "check" / "verdicts.json").read_text())
     assert [v["check"][:2] for v in verdicts] == ["1.", "2.", "3.", "4."] and all(v["ok"] for v in verdicts), verdicts
     assert ray_session.is_initialized()  # the session's Ray is left as it was
+
+
+def test_the_gpu_checks_resume_point_is_the_checkpoint_published_before_the_kill(tmp_path):
+    """Check 3 on the records a GPU left (2026-11-25, an H100): the save of step 10 was still being written
+    when the worker was killed at 15, so the run resumed from step 0 and ran 1-14 twice. That passes, and
+    says so; a resume from after the kill, or repeated steps that do not match, fail."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gpu_check
+
+    def run(resumed: int, repeated: list[int], drift: float = 0.0) -> gpu_check.Verdict:
+        rows = [{"step": k, "loss": 5.0 - k / 100, "loss_scale": 1.0} for k in range(1, 15)]
+        rows += [{"step": k, "loss": 5.0 - k / 100 + drift, "loss_scale": 1.0} for k in repeated]
+        (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+        incidents = ["injected kill on rank 0", f"resumed from step-{resumed:08d}"]
+        (tmp_path / "incidents.jsonl").write_text("".join(json.dumps({"what": w}) + "\n" for w in incidents))
+        return gpu_check.check_kill_resume(tmp_path, gpu_check.SETUPS["cuda"], 1.0)
+
+    lost = run(0, list(range(1, 15)))
+    assert lost.ok and "the save of step 10 was still being written: lost" in lost.detail, lost
+    assert run(10, list(range(11, 15))).ok
+    assert not run(10, list(range(11, 15)), drift=0.1).ok  # the repeated steps drew other numbers
+    assert not run(10, list(range(1, 15))).ok  # the steps run twice are not the ones after the resume point
+    assert not run(20, []).ok  # a checkpoint from after the kill
