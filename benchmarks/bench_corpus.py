@@ -41,7 +41,7 @@ from corpus.normalize import normalize_text  # noqa: E402
 from corpus.parts import iter_rows, parquet_files  # noqa: E402
 from corpus.readers import relative_names  # noqa: E402
 from corpus.sample import PILE_SUBSETS_KEPT_BY_OPT, _rng, messy, prose  # noqa: E402
-from core.config import NormalizeConfig, SourceConfig  # noqa: E402
+from corpus.config import NormalizeConfig, SourceConfig  # noqa: E402
 
 import provenance  # noqa: E402  (benchmarks/provenance.py: a script's folder is on sys.path)
 

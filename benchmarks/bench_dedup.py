@@ -359,7 +359,7 @@ def components(sizes: list[int]) -> None:
     import ray.data
 
     from dedup.stage import PARTITION_BYTES, components_in_one_task, components_on_ray
-    from core.config import RayConfig
+    from core.ray_session import RayConfig
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
     ray.data.DataContext.get_current().enable_progress_bars = False

@@ -247,7 +247,7 @@ def rate(hit: list[int]) -> str:
 def power(args) -> int:
     import yaml
 
-    from core.config import OPT_PILE_SUBSETS
+    from corpus.config import OPT_PILE_SUBSETS
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

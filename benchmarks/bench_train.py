@@ -54,10 +54,10 @@ SETUPS = {"cpu": {"tiny": {"seq_len": 128, "batch": 32, "micro": 8, "steps": 30}
 def train_stage(out: Path, label: str, shards: Path, overrides: list[str]) -> Path:
     """The train stage itself (`train.stage.run`, Ray Train + DeepSpeed, MLflow) over `shards`, with
     configs/local.yaml's train section and `overrides` (--set syntax); its output folder."""
-    from core.config import load_config
+    from pipelines.config import load_config
     from core.dag import StageContext
     from core.tracking import MlflowTracker
-    from pipelines.stages import CHECKS
+    from pipelines.config import CHECKS
     from train import stage
 
     config = load_config(ROOT / "configs" / "local.yaml", [f"workdir={out}/work", *overrides], checks=CHECKS)

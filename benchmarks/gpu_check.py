@@ -150,8 +150,8 @@ def check_fp16_overflow(out: Path, shards: Path, s: dict, device: str) -> Verdic
     """Ray Train and the training loop (`train.stage.fit`), without the stage's MLflow and output copies
     (check 1 has them): on a CPU (the dry run) the loop first lets DeepSpeed take fp16, which
     config validation refuses there."""
-    from core.config import load_config
-    from pipelines.stages import CHECKS
+    from pipelines.config import load_config
+    from pipelines.config import CHECKS
     from screen.score import read_grad_norms, spike_score
     from train.loop.config import loop_config
     from train.stage import fit

@@ -65,7 +65,7 @@ COMPONENT_ROUNDS = 15  # bench_dedup.py components: 14-15 rounds from 1M to 16M 
 TOKENIZE_ROW_BYTES = 8 + 8 + 40 + 24
 
 # The screen's proxies and OPT-175B's checkpoints (configs/opt-175b.yaml); training's layout and speed are
-# the layout planner's (python -m train.plan).
+# the layout planner's (python -m pipelines.plan).
 GPUS, PEAK_TFLOPS, SEQ = 992, 312.0, 2048  # A100 80GB, dense fp16/bf16 peak
 # The screen's schedules: (proxy runs, run times with 8 at a time) per screen of 8 subsets + the baseline, from
 # `bench_screen.py power` (docs/benchmarks.md): its rounds replayed with 8 slots a round, at the configs' rule (ratio 2,
@@ -163,7 +163,7 @@ def screen(mfus: list[float]) -> None:
 
 
 def checkpoints(fsx_bytes_s: float) -> None:
-    """OPT-175B's checkpoints (the training layout, step time and memory are the planner's: python -m train.plan)."""
+    """OPT-175B's checkpoints (the training layout, step time and memory are the planner's: python -m pipelines.plan)."""
     psi = param_count(get("175b"))
     ckpt = 14 * psi  # fp16 weights (2) + fp32 master and Adam m, v (12); gradients are not saved
     print(f"## Checkpoints of OPT-175B\n\n14 bytes x params = {ckpt / 1e12:.2f} TB ({ckpt / GPUS / 1e9:.2f} GB per rank "

@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol
 
 from core import console, outputs
-from core.config import PipelineConfig, section_dict
+from core.config import section_dict
 from core.imports import imported
 
 log = logging.getLogger("pipelines")
@@ -92,7 +92,7 @@ class StageContext:
     """Everything a stage may touch: its config, its inputs' manifests, and a fresh folder."""
 
     stage: str
-    config: PipelineConfig
+    config: Any  # the whole pipeline's config (pipelines/config.py: PipelineConfig)
     section: Any  # the stage's typed config section (config.dedup for dedup, ...; the first one named)
     inputs: dict[str, dict]  # input stage -> its manifest
     folder: Path  # the stage's fresh run folder
@@ -125,7 +125,7 @@ class Stage:
     section: str | tuple[str, ...]  # the config section(s) whose values are part of the fingerprint
     run: Callable[[StageContext], StageResult]
     code: tuple[str, ...] = ()  # modules it runs by name, not by import: its code beside run's imports (code_modules)
-    external: Callable[[PipelineConfig], Any] | None = None  # identity of files read from outside the workdir
+    external: Callable[[Any], Any] | None = None  # identity of files read from outside the workdir
     resumable: bool = False  # a rerun after an unfinished attempt continues it (its MLflow run; the stage its own state)
 
 
@@ -169,7 +169,7 @@ def code_version(stage: Stage, parsed: dict | None = None) -> str:
     return digest.hexdigest()[:16]
 
 
-def fingerprints(config: PipelineConfig, stages: list[Stage]) -> dict[str, str]:
+def fingerprints(config: Any, stages: list[Stage]) -> dict[str, str]:
     """Every stage's fingerprint, in DAG order (each depends on its inputs' fingerprints)."""
     prints: dict[str, str] = {}
     parsed: dict = {}  # each module's imports, read once for all the stages
@@ -298,7 +298,7 @@ class Runner:
 
     def __init__(
         self,
-        config: PipelineConfig,
+        config: Any,
         stages: list[Stage],
         start_engines: Callable[[], None] = lambda: None,
         say: Callable[[str], None] = console.say,

@@ -11,10 +11,27 @@ import logging
 import os
 import sys
 
-from core.config import PipelineConfig, RayConfig
+from dataclasses import dataclass
+
+from core.config import at_least
 from core.console import route_ray_logging
 
 PARTITION_BYTES = 256 << 20  # of shuffled data per hash-shuffle partition, when the caller names no count
+
+
+
+@dataclass
+class RayConfig:
+    """How Ray starts when RAY_ADDRESS is not set (with it set, the cluster decides)."""
+
+    num_cpus: int | None = None  # None: all cores of this machine
+    # A groupby moving less than this many MB shuffles in Ray Data tasks (a sort); more, on Ray Data's
+    # hash-shuffle actors with partitions sized for the data (core/ray_session.py: groupby). 0: always hash.
+    small_shuffle_mb: int = 256
+
+    def validate(self, key: str) -> None:
+        at_least(self, key, 1, "num_cpus")
+        at_least(self, key, 0, "small_shuffle_mb")
 
 
 # Ray Train settings for a Ray this process starts (never for a cluster's): a laptop is not preempted,
@@ -48,7 +65,7 @@ def init_ray(num_cpus: int | None = None, verbose: bool = False) -> None:
                  runtime_env={**runtime_env, "env_vars": LOCAL_TRAIN_ENV})
 
 
-def start_ray(config: PipelineConfig, verbose: bool = False) -> bool:
+def start_ray(config: RayConfig, verbose: bool = False) -> bool:
     """Start (or join) Ray and set Ray Data up for this pipeline; True when this call started Ray, so
     the caller shuts it down."""
     import ray
@@ -56,7 +73,7 @@ def start_ray(config: PipelineConfig, verbose: bool = False) -> bool:
 
     started = False
     if not ray.is_initialized():
-        init_ray(config.ray.num_cpus, verbose)
+        init_ray(config.num_cpus, verbose)
         started = True
     ctx = ray.data.DataContext.get_current()
     # Ray Data 2.60's default Parquet read (DataSourceV2) starts a pool of 32 FooterReader actors for every

@@ -11,10 +11,22 @@ import contextlib
 import logging
 import re
 import time
-from typing import Any, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Iterator
 
-from mlflow import MlflowClient
-from mlflow.entities import Metric, Param
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
+
+@dataclass
+class MlflowConfig:
+    """Where runs are tracked. Loading a config imports no MLflow: this module imports it where a client is made."""
+
+    tracking_uri: str | None = None  # None: $MLFLOW_TRACKING_URI (the cluster's server), else sqlite under workdir
+    experiment: str | None = None  # None: the config file's name (local, opt-175b, ...)
+    # Where run artifacts go, given to MLflow when it creates the experiment: any URI MLflow writes
+    # to (s3://bucket/mlflow, gs://..., file://...) or a folder. None: WORKDIR/mlartifacts.
+    artifact_location: str | None = None
+
 
 MAX_PARAM_LENGTH = 6000  # MLflow's limit on a param value
 # The experiment's type, which the MLflow 3 UI reads to open an experiment on its training runs, not on
@@ -46,6 +58,8 @@ def flatten(data: Any, prefix: str = "") -> dict[str, str]:
 
 def log_params(client: MlflowClient, run_id: str, params: dict) -> None:
     """A nested config as a run's params ("a.b.c": value), BATCH per call."""
+    from mlflow.entities import Param
+
     items = [Param(k, v) for k, v in flatten(params).items()]
     for i in range(0, len(items), BATCH):
         client.log_batch(run_id, params=items[i : i + BATCH])
@@ -53,6 +67,8 @@ def log_params(client: MlflowClient, run_id: str, params: dict) -> None:
 
 def log_metrics(client: MlflowClient, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
     """Metrics of a run under MLflow's names (metric_name), None values left out, BATCH per call."""
+    from mlflow.entities import Metric
+
     now = int(time.time() * 1000)
     items = [Metric(metric_name(k), float(v), now, step) for k, v in metrics.items() if v is not None]
     for i in range(0, len(items), BATCH):
@@ -64,6 +80,8 @@ class MlflowTracker:
                  tags: dict[str, str] | None = None):
         for name in ("mlflow", "alembic"):  # "creating database tables..." on every new store
             logging.getLogger(name).setLevel(logging.WARNING)
+        from mlflow import MlflowClient
+
         self.client = MlflowClient(tracking_uri)
         self.experiment_id = self._experiment(experiment, artifact_location)
         self.tags = dict(tags or {})  # on every run this tracker creates (the ablation's name and diff)
@@ -144,6 +162,8 @@ class StageRun:
     MlflowTracker opens and closes the stage's run; this only writes to it."""
 
     def __init__(self, tracking_uri: str, run_id: str):
+        from mlflow import MlflowClient
+
         self.client = MlflowClient(tracking_uri)
         self.run_id = run_id
 

@@ -37,7 +37,8 @@ from corpus import reddit
 from corpus.parts import DOCUMENT_SCHEMA, Parts, check_written, group_by_size, iter_rows, parquet_files, run_tasks, task_bytes
 from corpus.readers import READERS, REDDIT_FIELDS, relative_names
 from core import storage
-from core.config import RayConfig, SourceConfig, source_files
+from core.ray_session import RayConfig
+from corpus.config import SourceConfig, source_files
 from core.console import note
 from core.dag import StageContext, StageResult
 from core.ray_session import groupby

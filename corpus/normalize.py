@@ -32,7 +32,7 @@ import ftfy
 from corpus import evalset
 from corpus.parts import (DOCUMENT_SCHEMA, DROPPED_SCHEMA, Parts, check_read, check_written, input_parts, iter_rows,
                           parquet_bytes, row_group_ranges, run_tasks, task_bytes)
-from core.config import EvalConfig, NormalizeConfig
+from corpus.config import EvalConfig, NormalizeConfig
 from core.dag import StageContext, StageResult
 
 RULES = ("ftfy", "whitespace", "gutenberg", "chapter_headings")

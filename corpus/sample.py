@@ -41,7 +41,7 @@ from pathlib import Path
 
 import zstandard
 
-from core.config import OPT_PILE_SUBSETS
+from corpus.config import OPT_PILE_SUBSETS
 
 # The Pile's 22 subsets, by their `meta.pile_set_name`; OPT kept the first 8.
 PILE_SUBSETS_KEPT_BY_OPT = OPT_PILE_SUBSETS

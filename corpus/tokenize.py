@@ -50,7 +50,7 @@ import pyarrow.parquet as pq
 from corpus import evalset
 from corpus import tokenizer as tokenizers
 from corpus.parts import aside_parts, check_read, input_parts, parquet_bytes, row_group_ranges, run_tasks, task_bytes
-from core.config import TokenizeConfig, TokenizerConfig
+from corpus.config import TokenizeConfig, TokenizerConfig
 from core.dag import StageContext, StageResult
 from core.ray_session import groupby
 

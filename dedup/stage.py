@@ -59,7 +59,7 @@ from corpus.parts import (DOCUMENT_SCHEMA, Parts, aside_parts, check_read, check
                           rows_in_folder, run_tasks)
 from dedup.lsh import band_keys, choose_banding
 from dedup.minhash import MinHasher, jaccard_of_sets
-from core.config import DedupConfig
+from dedup.config import DedupConfig
 from core.console import Bar
 from core.dag import StageContext, StageResult
 from core.ray_session import groupby

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from core.config import ConfigError, load_config
-from pipelines.stages import CHECKS, STAGES
+from core.config import ConfigError
+from pipelines.config import load_config
+from pipelines.config import CHECKS
+from pipelines.stages import STAGES
 
 
 class Unreadable(ValueError):

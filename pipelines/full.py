@@ -20,10 +20,12 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the project importable without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from core.config import ConfigError, PipelineConfig, check_inputs_exist, load_config
+from core.config import ConfigError
+from pipelines.config import PipelineConfig, check_inputs_exist, load_config
 from pipelines import summary
 from core.dag import DamagedOutput, Runner, Stage, StageFailed, UsageError, audit, fingerprints, iter_outcomes_table
-from pipelines.stages import CHECKS, STAGES
+from pipelines.config import CHECKS
+from pipelines.stages import STAGES
 from core.tracking import flatten
 
 
@@ -48,7 +50,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--verbose", action="store_true", help="show Ray's own output (its loggers, and the workers', "
                    "raylet's and GCS's) on the terminal instead of only in the stage logs and Ray's session logs")
     p.add_argument("--force-layout", action="store_true", help="train with the configured GPU layout even when the "
-                   "layout planner (python -m train.plan) predicts it will not fit in GPU memory")
+                   "layout planner (python -m pipelines.plan) predicts it will not fit in GPU memory")
     p.add_argument("--check", action="store_true", help="run nothing: audit the workdir, every stage's current and "
                    "completed outputs against the files they were committed with, and say which this config would "
                    "use (exit 1 if any is damaged)")
@@ -116,14 +118,15 @@ def run(config: PipelineConfig, args: argparse.Namespace, only: list[str] | None
     from core.tracking import MlflowTracker
 
     ray_started: list[bool] = []
-    runner = Runner(config, stages, start_engines=lambda: ray_started or ray_started.append(start_ray(config, args.verbose)))
+    runner = Runner(config, stages, start_engines=lambda: ray_started or ray_started.append(start_ray(config.ray, args.verbose)))
     plan = runner.plan(only, args.from_, args.force, args.verify)  # a bad selection or input fails here, before any run
     os.makedirs(config.workdir, exist_ok=True)
     layout_files = []
     if plan.actions.get("train") == "run":  # GPU training: its layout priced against the best (train/plan/planner.py)
         from train.plan.planner import startup_check
 
-        layout_files = startup_check(config, args.config, args.force_layout, Path(config.workdir) / "plan")
+        layout_files = startup_check(config.train, config.tokenize.seq_len, args.config, args.force_layout,
+                                     Path(config.workdir) / "plan")
     tracker = MlflowTracker(config.mlflow.tracking_uri, config.mlflow.experiment,
                             artifact_location=config.mlflow.artifact_location, tags=ablation)
     params = {"config": args.config or "configs/local.yaml", "workdir": config.workdir,

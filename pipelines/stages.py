@@ -6,15 +6,10 @@ from corpus import ingest, normalize, tokenize
 from dedup import stage as dedup_stage
 from screen import stage as screen_stage
 from core import storage
-from core.config import TOKENIZER_FILES, PipelineConfig, TokenizerConfig, source_files
+from corpus.config import TOKENIZER_FILES, TokenizerConfig, source_files
+from pipelines.config import PipelineConfig
 from core.dag import Stage
-from train import rules as train_rules
 from train import stage as train_stage
-
-
-# What a config is checked with beyond core/config.py's own validation (load_config's `checks`): the rules
-# that need the model's sizes or the GPU tables.
-CHECKS = (train_rules.check_config,)
 
 
 def raw_files_identity(config: PipelineConfig) -> list[list]:

@@ -36,7 +36,9 @@ from corpus.parts import DOCUMENT_SCHEMA, DROPPED_SCHEMA, Parts, check_read, che
     parquet_bytes, parquet_files, row_group_ranges, run_tasks, task_bytes
 from corpus.tokenize import TokenizerTask, tokenizer_task
 from corpus import tokenizer as tokenizers
-from core.config import AutopilotConfig, EngineConfig, PipelineConfig, ScreenConfig, TrainConfig
+from corpus.config import SourceConfig
+from screen.config import ScreenConfig
+from train.config import AutopilotConfig, EngineConfig, TrainConfig
 from core.console import Bar
 from core.dag import StageContext, StageResult
 from screen import mixture, score
@@ -74,7 +76,7 @@ def run(ctx: StageContext) -> StageResult:
             entry = census.setdefault(tuple(key.split("\0")), [0, 0])
             entry[0] += docs
             entry[1] += size
-    sources = screened_sources(ctx.config)
+    sources = screened_sources(ctx.config.screen, ctx.config.sources)
     screened = candidates(cfg, sources, census)
     ctx.log.info("screening %d subsets of %s: %s", len(screened), sources, screened)
 
@@ -121,9 +123,8 @@ def run(ctx: StageContext) -> StageResult:
         "rounds": [len(r) for r in rounds]})
 
 
-def screened_sources(config: PipelineConfig) -> list[str]:
-    cfg = config.screen
-    return cfg.sources if cfg.sources is not None else [s.name for s in config.sources if s.format == "pile"]
+def screened_sources(screen: ScreenConfig, sources: list[SourceConfig]) -> list[str]:
+    return screen.sources if screen.sources is not None else [s.name for s in sources if s.format == "pile"]
 
 
 def candidates(cfg: ScreenConfig, sources: list[str], census: dict[tuple[str, str], list[int]]) -> list[str]:

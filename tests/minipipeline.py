@@ -15,7 +15,7 @@ import pyarrow.parquet as pq
 import ray.data
 
 from corpus.parts import parquet_bytes, parquet_files
-from core.config import source_files
+from corpus.config import source_files
 from core.dag import Stage, StageContext, StageResult
 from core.ray_session import groupby
 from pipelines.stages import raw_files_identity

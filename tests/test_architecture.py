@@ -109,3 +109,19 @@ def test_ray_tasks_are_typed_records_not_dicts():
              if isinstance(node, ast.Subscript) and isinstance(node.value, ast.Name) and node.value.id == "task"
              and isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str)]
     assert found == []
+
+
+def test_the_loader_knows_no_section_and_a_config_loads_without_the_engines():
+    """core/config.py is the generic loader: every section's dataclass lives beside the code it configures
+    (corpus/, dedup/, screen/, train/, core/ray_session.py, core/tracking.py) and pipelines/config.py composes
+    them. Loading a config starts no engine: Ray, MLflow, torch and DeepSpeed stay unimported (a Ray worker
+    that unpickles a section pays for none of them)."""
+    import subprocess
+
+    tree = ast.parse((ROOT / "core" / "config.py").read_text())
+    classes = [node.name for node in tree.body if isinstance(node, ast.ClassDef)]
+    assert classes == ["ConfigError"], classes
+    code = ("import sys; from pipelines.config import load_config; load_config(None); "
+            "print(sorted(m for m in ('ray', 'mlflow', 'torch', 'deepspeed') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]", out

@@ -6,7 +6,7 @@ from __future__ import annotations
 import math
 import random
 
-from core.config import AutopilotConfig
+from train.config import AutopilotConfig
 from train.autopilot_policy import Detectors, Incident, Logbook, SimulatedScaler, State, apply_to_state, decide
 
 

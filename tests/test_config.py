@@ -9,10 +9,12 @@ from pathlib import Path
 import pytest
 
 from conftest import ROOT, write_config
-from core import config as ground
-from core.config import OPT_PILE_SUBSETS, ConfigError, check_inputs_exist
+from pipelines import config as ground
+from core.config import ConfigError
+from corpus.config import OPT_PILE_SUBSETS
+from pipelines.config import check_inputs_exist
 from pipelines.full import main
-from pipelines.stages import CHECKS
+from pipelines.config import CHECKS
 
 MINI = 'sources: [{name: a, format: jsonl, paths: ["raw/*.jsonl"]}]\n'
 
@@ -253,7 +255,8 @@ def test_a_proxy_run_is_trained_with_every_engine_key_of_its_section(cfg):
     run's TrainConfig as it is, none copied by hand, and both sections keep their own defaults."""
     import dataclasses
 
-    from core.config import EngineConfig, ProxyConfig, TrainConfig
+    from screen.config import ProxyConfig
+    from train.config import EngineConfig, TrainConfig
     from screen.stage import proxy_train_config
 
     config = load_config(cfg(), ["screen.proxy.model=125m", "screen.proxy.num_workers=2", "screen.proxy.gpus_per_worker=0",

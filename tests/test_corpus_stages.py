@@ -16,7 +16,7 @@ from corpus.ingest import REASONS
 from corpus.normalize import normalize_text
 from corpus.reddit import longest_chain
 from corpus.sample import PILE_SUBSETS_KEPT_BY_OPT, write_zst_lines
-from core.config import NormalizeConfig
+from corpus.config import NormalizeConfig
 from pipelines.full import main
 
 # --------------------------------------------------------------------------- ingest on the sample

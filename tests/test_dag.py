@@ -17,7 +17,7 @@ from mlflow import MlflowClient
 
 from conftest import ROOT, write_config
 from minipipeline import mini_stages, write_inputs
-from core.config import load_config
+from pipelines.config import load_config
 from core.dag import Stage, StageResult, code_version, fingerprints
 from pipelines.full import main
 from pipelines.stages import raw_files_identity

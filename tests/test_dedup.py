@@ -173,7 +173,7 @@ def test_components_on_ray_data_are_the_one_task_components(ray_session):
     import ray.data
 
     from dedup.stage import components_in_one_task, components_on_ray
-    from core.config import RayConfig
+    from core.ray_session import RayConfig
 
     rng = np.random.default_rng(0)
     names = rng.choice(1 << 40, size=3000, replace=False).astype(np.int64)  # keys as part << 32 | row, scattered

@@ -48,7 +48,7 @@ def eval_loss(engine) -> float:
 @pytest.mark.parametrize("zero_stage", [1, 2, 3])
 def test_the_autopilot_sees_the_loss_scale_collapse_before_deepspeed_gives_up_and_a_reset_takes(
         deepspeed_rank, torch_fp16, zero_stage):
-    from core.config import AutopilotConfig
+    from train.config import AutopilotConfig
     from train.autopilot_policy import Detectors
     from train.loop.pilot import loss_scale, reset_loss_scale
 
@@ -79,14 +79,16 @@ def test_the_autopilot_sees_the_loss_scale_collapse_before_deepspeed_gives_up_an
 
 
 def test_an_fp16_floor_at_deepspeeds_minimum_is_refused_at_load():
-    from core.config import ConfigError, load_config
+    from core.config import ConfigError
+    from pipelines.config import load_config
 
     with pytest.raises(ConfigError, match=r"'train.autopilot.scale_floor': expected more than 1, DeepSpeed's minimum"):
         load_config(ROOT / "configs" / "opt-125m.yaml", ["train.autopilot.scale_floor=1.0"])
 
 
 def test_fp16_on_zero_0_is_refused_at_load():
-    from core.config import ConfigError, load_config
+    from core.config import ConfigError
+    from pipelines.config import load_config
 
     with pytest.raises(ConfigError, match="'train.zero_stage': fp16 needs zero_stage 1, 2 or 3"):
         load_config(ROOT / "configs" / "opt-125m.yaml", ["train.zero_stage=0"])

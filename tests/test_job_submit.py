@@ -187,7 +187,7 @@ sources:
         # tensor group of 2 land on the two Ray nodes as world ranks 0 and 1, node by node; Ray Train counts
         # local ranks per IP address, and both nodes are this machine, so they are local ranks 0 and 1 of 2,
         # one machine's group (which it is: no network between them), and the probe finds no split.
-        placed = subprocess.run([sys.executable, "-m", "train.parallel.placement", "--config", str(cfg), "--set",
+        placed = subprocess.run([sys.executable, "-m", "pipelines.placement", "--config", str(cfg), "--set",
                                  "train.num_workers=2", "--set", "train.cpus_per_worker=1", "--set", "train.parallel.tensor=2"],
                                 cwd=ROOT, env={**env, "RAY_ADDRESS": f"127.0.0.1:{gcs}"}, capture_output=True, text=True,
                                 timeout=600)  # a driver on the cluster, as `ray job submit` would start

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from core.config import AutopilotConfig, InjectConfig, TrainConfig
+from train.config import AutopilotConfig, InjectConfig, TrainConfig
 from corpus.tokenize import FORMAT, INDEX, write_rows
 from train.loader import Loader
 from train.loop.checkpointer import Checkpointer

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from corpus.normalize import fix_whitespace, normalize_text, strip_chapter_headings, strip_gutenberg
 from corpus.sample import pile_text, _rng
-from core.config import NormalizeConfig
+from corpus.config import NormalizeConfig
 
 ALL = NormalizeConfig()
 

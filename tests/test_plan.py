@@ -15,7 +15,8 @@ from model.configs import OPTConfig, block_params, flops_per_token, get, param_c
 from train.plan import layout as L
 from train.plan.hardware import GPUS
 from train.plan.layout import Cluster, Layout, LayoutError, Workload, predict
-from train.plan.planner import main, make_plan, why_not
+from pipelines.plan import main
+from train.plan.planner import make_plan, why_not
 
 SMALL = OPTConfig("small", n_layer=4, n_head=8, d_model=1024, lr=1e-4, batch_tokens=65536, vocab_size=8192, max_seq_len=1024)
 
@@ -154,7 +155,7 @@ def test_layouts_that_cannot_run_are_refused_with_the_reason():
 
 
 def test_the_planner_refuses_what_the_config_refuses_in_the_same_words():
-    from core.config import layout_rule
+    from train.rules import layout_rule
     from train.plan.layout import refused_here
 
     work = Workload(get("1.3b"), 2048, 512, "fp16", 1e9)
@@ -195,13 +196,12 @@ def test_the_175b_config_runs_the_best_layout_for_its_cluster():
 
 
 def test_why_not_the_configured_layout_names_the_term_that_costs():
-    from core.config import load_config
+    from pipelines.config import CHECKS, load_config
     from train.plan.planner import DEFAULT_CONFIG, inputs, parse_args
-    from train.rules import check_config
 
     zero3 = load_config(DEFAULT_CONFIG, ["train.zero_stage=3", "train.parallel={tensor: 1, pipeline: 1}",
-                                         "train.activation_checkpointing=true"], checks=(check_config,))
-    plan = make_plan(*inputs(parse_args([]), zero3))
+                                         "train.activation_checkpointing=true"], checks=CHECKS)
+    plan = make_plan(*inputs(parse_args([]), zero3.train, zero3.tokenize.seq_len))
     mine = plan.configured
     assert (mine.layout.tp, mine.layout.pp, mine.layout.zero) == (1, 1, 3) and mine.fits
     assert plan.slowdown() > 1.5
@@ -210,22 +210,23 @@ def test_why_not_the_configured_layout_names_the_term_that_costs():
 
 
 def test_the_configured_layout_follows_train_parallel():
-    from core.config import load_config
+    from pipelines.config import CHECKS, load_config
     from train.plan.planner import DEFAULT_CONFIG, configured_layout
-    from train.rules import check_config
 
     config = load_config(DEFAULT_CONFIG, ["train.model=13b", "train.parallel={tensor: 8, pipeline: 1}",
-                                          "train.activation_checkpointing=true"],
-                         checks=(check_config,))
-    assert configured_layout(config, 992) == Layout(8, 1, 124, 1, 1, "full")
-    config = load_config(DEFAULT_CONFIG, ["train.parallel={tensor: 4, pipeline: 8}"], checks=(check_config,))
-    assert configured_layout(config, 992) == Layout(4, 8, 31, 1, 1, "none")
+                                          "train.activation_checkpointing=true"], checks=CHECKS)
+    assert configured_layout(config.train, 992) == Layout(8, 1, 124, 1, 1, "full")
+    config = load_config(DEFAULT_CONFIG, ["train.parallel={tensor: 4, pipeline: 8}"], checks=CHECKS)
+    assert configured_layout(config.train, 992) == Layout(4, 8, 31, 1, 1, "none")
 
 
 def _inputs(argv):
-    from train.plan.planner import inputs, parse_args
+    from pipelines.config import CHECKS, load_config
+    from train.plan.planner import DEFAULT_CONFIG, inputs, parse_args
 
-    return inputs(parse_args(argv))
+    args = parse_args(argv)
+    config = load_config(args.config or DEFAULT_CONFIG, [], None, checks=CHECKS)
+    return inputs(args, config.train, config.tokenize.seq_len)
 
 
 def test_the_command_line(tmp_path, capsys):
@@ -256,10 +257,10 @@ def test_the_command_line(tmp_path, capsys):
 def test_the_pipeline_refuses_a_layout_that_does_not_fit_and_warns_about_a_slow_one(tmp_path, sample, capsys):
     from functools import partial
 
-    from core import config as ground
+    from pipelines import config as ground
     from core.config import ConfigError
     from pipelines.full import main as full
-    from pipelines.stages import CHECKS
+    from pipelines.config import CHECKS
     from train.plan.planner import startup_check
 
     load_config = partial(ground.load_config, checks=CHECKS)  # as full.py loads it
@@ -272,19 +273,21 @@ def test_the_pipeline_refuses_a_layout_that_does_not_fit_and_warns_about_a_slow_
     too_big = write_config(tmp_path, text + gpu_train % 1, name="zero1")  # 175B's fp16 weights whole on every GPU
     assert full(["--config", str(too_big)]) == 2
     err = capsys.readouterr().err
-    assert "predicted not to fit" in err and "--force-layout" in err and "python -m train.plan" in err
+    assert "predicted not to fit" in err and "--force-layout" in err and "python -m pipelines.plan" in err
     assert not (tmp_path / "work" / "ingest").exists()  # refused before any stage ran
 
     slow = load_config(write_config(tmp_path, text + gpu_train % 3, name="zero3"))
-    files = startup_check(slow, "zero3.yaml", force=False, out_dir=tmp_path / "plan")
+    files = startup_check(slow.train, slow.tokenize.seq_len, "zero3.yaml", force=False, out_dir=tmp_path / "plan")
     err = capsys.readouterr().err
     assert err.count("warning:") == 1 and "tp=1,pp=1,dp=992,zero=3" in err and "slower than tp=8" in err
     assert [f.name for f in files] == ["plan.md", "plan.json", "plan.png"] and all(f.stat().st_size for f in files)
-    forced = startup_check(load_config(too_big), str(too_big), force=True, out_dir=tmp_path / "forced")
+    big = load_config(too_big)
+    forced = startup_check(big.train, big.tokenize.seq_len, str(too_big), force=True, out_dir=tmp_path / "forced")
     assert forced and "does not fit" in (tmp_path / "forced" / "plan.md").read_text()
     with pytest.raises(ConfigError):
-        startup_check(load_config(too_big), str(too_big), force=False, out_dir=tmp_path / "again")
-    assert startup_check(load_config(None), None, force=False, out_dir=tmp_path / "cpu") == []  # nothing on CPU
+        startup_check(big.train, big.tokenize.seq_len, str(too_big), force=False, out_dir=tmp_path / "again")
+    local = load_config(None)
+    assert startup_check(local.train, local.tokenize.seq_len, None, force=False, out_dir=tmp_path / "cpu") == []  # nothing on CPU
 
 
 def _stage_on_meta(cfg, layout, stage: int) -> int:
@@ -363,13 +366,12 @@ def test_meta_stage_matches_planner(path):
     built on the meta device (a 175B stage in about a second): its parameters, and so its weight, gradient and
     optimizer bytes (layout.state_bytes, which test_parallel.py measures on real engines), within 1% of what the
     planner counts, on each end stage; and one block's saved activations within 1% of the planner's."""
-    from core.config import load_config
+    from pipelines.config import CHECKS, load_config
     from train.plan.layout import activation_bytes, stage_params, state_bytes
     from train.plan.planner import inputs, parse_args
-    from train.rules import check_config
 
-    config = load_config(ROOT / path, [], None, checks=(check_config,))
-    work, cluster, _, layout = inputs(parse_args(["--config", str(ROOT / path)]), config)
+    config = load_config(ROOT / path, [], None, checks=CHECKS)
+    work, cluster, _, layout = inputs(parse_args(["--config", str(ROOT / path)]), config.train, config.tokenize.seq_len)
     proxy = config.screen.proxy  # a job of its own on one node
     proxy_work = Workload(get(proxy.model), proxy.seq_len, proxy.global_batch_tokens // proxy.seq_len, proxy.precision, 1e9)
     proxy_layout = Layout(1, 1, proxy.num_workers, proxy.zero_stage, proxy.micro_batch_size, "none")

@@ -12,9 +12,11 @@ import pytest
 import yaml
 from conftest import ROOT, SPIKY, manifest, rows, write_config
 
-from core.config import OPT_PILE_SUBSETS, ConfigError, ScreenConfig
-from core.config import load_config as load_ground
-from pipelines.stages import CHECKS
+from core.config import ConfigError
+from corpus.config import OPT_PILE_SUBSETS
+from screen.config import ScreenConfig
+from pipelines.config import load_config as load_ground
+from pipelines.config import CHECKS
 from screen import score
 from screen.stage import candidates, screened_sources
 
@@ -153,9 +155,9 @@ def test_candidates_are_the_screened_sources_subsets_or_the_ones_named():
     with pytest.raises(ValueError, match=r"screen.subsets: \['ArXiv'\] are not subsets"):
         candidates(ScreenConfig(subsets=["ArXiv"]), ["pile"], census)
     local = load_config(Path(__file__).parents[1] / "configs" / "local.yaml")
-    assert screened_sources(local) == ["pile"]
+    assert screened_sources(local.screen, local.sources) == ["pile"]
     local.screen.sources = None
-    assert screened_sources(local) == ["pile"]  # the sources of format pile
+    assert screened_sources(local.screen, local.sources) == ["pile"]  # the sources of format pile
 
 
 @pytest.mark.parametrize("item, message", [

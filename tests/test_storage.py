@@ -11,7 +11,9 @@ import zstandard
 
 from corpus.readers import read_lines, read_pile, relative_names
 from core import storage
-from core.config import ConfigError, check_inputs_exist, load_config, source_files
+from core.config import ConfigError
+from corpus.config import source_files
+from pipelines.config import check_inputs_exist, load_config
 from core.tracking import MlflowTracker
 
 from conftest import manifest, write_config

@@ -14,7 +14,8 @@ import pytest
 from conftest import SPIKY, manifest, rows
 
 from corpus import tokenize, tokenizer
-from core.config import OPT_PILE_SUBSETS, TokenizerConfig, load_config
+from corpus.config import OPT_PILE_SUBSETS, TokenizerConfig
+from pipelines.config import load_config
 from core.dag import StageContext
 from test_tokenizer import write_gpt2_files
 from train.loader import TokenShards

@@ -30,7 +30,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from core.config import AutopilotConfig
+from train.config import AutopilotConfig
 
 ACTIONS = ("rollback", "skip", "lower_lr", "lower_clip", "reset_loss_scale", "reset_optimizer")
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from core.config import DEEPSPEED_MIN_LOSS_SCALE
+from train.rules import DEEPSPEED_MIN_LOSS_SCALE
 from train.build import shape_of
 
 BETAS = (0.9, 0.95)

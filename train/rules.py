@@ -1,16 +1,46 @@
-"""The config rules that need the model's sizes (model/configs.py) or the GPU tables (train/plan/hardware.py).
+"""The training stage's rules: the layouts it takes (`layout_rule`, which each training section's `validate`
+checks, train/config.py), DeepSpeed's loss-scale floor, and the config rules that need the model's sizes
+(model/configs.py) or the GPU tables (train/plan/hardware.py).
 
-core/config.py validates what it can know by itself: types, ranges, and the layout rules (`layout_rule`).
-What depends on a model or a node lives here, where both are known, and runs when a config is loaded
-with it: `load_config(path, checks=(check_config,))` (pipelines/stages.py's CHECKS). Each rule is applied
-to every training section, train and screen.proxy, with the same keys and messages.
+The last run when a config is loaded with them (pipelines/config.py's CHECKS). Each rule is applied to
+every training section, train and screen.proxy, with the same keys and messages.
 """
 
 from __future__ import annotations
 
-from core.config import ConfigError, EngineConfig, PipelineConfig
+from typing import TYPE_CHECKING
+
+from core.config import ConfigError
 from model.configs import CONFIGS, OPTConfig, param_count
 from train.plan.hardware import NODES
+
+if TYPE_CHECKING:  # train/config.py imports this module
+    from screen.config import ProxyConfig
+    from train.config import EngineConfig, TrainConfig
+
+def layout_rule(tensor: int, pipeline: int, zero_stage: int, precision: str) -> tuple[str, str] | None:
+    """The first rule of this project's training stage that a layout breaks, as (its key within a training
+    section, the message), or None. One source for the config (train, screen.proxy) and the layout planner
+    (train/plan/layout.py: refused_here); they need neither the model's sizes nor the GPU tables."""
+    if precision == "fp16" and zero_stage == 0:
+        # DeepSpeed's ZeRO-0 fp16 wrapper around a client torch optimizer applies updates loss-scale times
+        # too small (platform notes), and has no loss scaler for the autopilot to reset.
+        return "zero_stage", "fp16 needs zero_stage 1, 2 or 3"
+    if pipeline > 1 and zero_stage != 1:
+        return "parallel.pipeline", (f"pipeline parallelism takes zero_stage 1, got {zero_stage}: DeepSpeed's pipeline "
+                                     "engine refuses ZeRO-2 and ZeRO-3 (deepspeed/runtime/pipe/engine.py: \"ZeRO-2 and "
+                                     "ZeRO-3 are incompatible with pipeline parallelism\"), and under ZeRO-0 it reports "
+                                     "no gradient norm, which the autopilot watches")
+    if tensor > 1 and zero_stage == 3:
+        return "parallel.tensor", ("tensor parallelism takes ZeRO 0-2 here: the model is built whole and then split "
+                                   "(train/parallel/groups.py), which ZeRO-3's partitioned build cannot follow")
+    return None
+
+
+# DeepSpeed's dynamic loss scale never goes under this (its `min_loss_scale`: an integer, at least 1); an overflow
+# at it raises "Current loss scale already at minimum" and ends the run.
+DEEPSPEED_MIN_LOSS_SCALE = 1
+
 
 # The largest model the tensor-parallel path without a pipeline takes: its export gathers the fp16 model whole on
 # a GPU (train/parallel/groups.py full_state_dict), which must leave an 80 GB GPU room for the rank's weights,
@@ -20,15 +50,14 @@ from train.plan.hardware import NODES
 TENSOR_ONLY_MAX_PARAMS = 20e9
 
 
-def check_config(config: PipelineConfig) -> None:
-    """Every rule of this module, on screen.proxy and then train (the order the sections are read in)."""
-    proxy = config.screen.proxy
+def check_config(proxy: ProxyConfig, train: TrainConfig, seq_len: int) -> None:
+    """Every rule of this module that needs a model or a node, on screen.proxy and then train (the order the
+    sections are read in); `seq_len` is tokenize.seq_len, the training stage's."""
     check_section("screen.proxy", proxy)
     check_batch("screen.proxy", proxy.model, proxy.global_batch_tokens, proxy.seq_len, proxy.micro_batch_size,
                 proxy.num_workers // proxy.parallel.model_parallel)
-    train = config.train
     check_section("train", train)
-    check_batch("train", train.model, train.global_batch_tokens, config.tokenize.seq_len, train.micro_batch_size,
+    check_batch("train", train.model, train.global_batch_tokens, seq_len, train.micro_batch_size,
                 train.data_parallel, seq_len_key="tokenize.seq_len")
 
 

@@ -23,7 +23,7 @@ import dataclasses
 import json
 from pathlib import Path
 
-from core.config import TrainConfig
+from train.config import TrainConfig
 from core.console import Bar
 from core.dag import StageContext, StageResult
 from train import autopilot_policy, goodput, health

@@ -14,7 +14,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from core.config import TrainConfig
+from train.config import TrainConfig
 from model.configs import OPTConfig, get
 from train.loader import read_index
 

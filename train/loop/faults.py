@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 
-from core.config import InjectConfig
+from train.config import InjectConfig
 from train import goodput
 from train.failures import write_exit
 from train.loop.context import Context, incident

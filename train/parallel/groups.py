@@ -62,7 +62,7 @@ def tensor_group_problem(dims: ParallelDims, rank: int, local_rank: int, local_w
     ranks per node IP address, so the machine holds world ranks [rank - local_rank, rank - local_rank +
     local_world), and the group, ranks [rank - t, rank - t + tp), is on it when it lies within them. Ray
     places as many workers on a node as fit, so a node left partly busy by another job can split a group.
-    `python -m train.parallel.placement` shows where a layout's workers land."""
+    `python -m pipelines.placement` shows where a layout's workers land."""
     t = dims.coords(rank)[2]
     if t <= local_rank and dims.tp - t <= local_world - local_rank:
         return None

@@ -1,6 +1,6 @@
 """Where Ray Train puts a training layout's workers, asked of the cluster before a long run.
 
-    python -m train.parallel.placement --config configs/opt-175b.yaml [--set train.num_workers=16 ...]
+    python -m pipelines.placement --config configs/opt-175b.yaml [--set train.num_workers=16 ...]
 
 starts the training stage's worker group (train/stage.py's `fit`, the same resources) with a loop that
 only reports each worker's world rank, local rank, node and (pipeline stage, data replica, tensor rank),
@@ -18,14 +18,12 @@ other machine by machine.
 
 from __future__ import annotations
 
-import argparse
 import json
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from core.config import ParallelConfig
+from train.config import ParallelConfig, TrainConfig
 
 
 def report(parallel: ParallelConfig) -> None:
@@ -54,15 +52,14 @@ def report(parallel: ParallelConfig) -> None:
         ray.train.report({}, checkpoint=checkpoint)
 
 
-def probe(config) -> list[dict]:
-    """Every worker's place, by world rank, for `config`'s train section; Ray Train's records go where the
-    training stage's would (train.storage, or WORKDIR/train/runs: shared storage on a cluster)."""
+def probe(train: TrainConfig, workdir: str) -> list[dict]:
+    """Every worker's place, by world rank, for a train section; Ray Train's records go where the training
+    stage's would (train.storage, or WORKDIR/train/runs: shared storage on a cluster)."""
     import shutil
 
     from train.stage import fit
 
-    train = config.train
-    folder = Path(train.storage or Path(config.workdir) / "train" / "runs") / f"placement-{int(time.time())}"
+    folder = Path(train.storage or Path(workdir) / "train" / "runs") / f"placement-{int(time.time())}"
     try:
         result = fit(train, train.parallel, folder, loop=report)
         with result.checkpoint.as_directory() as found:
@@ -77,30 +74,3 @@ def table(rows: list[dict]) -> str:
     lines += [f"| {r['rank']} | {nodes[r['node']]} ({r['node'][:8]}) | {r['ip']} | {r['local_rank']} of {r['local_world']} | "
               f"{r['stage']} | {r['data']} | {r['tensor']} |" for r in rows]
     return "\n".join(lines)
-
-
-def main(argv: list[str] | None = None) -> int:
-    from core.config import ConfigError, load_config
-    from core.ray_session import start_ray
-    from train.rules import check_config
-
-    parser = argparse.ArgumentParser(prog="python -m train.parallel.placement", description=__doc__.split("\n")[0])
-    parser.add_argument("--config", help="the pipeline config whose train section is placed (default: configs/local.yaml)")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override, as full.py's")
-    args = parser.parse_args(argv)
-    try:
-        config = load_config(args.config, args.set, None, checks=(check_config,))
-    except ConfigError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    start_ray(config)
-    rows = probe(config)
-    print(table(rows))
-    problems = sorted({r["problem"] for r in rows if r["problem"]})
-    for line in problems:
-        print(line)
-    return 1 if problems else 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

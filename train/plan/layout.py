@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from core.config import layout_rule
+from train.rules import layout_rule
 from model.configs import OPTConfig, block_params, flops_per_token
 from train.plan.hardware import GPU
 from train.rules import tensor_only_problem
@@ -170,7 +170,7 @@ def problem(layout: Layout, work: Workload, cluster: Cluster) -> str | None:
 
 def refused_here(layout: Layout, work: Workload) -> str | None:
     """Why this project's training stage refuses a layout that the cost model can price (Megatron's ZeRO-0
-    pipelines, for one), or None: core/config.py's layout_rule, the rules it applies to train.parallel,
+    pipelines, for one), or None: train/rules.py's layout_rule, the rules it applies to train.parallel,
     zero_stage and precision, and train/rules.py's on the models tensor parallelism alone takes."""
     broken = layout_rule(layout.tp, layout.pp, layout.zero, work.precision)
     return broken[1] if broken else tensor_only_problem(work.model, layout.tp, layout.pp)

@@ -1,6 +1,6 @@
 """The layout planner: every tensor x pipeline x data layout that can run, priced and ranked, before a GPU is used.
 
-    python -m train.plan [--config C] [--model 175b] [--gpus N] [--gpu a100-40gb|a100-80gb|h100|h200]
+    python -m pipelines.plan [--config C] [--model 175b] [--gpus N] [--gpu a100-40gb|a100-80gb|h100|h200]
                          [--gpus-per-node 8] [--node p4de.24xlarge] [--intra-gbps G] [--inter-gbps G]
                          [--batch-tokens T] [--seq-len S] [--precision bf16|fp16]
                          [--layout tp=8,pp=4,zero=1[,mb=1][,recompute=full]] [--json] [--png PATH] [--top K]
@@ -8,8 +8,8 @@
 By default the model, batch, GPU count and configured layout come from the config
 (configs/opt-175b.yaml unless --config), and the node type from cluster.yaml's GPU workers; a flag
 overrides each. `--layout` prices one layout, term by term; without it every layout is ranked, best
-first, with a line on why the configured one is not the best. The cost model is train/plan/layout.py.
-pipelines/full.py runs `startup_check` before training on GPUs: a warning when the configured layout
+first, with a line on why the configured one is not the best. The cost model is train/plan/layout.py;
+the command line, which loads the pipeline's config, is pipelines/plan.py. pipelines/full.py runs `startup_check` before training on GPUs: a warning when the configured layout
 is predicted more than 1.5x slower than the best, a refusal when it is predicted not to fit.
 """
 
@@ -25,10 +25,10 @@ from typing import Iterator
 import yaml
 
 from model.configs import get, param_count
-from core.config import ConfigError, PipelineConfig, load_config
+from core.config import ConfigError
+from train.config import TrainConfig
 from train.plan.hardware import GPUS, NODES
-from train.rules import check_config
-from train.plan.layout import RECOMPUTE, Cluster, Layout, LayoutError, Prediction, Workload, parse_layout, predict, problem, refused_here
+from train.plan.layout import RECOMPUTE, Cluster, Layout, Prediction, Workload, predict, problem, refused_here
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = ROOT / "configs" / "opt-175b.yaml"
@@ -36,7 +36,7 @@ DEFAULT_CLUSTER = ROOT / "cluster.yaml"
 TENSOR = (1, 2, 4, 8)
 MICRO_BATCHES = (1, 2, 4, 8, 16, 32)
 SLOWER_WARNING = 1.5  # full.py warns when the configured layout is predicted this much slower than the best
-PLAN_COMMAND = "python -m train.plan"
+PLAN_COMMAND = "python -m pipelines.plan"
 
 
 @dataclass
@@ -75,19 +75,17 @@ def cluster_node_type(path: Path = DEFAULT_CLUSTER) -> str | None:
     return None
 
 
-def configured_layout(config: PipelineConfig, gpus: int) -> Layout:
+def configured_layout(t: TrainConfig, gpus: int) -> Layout:
     """The layout the training stage runs: train.parallel's tensor x pipeline, ZeRO data parallelism over what is left."""
-    t = config.train
     tp, pp = t.parallel.tensor, t.parallel.pipeline
     return Layout(tp, pp, gpus // (tp * pp), t.zero_stage, t.micro_batch_size, "full" if t.activation_checkpointing else "none")
 
 
-def inputs(args: argparse.Namespace, config: PipelineConfig | None = None) -> tuple[Workload, Cluster, str | None, Layout | None]:
-    """The workload, the cluster and the configured layout from the config, cluster.yaml and the flags."""
-    config = config or load_config(args.config or DEFAULT_CONFIG, [], None, checks=(check_config,))
-    t = config.train
+def inputs(args: argparse.Namespace, t: TrainConfig, seq_len: int) -> tuple[Workload, Cluster, str | None, Layout | None]:
+    """The workload, the cluster and the configured layout from the config's train section and
+    tokenize.seq_len (`seq_len`), cluster.yaml and the flags."""
     model = get(args.model or t.model)
-    seq = args.seq_len or config.tokenize.seq_len
+    seq = args.seq_len or seq_len
     batch_tokens = args.batch_tokens or t.global_batch_tokens or model.batch_tokens
     if batch_tokens % seq:
         raise ConfigError("--batch-tokens", f"{batch_tokens} is not a whole number of {seq}-token sequences")
@@ -113,7 +111,7 @@ def inputs(args: argparse.Namespace, config: PipelineConfig | None = None) -> tu
         raise ConfigError("--gpus", f"{gpus} GPUs are not whole nodes of {per_node}")
     work = Workload(model, seq, batch_tokens // seq, precision, float(t.total_tokens))
     cluster = Cluster(gpu, gpus, min(per_node, gpus), intra, inter)
-    mine = configured_layout(config, gpus) if model.name == t.model and t.gpus_per_worker >= 1 else None
+    mine = configured_layout(t, gpus) if model.name == t.model and t.gpus_per_worker >= 1 else None
     return work, cluster, node_name, mine
 
 
@@ -269,16 +267,16 @@ def chart(plan: Plan, path: Path, top: int = 10) -> Path:
 # --------------------------------------------------------------------------- the pipeline's check
 
 
-def startup_check(config: PipelineConfig, config_path: str | None, force: bool, out_dir: Path) -> list[Path]:
+def startup_check(train: TrainConfig, seq_len: int, config_path: str | None, force: bool, out_dir: Path) -> list[Path]:
     """Before GPU training: price the configured layout against the best, write the plan to out_dir.
 
     Prints one warning when the configured layout is predicted more than SLOWER_WARNING times slower
     than the best; raises ConfigError when it is predicted not to fit, unless forced. Returns the files
     written (plan.md, plan.json, plan.png) for the pipeline's MLflow run. Nothing on CPU.
     """
-    if config.train.gpus_per_worker < 1 or config.train.precision not in ("bf16", "fp16"):
+    if train.gpus_per_worker < 1 or train.precision not in ("bf16", "fp16"):
         return []
-    plan = make_plan(*inputs(parse_args([]), config))
+    plan = make_plan(*inputs(parse_args([]), train, seq_len))
     out_dir.mkdir(parents=True, exist_ok=True)
     files = [out_dir / "plan.md", out_dir / "plan.json"]
     files[0].write_text(report(plan) + "\n")
@@ -308,7 +306,7 @@ class _Parser(argparse.ArgumentParser):
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = _Parser(prog="python -m train.plan", description=__doc__.split("\n\n")[0])
+    p = _Parser(prog=PLAN_COMMAND, description=__doc__.split("\n\n")[0])
     p.add_argument("--config", help=f"the pipeline config whose model, batch and train.* are planned (default: {DEFAULT_CONFIG.relative_to(ROOT)})")
     p.add_argument("--model", help="an OPT size from model/configs.py (default: the config's train.model)")
     p.add_argument("--gpus", type=int, help="GPUs in all (default: train.num_workers x train.gpus_per_worker)")
@@ -337,30 +335,3 @@ def _positive(kind, flag: str):
             raise argparse.ArgumentTypeError(f"{flag} must be positive, got {text}")
         return value
     return convert
-
-
-def main(argv: list[str] | None = None) -> int:
-    try:
-        args = parse_args(argv)
-    except SystemExit as exc:
-        return int(exc.code or 0)
-    try:
-        work, cluster, node, mine = inputs(args)
-        if args.layout:  # the given layout takes the configured one's place in the chart
-            mine = parse_layout(args.layout, cluster.gpus)
-            reason = problem(mine, work, cluster)
-            if reason:
-                raise LayoutError(f"--layout {mine}: {reason}")
-        plan = make_plan(work, cluster, node, mine)
-        if args.layout:
-            print(json.dumps([plan.configured.as_dict()], indent=1) if args.json else breakdown(plan.configured, plan))
-        elif args.json:
-            print(json.dumps([p.as_dict() for p in plan.ranked], indent=1))
-        else:
-            print(report(plan, args.top))
-        if args.png and plan.ranked:
-            chart(plan, args.png, args.top)
-    except (ConfigError, LayoutError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    return 0

@@ -1,0 +1,119 @@
+"""The pipeline's config: each stage's section (kept beside its code) composed into one, loaded from YAML.
+
+`load_config` is what every entry point calls (pipelines/full.py, compare.py, the planner's and the
+placement probe's command lines). The generic loader is core/config.py's; the rules across sections
+are here (PipelineConfig.validate) and in train/rules.py (what needs the model's sizes or the GPU tables).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Sequence
+
+from core import storage
+from core.config import ConfigError, load, local_path
+from core.ray_session import RayConfig
+from core.tracking import MlflowConfig
+from corpus.config import (OPT_PILE_SUBSETS, EvalConfig, IngestConfig, NormalizeConfig, SourceConfig, TokenizeConfig,
+                           TokenizerConfig)
+from dedup.config import DedupConfig
+from screen.config import ScreenConfig
+from train import rules as train_rules
+from train.config import TrainConfig
+
+
+@dataclass
+class PipelineConfig:
+    """The whole pipeline. `local.yaml` is these defaults plus the sample corpus."""
+
+    sources: list[SourceConfig]
+    workdir: str = "work"
+    sample_corpus: str | None = None  # when set and missing: generate the sample corpus here
+    sample_spiky_subset: str | None = None  # the generated sample's Pile subset planted spiky, for the screen to find
+    ray: RayConfig = field(default_factory=RayConfig)
+    mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    ingest: IngestConfig = field(default_factory=IngestConfig)
+    normalize: NormalizeConfig = field(default_factory=NormalizeConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    dedup: DedupConfig = field(default_factory=DedupConfig)
+    screen: ScreenConfig = field(default_factory=ScreenConfig)
+    tokenize: TokenizeConfig = field(default_factory=TokenizeConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    name: str = "pipeline"  # set from the config file's name at load
+
+    def validate(self, key: str) -> None:
+        names = [s.name for s in self.sources]
+        for i, n in enumerate(names):
+            if n in names[:i]:
+                raise ConfigError(f"sources[{i}].name", f"duplicate source name {n!r}")
+        if not self.sources:
+            raise ConfigError("sources", "expected at least one source")
+        if self.sample_spiky_subset is not None and self.sample_spiky_subset not in OPT_PILE_SUBSETS:
+            raise ConfigError("sample_spiky_subset", f"expected one of OPT's Pile subsets (the ones the screen screens): "
+                              f"{', '.join(OPT_PILE_SUBSETS)}; got {self.sample_spiky_subset!r}")
+        for i, source in enumerate(self.screen.sources or []):
+            if source not in names:
+                raise ConfigError(f"screen.sources[{i}]", f"expected the name of a source ({', '.join(names)}), got {source!r}")
+
+    def resolve_paths(self) -> None:
+        """Relative paths made absolute; `file://` URIs of folders made paths; the sources' URIs kept
+        (core/storage.py says which path may be which); MLflow's defaults filled in under the workdir."""
+        self.workdir = local_path(self.workdir, "workdir")
+        mlflow = self.mlflow
+        if mlflow.tracking_uri is None:
+            mlflow.tracking_uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{os.path.join(self.workdir, 'mlflow.db')}"
+        if mlflow.experiment is None:
+            mlflow.experiment = self.name
+        location = mlflow.artifact_location or os.path.join(self.workdir, "mlartifacts")
+        mlflow.artifact_location = location if storage.is_uri(location) else Path(storage.local_path(location)).as_uri()
+        if self.sample_corpus is not None:
+            self.sample_corpus = local_path(self.sample_corpus, "sample_corpus")
+        for source in self.sources:
+            source.resolve_paths()
+        for key, tok in tokenizers_of(self):
+            tok.resolve_paths(key)
+        self.train.resolve_paths("train")
+
+
+def training_rules(config: PipelineConfig) -> None:
+    """train/rules.py's rules (what needs the model's sizes or the GPU tables) on both training sections."""
+    train_rules.check_config(config.screen.proxy, config.train, config.tokenize.seq_len)
+
+
+# What a run's config is checked with beyond each section's own validation (load_config's `checks`).
+CHECKS = (training_rules,)
+
+
+def default_config_path() -> Path:
+    return Path(__file__).resolve().parents[1] / "configs" / "local.yaml"
+
+
+def load_config(path: str | os.PathLike | None, overrides: Sequence[str] = (), workdir: str | None = None,
+                checks: Sequence[Callable[[PipelineConfig], None]] = ()) -> PipelineConfig:
+    """Read YAML (None: configs/local.yaml), apply `--set key=value` overrides and `--workdir`, validate, run
+    `checks` (CHECKS is what a run loads with), resolve paths. Relative paths (workdir, sample_corpus,
+    source globs) are resolved against the current directory, which is the job's working directory under
+    `ray job submit`."""
+    overrides = [*overrides, *([f"workdir={workdir}"] if workdir is not None else [])]
+    return load(PipelineConfig, path if path is not None else default_config_path(), overrides, checks)
+
+
+def tokenizers_of(config: PipelineConfig) -> list[tuple[str, TokenizerConfig]]:
+    """Every tokenizer section, by its dotted key."""
+    return [("tokenize.tokenizer", config.tokenize.tokenizer), ("screen.tokenizer", config.screen.tokenizer)]
+
+
+def check_inputs_exist(config: PipelineConfig) -> None:
+    """Every input file named in the config must exist: checked before any stage starts."""
+    for key, tok in tokenizers_of(config):
+        tok.check_files_exist(key)
+    for i, source in enumerate(config.sources):
+        for j, pattern in enumerate(source.paths):
+            try:
+                found = storage.expand(pattern)
+            except (ValueError, OSError) as exc:  # an unknown scheme, an unreachable bucket
+                raise ConfigError(f"sources[{i}].paths[{j}]", f"cannot list {pattern!r}: {exc}") from None
+            if not found:
+                raise ConfigError(f"sources[{i}].paths[{j}]", f"no file matches {pattern!r}")

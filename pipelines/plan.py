@@ -1,0 +1,44 @@
+"""`python -m pipelines.plan`: the layout planner's command line (train/plan/planner.py has the planner and
+its flags). It lives here, at the top, because it reads the whole pipeline's config."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from core.config import ConfigError
+from pipelines.config import CHECKS, load_config
+from train.plan.layout import LayoutError, parse_layout, problem
+from train.plan.planner import DEFAULT_CONFIG, breakdown, chart, inputs, make_plan, parse_args, report
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = parse_args(argv)
+    except SystemExit as exc:
+        return int(exc.code or 0)
+    try:
+        config = load_config(args.config or DEFAULT_CONFIG, [], None, checks=CHECKS)
+        work, cluster, node, mine = inputs(args, config.train, config.tokenize.seq_len)
+        if args.layout:  # the given layout takes the configured one's place in the chart
+            mine = parse_layout(args.layout, cluster.gpus)
+            reason = problem(mine, work, cluster)
+            if reason:
+                raise LayoutError(f"--layout {mine}: {reason}")
+        plan = make_plan(work, cluster, node, mine)
+        if args.layout:
+            print(json.dumps([plan.configured.as_dict()], indent=1) if args.json else breakdown(plan.configured, plan))
+        elif args.json:
+            print(json.dumps([p.as_dict() for p in plan.ranked], indent=1))
+        else:
+            print(report(plan, args.top))
+        if args.png and plan.ranked:
+            chart(plan, args.png, args.top)
+    except (ConfigError, LayoutError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
