@@ -1,6 +1,6 @@
 """A chaos drill: the train stage on a local three-node Ray cluster with faults injected, and what it did about each.
 
-    python benchmarks/chaos.py [--faults SPEC] [--steps 24] [--json] [--out /tmp/chaos]
+    python benchmarks/chaos.py [--faults SPEC] [--steps 24] [--set KEY=VALUE ...] [--json] [--out /tmp/chaos]
 
 The cluster: a head that holds no training worker and two nodes of one CPU each, the tiny model's two
 Ray Train workers on them (so a named node always holds a rank). The drill plays the autoscaler: when a
@@ -19,7 +19,9 @@ The default schedule has one of each.
 Prints a table of each fault and what the run did, the last step's loss against the clean run's at the same
 step, and the goodput breakdown; `--json` prints one object instead:
 {"faults": [{"kind", "step", "node", "handled", "action"}...], "final_loss", "clean_loss", "ettr",
-"excluded_nodes", "stragglers"}. Exits 0 when every fault was handled.
+"excluded_nodes", "stragglers", "probed_nodes", "head_node", "drains_refused", "stopped"}. The head has no
+CPU, as cluster.yaml's: it can host no training worker, so it must never be probed nor drained. `--set`
+passes a config override (full.py's syntax) to both runs. Exits 0 when every fault was handled.
 """
 
 from __future__ import annotations
@@ -69,6 +71,7 @@ class Cluster:
         ray.init(address=self.cluster.address, logging_level=logging.WARNING)
         self.cluster.wait_for_nodes()
         self.ids = {k: node.node_id for k, node in self.nodes.items()}
+        self.head = self.cluster.head_node.node_id
         self.replaced: dict[str, str] = {}
         self.session = ray._private.worker._global_node.get_session_dir_path()  # every process of it names it
 
@@ -93,8 +96,8 @@ class Cluster:
     def replace_drained(self, run_dir: Path) -> None:
         """Each node the run excluded (health.jsonl), replaced once: a fresh node joins, the drained one leaves."""
         path = run_dir / "health.jsonl"
-        failed = {json.loads(line)["node"] for line in path.read_text().splitlines() if json.loads(line)["failed"]} \
-            if path.exists() else set()
+        rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        failed = {r["node"] for r in rows if r.get("drained", r["failed"])}  # a drain the guard refused: not replaced
         for k, node_id in list(self.ids.items()):
             if node_id in failed and node_id not in self.replaced:
                 self.replaced[node_id] = self.start_node(f"chaos_node_{k}_replacement")
@@ -190,6 +193,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--faults", default=DEFAULT)
     parser.add_argument("--steps", type=int, default=24)
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override, both runs")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--out", default="/tmp/chaos")
     args = parser.parse_args()
@@ -207,22 +211,27 @@ def main() -> int:
     os.environ.pop("RAY_ADDRESS", None)
     cluster = Cluster()
     try:
-        run(out, "clean", shards, overrides(args.steps, []))
+        run(out, "clean", shards, [*overrides(args.steps, []), *args.set])
         (clean_dir,) = (out / "work" / "train" / "runs").glob("*-clean*")
         for f in faults:
             f["node_id"] = cluster.node_id(f["node"])
         done = threading.Event()
         thread = threading.Thread(target=watch, args=(faults, cluster, out / "work" / "train" / "runs", done), daemon=True)
         thread.start()
-        _, stopped = run(out, "faults", shards, overrides(args.steps, to_inject(faults, cluster)))
+        _, stopped = run(out, "faults", shards, [*overrides(args.steps, to_inject(faults, cluster)), *args.set])
         done.set()
         thread.join(timeout=10)
         (run_dir,) = (out / "work" / "train" / "runs").glob("*-faults*")
         results = judge(faults, run_dir, stopped, cluster)
         excluded = sorted(cluster.replaced)
+        head = cluster.head
     finally:
         cluster.shutdown()
     report = summarize(results, clean_dir, run_dir, excluded, stopped)
+    probes = [json.loads(line) for line in (run_dir / "health.jsonl").read_text().splitlines()] \
+        if (run_dir / "health.jsonl").exists() else []
+    report.update(probed_nodes=sorted({p["node"] for p in probes}), head_node=head,
+                  drains_refused=sum(1 for p in probes if p["failed"] and not p.get("drained")))
     if args.json:
         print(json.dumps(report))
     else:
@@ -258,6 +267,8 @@ def print_table(report: dict) -> None:
           f"{report['clean_loss']:.6f} clean ({'equal' if report['loss_matches'] else 'DIFFERENT'})")
     named = ", ".join(f"rank {s['rank']} at step {s['step']}" for s in report["stragglers"])
     print(f"excluded nodes: {', '.join(report['excluded_nodes']) or 'none'}; stragglers: {named or 'none'}")
+    head = "PROBED" if report["head_node"] in report["probed_nodes"] else "never probed"
+    print(f"probed nodes: {len(report['probed_nodes'])}; the head: {head}; drains refused: {report['drains_refused']}")
     print(f"\ngoodput: ETTR {report['ettr']:.1%}")
     print("| part | seconds |\n|---|---:|")
     for key, value in report["goodput"].items():

@@ -1,10 +1,13 @@
-"""The health verdict (train/health.py) on probes written by hand: a GPU against its peak, a CPU and every
-node's all-reduce against the other nodes, a memory error, a probe that could not run, a drill's mark.
+"""The health verdict (train/health.py) on probes written by hand: a GPU against its kind's measured rate, a CPU
+and every node's all-reduce against the other nodes of its device, a memory error, a probe that could not run, a
+drill's mark; the guard that refuses drains past `max_excluded_fraction`, on this session's real Ray node.
 The probe itself on a real two-node cluster, and the drain: tests/test_job_submit.py."""
 
 from __future__ import annotations
 
-from train.health import Probe, verdicts
+import json
+
+from train.health import Probe, drains_allowed, verdicts
 
 
 def probe(node: str, device: str = "cpu", tflops: float = 0.1, gbps: float = 1.0, memory_ok: bool = True, **kw) -> Probe:
@@ -13,22 +16,57 @@ def probe(node: str, device: str = "cpu", tflops: float = 0.1, gbps: float = 1.0
 
 def test_each_node_is_judged_against_its_reference_and_the_reason_is_said():
     cpus = [probe("a"), probe("b", tflops=0.11), probe("c", tflops=0.04), probe("d", gbps=0.3),
-            probe("e", memory_ok=False), probe("f", injected=True), probe("g", error="RayTaskError: lost")]
+            probe("e", memory_ok=False, bad_devices=[0]), probe("f", injected=True), probe("g", error="RayTaskError: lost")]
     found = verdicts(cpus, min_fraction=0.5)
     assert found["a"] is None and found["b"] is None
-    assert found["c"].startswith("matmul 0.04 TFLOP/s, under 0.5 x 0.1")  # the median of the others' rates
+    assert found["c"].startswith("matmul 0.04 TFLOP/s on device 0, under 0.5 x 0.1")  # the median of the others' rates
     assert found["d"].startswith("all-reduce 0.3 GB/s, under 0.5 x the median 1")
-    assert found["e"] == "memory test read back wrong values" and found["f"] == "marked unhealthy by a drill"
+    assert found["e"] == "memory test read back wrong values (device 0)" and found["f"] == "marked unhealthy by a drill"
     assert found["g"] == "the probe failed: RayTaskError: lost"
     # Between nodes: a node whose faster pair in the ring is slow has the slow link; with two nodes, no one can tell.
     ring = [probe("a", pair_gbps=10.0), probe("b", pair_gbps=11.0), probe("c", pair_gbps=2.0)]
     found = verdicts(ring, 0.5)
     assert found["a"] is None and found["b"] is None and found["c"].startswith("all-reduce with its neighbours 2 GB/s")
     assert verdicts(ring[1:], 0.5)["c"] is None
-        # A GPU against its peak (H100 bf16: 989 TFLOP/s dense), whatever the other nodes do.
-    gpus = [probe("x", "NVIDIA H100 80GB HBM3", tflops=700.0), probe("y", "NVIDIA H100 80GB HBM3", tflops=400.0)]
+    # A GPU against the rate its kind reaches in the probe (an H100: 620 TFLOP/s measured, not the 989 peak), its
+    # slowest device named; NVML's counters; a CPU (cluster.yaml's head, were it probed) never against a GPU.
+    h100 = "NVIDIA H100 80GB HBM3"
+    gpus = [probe("x", h100, tflops=450.0), probe("y", h100, tflops=250.0, device_tflops=[610.0, 250.0, 600.0]),
+            probe("z", h100, tflops=600.0, nvml="GPU 3: row remapping failed"), probe("head", tflops=0.1)]
     found = verdicts(gpus, min_fraction=0.5)
-    assert found["x"] is None and found["y"].startswith("matmul 400 TFLOP/s, under 0.5 x 989")
+    assert found["x"] is None  # a cold probe's rate (an H100's first 0.3 s read 408-451) is no fault
+    assert found["y"] == "matmul 250 TFLOP/s on device 1, under 0.5 x 620"
+    assert found["z"] == "NVML: GPU 3: row remapping failed" and found["head"] is None
     # One node probed after its failures is judged against the earlier probes of the others.
     assert verdicts([probe("c", tflops=0.04)], 0.5, reference=[probe("a"), probe("b")])["c"] is not None
     assert verdicts([probe("c", tflops=0.04)], 0.5)["c"] is None  # alone, a CPU has nothing to be slower than
+
+
+def test_a_run_drains_at_most_a_quarter_of_the_nodes_training_can_use_and_always_one():
+    assert [drains_allowed(n, 0.25) for n in (1, 2, 4, 7, 8, 124)] == [1, 1, 1, 1, 2, 31]
+
+
+def test_past_the_guard_no_node_is_drained_and_each_refusal_is_written_down(ray_session, tmp_path):
+    """This session's Ray (one node, 2 CPUs, no GPU), marked unhealthy by a drill, after another node was drained
+    earlier in the run: with 2 nodes training can use and a quarter of them allowed, the guard holds. The node
+    stays schedulable, and health.jsonl, the incidents and the logbook say why it was not drained."""
+    from train import health
+
+    node = ray_session.get_runtime_context().get_node_id()
+    assert health.trainable_nodes(1, 0) == [node]
+    assert health.trainable_nodes(3, 0) == [] and health.trainable_nodes(1, 1) == []  # more CPUs or a GPU: none
+    (tmp_path / "inject").mkdir()
+    (tmp_path / "inject" / f"unhealthy-{node}").touch()
+    earlier = {"node": "f" * 56, "host": "gone", "device": "cpu", "matmul_tflops": 0.0, "memory_ok": False,
+               "allreduce_gbps": 0.0, "failed": "memory test read back wrong values (device 0)", "drained": True}
+    (tmp_path / "health.jsonl").write_text(json.dumps(earlier) + "\n")
+    checked = health.check(tmp_path, [node], 0.5, collective=False, population=2, max_fraction=0.25)
+    assert checked.excluded == [] and checked.refused == [node]
+    assert checked.systemic.startswith("1 of 1 nodes probed failed (1 drained before): more than the 1 of 2")
+    row = json.loads((tmp_path / "health.jsonl").read_text().splitlines()[-1])
+    assert row["failed"] == "marked unhealthy by a drill" and row["drained"] is False and row["matmul_tflops"] > 0
+    assert checked.table().splitlines()[2] == f"| {node[:12]} | {row['host']} | cpu | {row['matmul_tflops']:.3g} | ok | 0 | " \
+                                              "marked unhealthy by a drill | no |"
+    assert "not drained" in (tmp_path / "incidents.jsonl").read_text()
+    assert json.loads((tmp_path / "logbook.jsonl").read_text())["kind"] == "drain-refused"
+    assert ray_session.get(ray_session.remote(lambda: 1).remote(), timeout=60) == 1  # still takes tasks

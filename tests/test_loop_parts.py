@@ -172,6 +172,29 @@ def test_the_checkpointer_saves_prunes_rolls_back_and_resumes(engines, tmp_path)
     assert "resumed from step-00000002" in (tmp_path / "incidents.jsonl").read_text()
 
 
+def test_a_wait_for_the_previous_write_is_counted_once_in_the_blocked_seconds(engines, tmp_path, monkeypatch):
+    """Background saves back to back, each write slowed by 0.3 s: the blocked seconds the saves report add up
+    to the time the training thread spent in them (the wait for a write in flush, once, as that save's)."""
+    from train import checkpoint_files
+
+    write = checkpoint_files.Write.run
+    monkeypatch.setattr(checkpoint_files.Write, "run", lambda self: (time.sleep(0.3), write(self)))
+    cfg, built = engines[1]
+    blocked = []
+    ckpt = Checkpointer(built.engine, context(tmp_path), every=1, keep=5, keep_healthy=5, max_steps=3, background=True,
+                        on_written=lambda step, seconds, written: blocked.append(seconds))
+    waited = 0.0
+    for step in (1, 2, 3):
+        began = time.monotonic()
+        ckpt.save(step, {"loader": {"epoch": 0, "step": step}, "health": {"healthy": True}})
+        waited += time.monotonic() - began
+    began = time.monotonic()
+    ckpt.flush()
+    waited += time.monotonic() - began
+    assert len(blocked) == 3 and sum(blocked) > 0.6  # three writes of 0.3 s waited for
+    assert sum(blocked) == pytest.approx(waited, abs=0.05)
+
+
 def test_the_pilot_rolls_back_and_skips_on_a_spike_writing_it_down_first_and_stops_past_its_budget(engines, shards,
                                                                                                      tmp_path):
     cfg, built = engines[1]

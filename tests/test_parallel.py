@@ -127,6 +127,41 @@ def test_dims_order_ranks_pipe_data_tensor():
         ParallelDims.for_world(6, tp=4)
 
 
+def _read_once_rank(rank: int, world: int) -> dict:
+    from train.parallel.collectives import read_once
+
+    reads = []
+
+    def read():
+        reads.append(1)
+        g = torch.Generator().manual_seed(0)
+        shared = torch.randn(3, 5, generator=g)
+        return {"w": shared, "tied": shared, "half": torch.randn(7, generator=g).to(torch.bfloat16),
+                "ids": torch.arange(3, dtype=torch.int64), "mask": torch.tensor([True, False, True]),
+                "empty": torch.empty(0, 4), "nested": [torch.full((2,), 2.5), {"step": 9}]}
+
+    got = read_once(read, "the same file", None)
+    tensors = [got["w"], got["half"], got["ids"], got["mask"], got["empty"], got["nested"][0]]
+    return {"reads": len(reads), "buffers": len({t.untyped_storage().data_ptr() for t in tensors}),
+            "tied": got["tied"] is got["w"], "rest": got["nested"][1],
+            "state": {k: (str(t.dtype), tuple(t.shape), t.float()) for k, t in [*got.items(), ("n0", got["nested"][0])]
+                      if isinstance(t, torch.Tensor)}}
+
+
+def test_a_checkpoint_file_is_read_once_and_received_whole_in_one_buffer():
+    """collectives.read_once over two gloo ranks: rank 0 reads, rank 1 receives every tensor (any dtype, empty,
+    nested, one tensor under two keys) equal to what was read, as views of the one buffer it allocated."""
+    first, second = run_ranks(2, _read_once_rank)
+    assert (first["reads"], second["reads"]) == (1, 0)
+    a, b = first["state"], second["state"]
+    assert sorted(a) == sorted(b) == ["empty", "half", "ids", "mask", "n0", "tied", "w"]
+    for key in a:
+        assert a[key][:2] == b[key][:2] and (a[key][2] == b[key][2]).all(), key
+    assert a["half"][0] == "torch.bfloat16" and a["mask"][0] == "torch.bool" and (b["n0"][2] == 2.5).all()
+    assert second["tied"] and second["rest"] == {"step": 9}  # one tensor under two keys is one tensor again
+    assert second["buffers"] == 1  # the receiver's tensors are views of one buffer, not copies of it
+
+
 def test_a_tensor_group_split_over_nodes_is_named():
     from train.parallel.groups import tensor_group_problem
 

@@ -173,8 +173,11 @@ class Write:
         self.taken = []  # the host copy goes as soon as it is on disk
         # Each rank hashes what it wrote (still in its page cache), not a slice of everyone's files.
         mine = {str(p.relative_to(self.tmp)): [_sha256(p), p.stat().st_size, self.rank] for p in written}
+        for path in written:  # on disk before the mark says so: a node lost after the publish loses no file
+            _fsync(path)
         mark = self.tmp / f".sha256-rank{self.rank:05d}.json"
         mark.with_suffix(".tmp").write_text(json.dumps(mine))
+        _fsync(mark.with_suffix(".tmp"))
         os.replace(mark.with_suffix(".tmp"), mark)
         if self.rank == 0:
             self._publish()
@@ -193,6 +196,7 @@ class Write:
             mark.unlink()
         for name in set(_files(self.tmp)) - set(sums):  # what DeepSpeed wrote past its checkpoint engine
             sums[name] = [_sha256(self.tmp / name), (self.tmp / name).stat().st_size, 0]
+            _fsync(self.tmp / name)
         full = {**self.meta, "step": self.step, "world_size": self.world, "saved_at": time.time(), "files": sums}
         with open(self.tmp / META, "w") as f:
             json.dump(full, f, indent=1)
@@ -201,6 +205,7 @@ class Write:
         if self.final.exists():  # the same step saved again after a rollback: replace it
             shutil.rmtree(self.final)
         self.tmp.rename(self.final)
+        _fsync(self.final.parent)  # the rename itself
 
     def wait(self) -> Path:
         """This rank's part done (on rank 0: published); the folder. Call it on every rank, then barrier()
@@ -210,6 +215,15 @@ class Write:
         if self.error is not None:
             raise RuntimeError(f"checkpoint {step_name(self.step)} was not written: {self.error!r}") from self.error
         return self.final
+
+
+def _fsync(path: Path) -> None:
+    """`path` (a file, or a folder: its entries) on disk, not only in the page cache."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def published(root: Path) -> list[Path]:

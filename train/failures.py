@@ -144,9 +144,10 @@ class FailureRecorder(UserCallback):
     """On Ray Train's controller: each failed attempt's failures into failures.jsonl and incidents.jsonl,
     before the controller decides to restart."""
 
-    def __init__(self, run_dir: str, health=None):
+    def __init__(self, run_dir: str, health=None, worker: tuple[float, float] = (1.0, 0.0)):
         self.run_dir = run_dir
         self.health = health  # a HealthConfig when nodes are checked and excluded (train/health.py)
+        self.worker = worker  # (CPUs, GPUs) of a training worker: which nodes training can use
 
     def after_exception(self, run_context, worker_exceptions: dict[int, Exception]) -> None:
         run_dir = Path(self.run_dir)
@@ -167,8 +168,10 @@ class FailureRecorder(UserCallback):
 
             suspects = implicated(history(run_dir), self.health.failures, self.health.window_seconds,
                                   health.last_checked(run_dir))
-            if suspects:
-                health.check(run_dir, suspects, self.health.min_fraction, self.health.collective)
+            if suspects:  # the guard holds here too: past it, the restart goes on with every node (written down)
+                health.check(run_dir, suspects, self.health.min_fraction, self.health.collective,
+                             population=len(health.trainable_nodes(*self.worker)),
+                             max_fraction=self.health.max_excluded_fraction)
 
 
 def implicated(failures: list[Failure], count: int, window_seconds: float, checked: dict[str, float]) -> list[str]:

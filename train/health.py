@@ -5,14 +5,24 @@ OPT-175B's team ran hardware diagnostics at every manual restart and took the br
 Llama 3 and MegaScale do it automatically. Here the probe runs before the first start (every alive node)
 and on a node implicated in failures (train/failures.py), as a Ray task pinned to the node:
 
-- a matmul rate: bf16 on a GPU, against `train/plan/hardware.py`'s peak for the device; fp32 on a CPU,
-  against the median of the nodes probed with it (a CPU has no table entry);
-- a memory test: a buffer allocated, filled and read back;
-- collectives: an all-reduce between two processes on the node (NCCL on a GPU, gloo on a CPU), and one
+- a matmul rate on every device of the node, timed after an untimed warm-up: bf16 on a GPU, against the
+  rate a healthy GPU of its kind reaches in this probe (REFERENCE_TFLOPS, measured); fp32 on a CPU, against
+  the median of the CPU nodes probed with it (a CPU has no table entry). The node's rate is its slowest
+  device's: one slow GPU sets the pace of all;
+- a memory test on every device: a buffer over most of its free memory (a GPU's; a set size on a CPU)
+  written and read back with three patterns;
+- NVML's counters where it is present (`nvidia-ml-py`): uncorrectable ECC errors, and rows the GPU could not
+  remap or is waiting to;
+- collectives: an all-reduce across all of the node's GPUs (NCCL; two gloo processes on a CPU), and one
   between each node and the next in a ring of the nodes probed; their bus bandwidth against the other
   nodes' median (a node whose two pairs are both slow has the slow link).
 
-A node below `train.health.min_fraction` of its reference on any of them is excluded: Ray's GCS is asked to
+Only the nodes training can use are probed (`trainable_nodes`: those with the resources a training worker
+asks for), never a head without them, and a probe is compared only with probes of the same device.
+
+Every verdict comes first; then the guard: when more than `train.health.max_excluded_fraction` of those
+nodes would be drained over the run, none is, and the cause is called systemic (every refused drain written
+down). Otherwise a node below `train.health.min_fraction` of its reference on any test is excluded: Ray's GCS is asked to
 drain it (`GcsClient.drain_node`, the call `ray drain-node` and autoscaler v2 make), so no new task or actor
 lands on it, and the autoscaler replaces it when the run asks for its resources again. Draining, not
 labels or custom resources: a node's labels and resources are fixed when it joins, while a drain takes
@@ -30,8 +40,18 @@ import statistics
 import time
 from pathlib import Path
 
-MATMUL_SECONDS = 0.3  # per probe: long enough to be a rate, short enough to run on every node at every check
+MATMUL_SECONDS = 0.5  # per device, after the warm-up: long enough to be a rate, short enough for every check
+WARMUP_MATMULS = 3  # untimed, first: cuBLAS's start-up (an H100's first 0.3 s read 0.64-0.72 of its warm rate)
 ALLREDUCE_MB = 16
+MEMORY_FRACTION = 0.8  # of a GPU's free memory, tested
+MEMORY_CHUNK = 1 << 30  # bytes compared at a time (a comparison's own buffer stays this small)
+
+# The bf16 rate a healthy GPU reaches in this probe (4096 x 4096 matmuls, warm), in TFLOP/s: what
+# `min_fraction` is a fraction of. Measured, not the datasheet's peak (docs/benchmarks.md, "The GPU check on an
+# H100": one H100 80GB HBM3 gave 610-642 warm, 408-451 cold, against a 989 peak).
+REFERENCE_TFLOPS = {"NVIDIA H100 80GB HBM3": 620.0}
+# A GPU not measured here: its bf16 peak (train/plan/hardware.py) times the H100's measured share of its own.
+MEASURED_SHARE_OF_PEAK = 620.0 / 989.0
 
 
 @dataclasses.dataclass
@@ -43,6 +63,9 @@ class Probe:
     memory_ok: bool
     allreduce_gbps: float  # bus bandwidth between two processes on the node
     pair_gbps: float = 0.0  # the faster of its all-reduces with its two neighbours in a ring of the nodes probed
+    device_tflops: list[float] = dataclasses.field(default_factory=list)  # each device's; matmul_tflops is the least
+    bad_devices: list[int] = dataclasses.field(default_factory=list)  # devices whose memory test read back wrong values
+    nvml: str | None = None  # what NVML's counters report wrong (None: nothing, or no NVML)
     injected: bool = False  # a drill marked the node unhealthy (run_dir/inject/unhealthy-<node>)
     error: str | None = None  # the probe itself failed on the node (it raised, or its task was lost)
     time: float = dataclasses.field(default_factory=time.time)
@@ -53,33 +76,89 @@ def _matmul_tflops(device, dtype) -> float:
 
     n = 4096 if device.type == "cuda" else 256
     a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+
+    def sync():
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    for _ in range(WARMUP_MATMULS):
+        a @ b
+    sync()
     done, began = 0, time.perf_counter()
     while time.perf_counter() - began < MATMUL_SECONDS:
         a @ b
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
+        sync()
         done += 1
     return 2 * n**3 * done / (time.perf_counter() - began) / 1e12
 
 
-def _memory_ok(device, megabytes: int) -> bool:
+def _memory_ok(device, megabytes: int | None) -> bool:
+    """A buffer written and read back three times: all ones and zeros alternating (0x55, then 0xAA), then each
+    4-byte word its own index. `megabytes` None: MEMORY_FRACTION of the device's free memory (a GPU)."""
     import torch
 
-    buffer = torch.arange(megabytes * 2**18, device=device, dtype=torch.int32)  # 4 bytes each
-    ok = bool((buffer[1:] - buffer[:-1] == 1).all())
-    del buffer
-    return ok
+    size = megabytes * 2**20 if megabytes is not None else int(torch.cuda.mem_get_info(device)[0] * MEMORY_FRACTION)
+    size -= size % 4
+    buffer = torch.empty(size, dtype=torch.uint8, device=device)
+    words = buffer.view(torch.int32)
+    try:
+        for byte in (0x55, 0xAA):
+            buffer.fill_(byte)
+            if any(bool((buffer[i:i + MEMORY_CHUNK] != byte).any()) for i in range(0, size, MEMORY_CHUNK)):
+                return False
+        step = MEMORY_CHUNK // 4
+        for i in range(0, words.numel(), step):
+            words[i:i + step].copy_(torch.arange(i, min(i + step, words.numel()), dtype=torch.int32, device=device))
+        return not any(bool((words[i:i + step] != torch.arange(i, min(i + step, words.numel()), dtype=torch.int32,
+                                                                 device=device)).any())
+                       for i in range(0, words.numel(), step))
+    finally:
+        del words, buffer
 
 
-def _allreduce_worker(rank: int, port: int, cuda: bool, out) -> None:
+def _nvml_problems() -> str | None:
+    """What NVML's counters say is wrong on this node's GPUs, or None (nothing, or no NVML): uncorrectable ECC
+    errors since the driver loaded, and rows the GPU failed to remap or is waiting to remap (A100 and later)."""
+    try:
+        import pynvml
+    except ImportError:
+        return None
+    problems = []
+    try:
+        pynvml.nvmlInit()
+    except pynvml.NVMLError:
+        return None
+    try:
+        for i in range(pynvml.nvmlDeviceGetCount()):
+            handle = pynvml.nvmlDeviceGetHandleByIndex(i)
+            try:
+                ecc = pynvml.nvmlDeviceGetTotalEccErrors(handle, pynvml.NVML_MEMORY_ERROR_TYPE_UNCORRECTED,
+                                                         pynvml.NVML_VOLATILE_ECC)
+                if ecc:
+                    problems.append(f"GPU {i}: {ecc} uncorrectable ECC errors")
+            except pynvml.NVMLError:  # ECC off, or not supported
+                pass
+            try:
+                _, _, pending, failed = pynvml.nvmlDeviceGetRemappedRows(handle)
+                if failed or pending:
+                    problems.append(f"GPU {i}: row remapping {'failed' if failed else 'pending (reset needed)'}")
+            except pynvml.NVMLError:  # before A100: retired pages instead, not read here
+                pass
+    finally:
+        pynvml.nvmlShutdown()
+    return "; ".join(problems) or None
+
+
+def _allreduce_worker(rank: int, world: int, port: int, cuda: bool, out) -> None:
     from train.parallel.collectives import bus_bandwidth
 
-    rate = bus_bandwidth(rank, 2, f"tcp://127.0.0.1:{port}", cuda, ALLREDUCE_MB)
+    rate = bus_bandwidth(rank, world, f"tcp://127.0.0.1:{port}", cuda, ALLREDUCE_MB)
     if rank == 0:
         out.put(rate)
 
 
-def _allreduce_gbps(cuda: bool) -> float:
+def _allreduce_gbps(cuda: bool, world: int) -> float:
+    """Bus bandwidth of an all-reduce across `world` processes on this node, one per GPU (NCCL) or, on a CPU, gloo."""
     import torch.multiprocessing as mp
 
     with socket.socket() as s:
@@ -87,7 +166,7 @@ def _allreduce_gbps(cuda: bool) -> float:
         port = s.getsockname()[1]
     context = mp.get_context("spawn")
     out = context.Queue()
-    procs = [context.Process(target=_allreduce_worker, args=(r, port, cuda, out)) for r in range(2)]
+    procs = [context.Process(target=_allreduce_worker, args=(r, world, port, cuda, out)) for r in range(world)]
     for p in procs:
         p.start()
     rate = out.get(timeout=120)
@@ -97,17 +176,19 @@ def _allreduce_gbps(cuda: bool) -> float:
 
 
 def probe_here(run_dir: str, memory_mb: int, collective: bool) -> dict:
-    """The probe, on the node it runs on (a Ray task pinned there)."""
+    """The probe, on the node it runs on (a Ray task pinned there), on every device of the node."""
     import ray
     import torch
 
     node = ray.get_runtime_context().get_node_id()
-    cuda = torch.cuda.is_available()
-    device = torch.device("cuda", 0) if cuda else torch.device("cpu")
-    result = Probe(node=node, host=socket.gethostname(), device=torch.cuda.get_device_name(0) if cuda else "cpu",
-                   matmul_tflops=_matmul_tflops(device, torch.bfloat16 if cuda else torch.float32),
-                   memory_ok=_memory_ok(device, memory_mb),
-                   allreduce_gbps=_allreduce_gbps(cuda and torch.cuda.device_count() >= 2) if collective else 0.0,
+    gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    devices = [torch.device("cuda", i) for i in range(gpus)] or [torch.device("cpu")]
+    rates = [_matmul_tflops(d, torch.bfloat16 if gpus else torch.float32) for d in devices]
+    bad = [i for i, d in enumerate(devices) if not _memory_ok(d, None if gpus else memory_mb)]
+    result = Probe(node=node, host=socket.gethostname(), device=torch.cuda.get_device_name(0) if gpus else "cpu",
+                   matmul_tflops=min(rates), memory_ok=not bad, device_tflops=rates, bad_devices=bad,
+                   allreduce_gbps=_allreduce_gbps(gpus >= 2, gpus if gpus >= 2 else 2) if collective else 0.0,
+                   nvml=_nvml_problems() if gpus else None,
                    injected=(Path(run_dir) / "inject" / f"unhealthy-{node}").exists())
     return dataclasses.asdict(result)
 
@@ -176,29 +257,45 @@ def pair_bandwidths(nodes: list[str]) -> dict[str, float]:
     return fastest
 
 
-def verdicts(probes: list[Probe], min_fraction: float, reference: list[Probe] = ()) -> dict[str, str | None]:
-    """Why each node fails (None: healthy). A GPU's matmul rate against its peak; a CPU's, and every node's
-    all-reduce bandwidth, against the median of the nodes (these, and `reference`: earlier probes of others)."""
+def reference_tflops(device: str) -> float | None:
+    """The bf16 rate a healthy GPU of this kind reaches in the probe: measured (REFERENCE_TFLOPS), else its peak
+    times the H100's measured share of its own; None for a CPU or a GPU with no table entry."""
     from train.plan.hardware import peak_for
 
-    peers = [p for p in (*probes, *reference) if p.error is None] or list(probes)
-    median_rate = statistics.median(p.matmul_tflops for p in peers)
-    bandwidths = [p.allreduce_gbps for p in peers if p.allreduce_gbps > 0]
-    median_bw = statistics.median(bandwidths) if bandwidths else 0.0
+    if device in REFERENCE_TFLOPS:
+        return REFERENCE_TFLOPS[device]
+    peak = peak_for(device, "bf16") if device != "cpu" else None
+    return peak * MEASURED_SHARE_OF_PEAK if peak else None
+
+
+def verdicts(probes: list[Probe], min_fraction: float, reference: list[Probe] = ()) -> dict[str, str | None]:
+    """Why each node fails (None: healthy). A GPU's matmul rate against its kind's reference rate; a CPU's, and
+    every node's all-reduce bandwidth, against the median of the nodes with the same device (these, and
+    `reference`: earlier probes of others). A CPU is never measured against a GPU, nor one GPU kind against
+    another."""
+    def same(p: Probe) -> list[Probe]:
+        return [q for q in (*probes, *reference) if q.error is None and q.device == p.device] or [p]
+
     pair_rates = [p.pair_gbps for p in probes if p.pair_gbps > 0]
     median_pair = statistics.median(pair_rates) if pair_rates else 0.0
     out: dict[str, str | None] = {}
     for p in probes:
-        expected = peak_for(p.device, "bf16") if p.device != "cpu" else median_rate
+        peers = same(p)
+        expected = reference_tflops(p.device) or statistics.median(q.matmul_tflops for q in peers)
+        bandwidths = [q.allreduce_gbps for q in peers if q.allreduce_gbps > 0]
+        median_bw = statistics.median(bandwidths) if bandwidths else 0.0
+        slowest = p.device_tflops.index(min(p.device_tflops)) if p.device_tflops else 0
         why = None
         if p.error is not None:
             why = f"the probe failed: {p.error}"
         elif p.injected:
             why = "marked unhealthy by a drill"
         elif not p.memory_ok:
-            why = "memory test read back wrong values"
+            why = f"memory test read back wrong values (device {', '.join(map(str, p.bad_devices)) or '?'})"
+        elif p.nvml:
+            why = f"NVML: {p.nvml}"
         elif expected and p.matmul_tflops < min_fraction * expected:
-            why = f"matmul {p.matmul_tflops:.3g} TFLOP/s, under {min_fraction:g} x {expected:.3g}"
+            why = f"matmul {p.matmul_tflops:.3g} TFLOP/s on device {slowest}, under {min_fraction:g} x {expected:.3g}"
         elif median_bw and 0 < p.allreduce_gbps < min_fraction * median_bw:
             why = f"all-reduce {p.allreduce_gbps:.3g} GB/s, under {min_fraction:g} x the median {median_bw:.3g}"
         elif median_pair and p.pair_gbps < min_fraction * median_pair and len(probes) > 2:
@@ -206,6 +303,11 @@ def verdicts(probes: list[Probe], min_fraction: float, reference: list[Probe] = 
                    f"{median_pair:.3g} (both of its pairs slow: the link is this node's)")
         out[p.node] = why
     return out
+
+
+def drains_allowed(population: int, max_fraction: float) -> int:
+    """How many nodes a run may drain, in all, out of the `population` training can use: at least one."""
+    return max(1, int(max_fraction * population))
 
 
 def exclude(node: str, why: str) -> bool:
@@ -219,34 +321,70 @@ def exclude(node: str, why: str) -> bool:
     return bool(accepted)
 
 
-def alive_nodes() -> list[str]:
+def trainable_nodes(cpus: float, gpus: float) -> list[str]:
+    """The alive nodes that can host a training worker: at least `cpus` CPUs and `gpus` GPUs in all (a Ray
+    node's total resources). Never a head started with `CPU: 0`, as cluster.yaml's is."""
     import ray
 
-    return [n["NodeID"] for n in ray.nodes() if n["Alive"]]
+    return [n["NodeID"] for n in ray.nodes() if n["Alive"] and n["Resources"].get("CPU", 0) >= cpus
+            and n["Resources"].get("GPU", 0) >= gpus]
 
 
-def check(run_dir: Path, nodes: list[str], min_fraction: float, collective: bool = True) -> list[str]:
-    """Probe `nodes`, record every result, exclude the ones that fail; the excluded nodes."""
+@dataclasses.dataclass
+class Checked:
+    excluded: list[str]  # drained now
+    refused: list[str]  # failed, but not drained: the guard
+    systemic: str | None  # why the guard held, or None
+    rows: list[dict]  # this check's rows of health.jsonl
+
+    def table(self) -> str:
+        """This check's probes, one row per node (the console)."""
+        return "\n".join(["| node | host | device | matmul TFLOP/s | memory | all-reduce GB/s | failed | drained |",
+                          "|---|---|---|---|---|---|---|---|"] +
+                         [f"| {r['node'][:12]} | {r['host']} | {r['device']} | {r['matmul_tflops']:.3g} | "
+                          f"{'ok' if r['memory_ok'] else 'BAD'} | {r['allreduce_gbps']:.3g} | {r['failed'] or ''} | "
+                          f"{'yes' if r['drained'] else 'no'} |" for r in self.rows])
+
+
+def check(run_dir: Path, nodes: list[str], min_fraction: float, collective: bool = True, population: int | None = None,
+          max_fraction: float = 1.0) -> Checked:
+    """Probe `nodes`, record every result; then, every verdict known, drain the ones that fail unless the run
+    would then have drained more than `max_fraction` of the `population` of nodes training can use (default:
+    the nodes probed): then none is, each refusal is written down, and the cause is called systemic."""
     from train import goodput
 
     run_dir, began = Path(run_dir), time.monotonic()
     earlier = _probes(run_dir / "health.jsonl")
+    drained_before = sum(1 for r in read_rows(run_dir / "health.jsonl") if r.get("drained"))
     probes = probe(nodes, run_dir, collective=collective)
     if collective:  # between nodes: the ring of the nodes probed now (one node after its failures: none)
         pairs = pair_bandwidths([p.node for p in probes if p.error is None])
         probes = [dataclasses.replace(p, pair_gbps=pairs.get(p.node, 0.0)) for p in probes]
     found = verdicts(probes, min_fraction, reference=[p for p in earlier if p.node not in nodes])
-    excluded = []
+    failing = [p for p in probes if found[p.node] is not None]
+    population = population or len(nodes)
+    allowed = drains_allowed(population, max_fraction)
+    systemic = None
+    if failing and drained_before + len(failing) > allowed:
+        systemic = (f"{len(failing)} of {len(probes)} nodes probed failed{f' ({drained_before} drained before)' if drained_before else ''}"
+                    f": more than the {allowed} of {population} a run may drain (health.max_excluded_fraction "
+                    f"{max_fraction:g}); the cause looks systemic (an image, a driver, an NCCL setting, the probe), "
+                    "so none is drained")
+    rows = [{**dataclasses.asdict(p), "failed": found[p.node], "drained": found[p.node] is not None and systemic is None}
+            for p in probes]
     with open(run_dir / "health.jsonl", "a") as f:
-        for p in probes:
-            f.write(json.dumps({**dataclasses.asdict(p), "failed": found[p.node]}) + "\n")
-    for p in probes:
-        if found[p.node] is not None:
+        f.writelines(json.dumps(row) + "\n" for row in rows)
+    result = Checked([], [], systemic, rows)
+    for p in failing:
+        if systemic is None:
             accepted = exclude(p.node, found[p.node])
-            excluded.append(p.node)
+            result.excluded.append(p.node)
             _write_down(run_dir, p, found[p.node], accepted)
-    goodput.mark(run_dir, "health", seconds=time.monotonic() - began, nodes=len(nodes), excluded=len(excluded))
-    return excluded
+        else:
+            result.refused.append(p.node)
+            _write_down(run_dir, p, found[p.node], False, refused=systemic)
+    goodput.mark(run_dir, "health", seconds=time.monotonic() - began, nodes=len(nodes), excluded=len(result.excluded))
+    return result
 
 
 def last_checked(run_dir: Path) -> dict[str, float]:
@@ -257,20 +395,29 @@ def last_checked(run_dir: Path) -> dict[str, float]:
     return out
 
 
-def _probes(path: Path) -> list[Probe]:
-    """The probes recorded in health.jsonl (each row also says why it failed, which a Probe does not hold)."""
+def read_rows(path: Path) -> list[dict]:
     from train.goodput import read_jsonl
 
+    return read_jsonl(path)
+
+
+def _probes(path: Path) -> list[Probe]:
+    """The probes recorded in health.jsonl (each row also says why it failed and whether it was drained, which
+    a Probe does not hold)."""
     keep = {f.name for f in dataclasses.fields(Probe)}
-    return [Probe(**{k: v for k, v in row.items() if k in keep}) for row in read_jsonl(path)]
+    return [Probe(**{k: v for k, v in row.items() if k in keep}) for row in read_rows(path)]
 
 
-def _write_down(run_dir: Path, p: Probe, why: str, accepted: bool) -> None:
+def _write_down(run_dir: Path, p: Probe, why: str, accepted: bool, refused: str | None = None) -> None:
     from train.autopilot_policy import Logbook
 
-    what = f"node {p.node} ({p.host}) excluded: {why}" + ("" if accepted else " (Ray did not accept the drain)")
+    if refused:
+        what = f"node {p.node} ({p.host}) failed its health check, not drained: {why}"
+        entry = {"kind": "drain-refused", "actions": [], "why": refused}
+    else:
+        what = f"node {p.node} ({p.host}) excluded: {why}" + ("" if accepted else " (Ray did not accept the drain)")
+        entry = {"kind": "node-excluded", "actions": ["drain node"],
+                 "why": "a node that fails its health check fails the run again"}
     with open(run_dir / "incidents.jsonl", "a") as f:
         f.write(json.dumps({"time": time.time(), "step": 0, "rank": -1, "what": what}) + "\n")
-    Logbook(run_dir).append({"time": time.time(), "step": 0, "kind": "node-excluded", "detail": what,
-                             "actions": ["drain node"], "why": "a node that fails its health check fails the run again",
-                             "node": p.node})
+    Logbook(run_dir).append({"time": time.time(), "step": 0, "detail": what, "node": p.node, **entry})

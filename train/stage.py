@@ -57,7 +57,8 @@ def fit(cfg: TrainConfig, config, folder: Path, loop=None):
         scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.gpus_per_worker > 0,
                                      resources_per_worker=resources),
         run_config=RunConfig(name="ray", storage_path=str(folder), failure_config=FailureConfig(max_failures=cfg.max_failures),
-                             callbacks=[FailureRecorder(str(folder), cfg.health if checks_health(cfg) else None)]),
+                             callbacks=[FailureRecorder(str(folder), cfg.health if checks_health(cfg) else None,
+                                                        worker=(cfg.cpus_per_worker, cfg.gpus_per_worker))]),
     )
     return trainer.fit()
 
@@ -162,15 +163,19 @@ def checks_health(cfg: TrainConfig) -> bool:
 
     if cfg.health.enabled is not None:
         return cfg.health.enabled
-    return ray.is_initialized() and len(health.alive_nodes()) > 1
+    return ray.is_initialized() and len(health.trainable_nodes(cfg.cpus_per_worker, cfg.gpus_per_worker)) > 1
 
 
 def check_nodes(ctx: StageContext, cfg: TrainConfig, folder: Path) -> None:
-    """Every alive node probed before the first start; the ones that fail drained. Fails when too few are left."""
-    nodes = health.alive_nodes()
-    excluded = health.check(folder, nodes, cfg.health.min_fraction, cfg.health.collective)
-    ctx.log.info("health check: %d nodes probed, %d excluded", len(nodes), len(excluded))
-    if len(excluded) == len(nodes):
+    """Every node that can host a training worker probed before the first start; the ones that fail drained,
+    unless so many fail that the cause looks systemic: then none is, and the run stops here saying so."""
+    nodes = health.trainable_nodes(cfg.cpus_per_worker, cfg.gpus_per_worker)
+    checked = health.check(folder, nodes, cfg.health.min_fraction, cfg.health.collective, population=len(nodes),
+                           max_fraction=cfg.health.max_excluded_fraction)
+    ctx.log.info("health check: %d nodes probed, %d excluded", len(nodes), len(checked.excluded))
+    if checked.systemic:
+        raise RuntimeError(f"health check: {checked.systemic}\n{checked.table()}\n(see {folder / 'health.jsonl'})")
+    if len(checked.excluded) == len(nodes):
         raise RuntimeError(f"every node failed its health check (see {folder / 'health.jsonl'})")
 
 

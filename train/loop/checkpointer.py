@@ -37,9 +37,10 @@ class Checkpointer:
 
     def save(self, step: int, meta: dict, report_loss: float | None = None) -> None:
         """Every rank writes its shard; rank 0 publishes, then prunes beyond the newest `keep` and `keep_healthy`.
-        With `report_loss`, Ray Train hears of it once it is published."""
-        started = time.monotonic()
+        With `report_loss`, Ray Train hears of it once it is published. The wait for the previous save's write
+        is that save's blocked time (flush counts it), so this one's clock starts after it: each wait counted once."""
         self.flush()
+        started = time.monotonic()
         write = checkpoint_files.save(self.engine, self.dir, step, meta, background=self.background)
         self.pending = (write, time.monotonic() - started, report_loss)
         if not self.background:

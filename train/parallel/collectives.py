@@ -11,6 +11,7 @@ code runs in one process and on every rank of a Ray Train job.
 
 from __future__ import annotations
 
+import itertools
 import math
 import time
 from collections import OrderedDict
@@ -76,6 +77,9 @@ def all_ok(ok: bool) -> bool:
     return bool(flag.item())
 
 
+ALIGN = 64  # bytes: read_once's offsets, so that a view of any dtype starts where its dtype may
+
+
 def read_once(read, key: str, group=None):
     """`read()`'s result (a state dict, say), read only by the first rank of `group` (None: every rank) when
     every rank of it asks for the same `key` (the path of a file each data-parallel replica would read), and
@@ -96,20 +100,21 @@ def read_once(read, key: str, group=None):
     box = [(_hollow(obj, tensors, {}), [(t.shape, t.dtype, t.device.type) for t in tensors]) if reader else None]
     dist.broadcast_object_list(box, src=src, group=group, device=device())
     skeleton, specs = box[0]
+    # One buffer, allocated once, each tensor's bytes at an offset aligned for any dtype: the reader copies into
+    # it, and a receiver's device tensors are views of it (its host tensors, copies to the host).
     sizes = [math.prod(shape) * dtype.itemsize for shape, dtype, _ in specs]
+    offsets = [0, *itertools.accumulate(-(-n // ALIGN) * ALIGN for n in sizes)][:len(sizes)]
+    flat = torch.empty(offsets[-1] + sizes[-1] if sizes else 0, dtype=torch.uint8, device=device())
     if reader:
-        flat = torch.cat([t.detach().reshape(-1).view(torch.uint8).to(device()) for t in tensors] or
-                         [torch.empty(0, dtype=torch.uint8, device=device())])
-    else:
-        flat = torch.empty(sum(sizes), dtype=torch.uint8, device=device())
+        for t, at, n in zip(tensors, offsets, sizes):
+            flat[at:at + n].copy_(t.detach().reshape(-1).view(torch.uint8))
     dist.broadcast(flat, src=src, group=group)
     if reader:
         return obj
-    received, offset = [], 0
-    for (shape, dtype, where), n in zip(specs, sizes):
-        piece = flat[offset:offset + n].to("cpu" if where == "cpu" else device(), copy=True)  # aligned, its own
-        received.append(piece.view(dtype).reshape(shape))
-        offset += n
+    received = []
+    for (shape, dtype, where), at, n in zip(specs, offsets, sizes):
+        piece = flat[at:at + n]
+        received.append((piece.to("cpu") if where == "cpu" else piece).view(dtype).reshape(shape))
     return _fill(skeleton, received)
 
 
