@@ -52,6 +52,19 @@ def positive(section: object, key: str, *names: str) -> None:
             raise ConfigError(f"{key}.{name}", f"expected a positive number, got {value}")
 
 
+def no_credentials(section: object, key: str, *names: str) -> None:
+    """Each named field of `section` (a URI or a path, or a list of them) must hold no user or password: a config
+    is copied into MLflow params, manifests and reject rows. The message does not repeat the value."""
+    for name in names:
+        value = getattr(section, name)
+        for i, uri in enumerate(value if isinstance(value, list) else [value]):
+            if isinstance(uri, str) and storage.is_uri(uri) and "@" in uri.split("://", 1)[1].split("/", 1)[0]:
+                where = _join(key, name) + (f"[{i}]" if isinstance(value, list) else "")
+                raise ConfigError(where, "a URI with a user or password in it: give credentials through the "
+                                  "environment or the cloud's own configuration (an instance role, ~/.aws), never "
+                                  "in the config, which is copied into MLflow and the run's records")
+
+
 # --------------------------------------------------------------------------- loading
 
 

@@ -14,6 +14,8 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator
 
+from core.config import no_credentials
+
 if TYPE_CHECKING:
     from mlflow import MlflowClient
 
@@ -26,6 +28,9 @@ class MlflowConfig:
     # Where run artifacts go, given to MLflow when it creates the experiment: any URI MLflow writes
     # to (s3://bucket/mlflow, gs://..., file://...) or a folder. None: WORKDIR/mlartifacts.
     artifact_location: str | None = None
+
+    def validate(self, key: str) -> None:
+        no_credentials(self, key, "tracking_uri", "artifact_location")
 
 
 MAX_PARAM_LENGTH = 6000  # MLflow's limit on a param value

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from core import storage
-from core.config import ConfigError, at_least, local_path
+from core.config import ConfigError, at_least, local_path, no_credentials
 
 # The Pile subsets OPT kept (by `meta.pile_set_name`); the other 14 it dropped.
 OPT_PILE_SUBSETS = [
@@ -37,6 +37,7 @@ class SourceConfig:
             raise ConfigError(f"{key}.name", f"expected a short name of letters, digits, '-' or '_', got {self.name!r}")
         if not self.paths:
             raise ConfigError(f"{key}.paths", "expected at least one path or glob")
+        no_credentials(self, key, "paths")
         if self.keep_subsets is not None and self.format != "pile":
             raise ConfigError(f"{key}.keep_subsets", f"only for format 'pile', this source is '{self.format}'")
         if self.keep_subsets == []:

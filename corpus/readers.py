@@ -27,6 +27,11 @@ from core.storage import open_input
 ZSTD_MAX_WINDOW = 2**31  # PushShift dumps need the full 2 GiB window
 CHUNK = 1 << 20
 HEAD_BYTES = 200
+# A UTF-16 surrogate alone: JSON's "\ud800" escape decodes to one (web and Reddit dumps have them), and UTF-8,
+# so Arrow, cannot hold it. Such a record is rejected, not repaired: a replacement character would change the
+# document's text (and its shingles) in a way no other reader of the dump sees, while ftfy's surrogate fix only
+# rejoins pairs, which Python's JSON decoder already joins.
+LONE_SURROGATE = re.compile("[\ud800-\udfff]")
 
 ROW_FIELDS = ("id", "text", "source", "subset", "meta", "file", "line", "offset", "reason", "head")
 
@@ -135,12 +140,27 @@ def _records(path: str, source: str) -> Iterator[tuple[int, int, bytes, dict | N
         except json.JSONDecodeError as exc:
             yield lineno, offset, raw, None, _reject(path, lineno, offset, f"malformed JSON: {exc.msg}", raw, source)
             continue
+        except (ValueError, RecursionError) as exc:  # a number past Python's 4300 digits; arrays nested ~1000 deep
+            why = str(exc).split(":")[0][:100]
+            yield lineno, offset, raw, None, _reject(path, lineno, offset, f"unreadable JSON ({type(exc).__name__}: {why})",
+                                                     raw, source)
+            continue
         if not isinstance(record, dict):
             yield lineno, offset, raw, None, _reject(path, lineno, offset, f"a JSON {type(record).__name__}, not an object", raw, source)
             continue
         yield lineno, offset, raw, record, None
     if empty:
         yield 0, 0, b"", None, _reject(path, 0, 0, "empty file", b"", source)
+
+
+def _checked(row: dict, path: str, lineno: int, offset: int, raw: bytes, source: str) -> dict:
+    """`row`, or a reject when one of its strings holds a lone surrogate (LONE_SURROGATE: no UTF-8 for it)."""
+    for key, value in row.items():
+        found = LONE_SURROGATE.search(value) if isinstance(value, str) and not value.isascii() else None
+        if found:
+            return _reject(path, lineno, offset, f"a lone surrogate (U+{ord(found.group()):04X}) at "
+                           f"character {found.start()} of '{key}': not UTF-8", raw, source)
+    return row
 
 
 def _text_of(record: dict, field: str) -> tuple[str | None, str | None]:
@@ -166,7 +186,7 @@ def read_jsonl(path: str, source: str, rel: str, text_field: str = "text", id_fi
             continue
         doc_id = str(record[id_field]) if id_field is not None else f"{source}/{rel}:{lineno}"
         meta = {k: v for k, v in record.items() if k not in (text_field, id_field)}
-        yield _doc(doc_id, text, source, source, meta, path, lineno, offset)
+        yield _checked(_doc(doc_id, text, source, source, meta, path, lineno, offset), path, lineno, offset, raw, source)
 
 
 def read_pile(path: str, source: str, rel: str) -> Iterator[dict]:
@@ -182,7 +202,8 @@ def read_pile(path: str, source: str, rel: str) -> Iterator[dict]:
         if problem:
             yield _reject(path, lineno, offset, problem, raw, source)
             continue
-        yield _doc(f"{source}/{rel}:{lineno}", text, source, meta["pile_set_name"], meta, path, lineno, offset)
+        yield _checked(_doc(f"{source}/{rel}:{lineno}", text, source, meta["pile_set_name"], meta, path, lineno, offset),
+                       path, lineno, offset, raw, source)
 
 
 def read_text(path: str, source: str, rel: str, split: str = "file") -> Iterator[dict]:
@@ -287,7 +308,7 @@ def read_pushshift(path: str, source: str, rel: str) -> Iterator[dict]:
             yield _reject(path, lineno, offset, problem, raw, source)
             continue
         row.update(file=path, line=lineno)
-        yield row
+        yield _checked(row, path, lineno, offset, raw, source)
 
 
 READERS = {"jsonl": read_jsonl, "pile": read_pile, "text": read_text, "pushshift": read_pushshift}

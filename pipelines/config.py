@@ -8,12 +8,13 @@ are here (PipelineConfig.validate) and in train/rules.py (what needs the model's
 from __future__ import annotations
 
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Sequence
 
 from core import storage
-from core.config import ConfigError, load, local_path
+from core.config import ConfigError, load, local_path, no_credentials
 from core.ray_session import RayConfig
 from core.tracking import MlflowConfig
 from corpus.config import (OPT_PILE_SUBSETS, EvalConfig, IngestConfig, NormalizeConfig, SourceConfig, TokenizeConfig,
@@ -44,6 +45,11 @@ class PipelineConfig:
     name: str = "pipeline"  # set from the config file's name at load
 
     def validate(self, key: str) -> None:
+        # The run's folder and MLflow experiment are named after it: a path of its own would put them elsewhere.
+        if not re.fullmatch(r"[A-Za-z0-9_-][A-Za-z0-9_.-]*", self.name) or ".." in self.name:
+            raise ConfigError("name", "expected letters, digits, '-', '_' and '.' (not first, never '..'): the run's "
+                              f"folder and MLflow experiment are named after it; got {self.name!r}")
+        no_credentials(self, "", "workdir", "sample_corpus")
         names = [s.name for s in self.sources]
         for i, n in enumerate(names):
             if n in names[:i]:

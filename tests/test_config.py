@@ -219,12 +219,17 @@ def test_cli_exits_2_with_one_line_for_each_kind_of_mistake(cfg, capsys, tmp_pat
         (["--config", str(cfg()), "--only", "dedupe"], "unknown stage 'dedupe'; stages are: ingest, normalize, dedup"),
         (["--config", str(cfg()), "--only", "dedup", "--from", "ingest"], "--only and --from cannot be used together"),
         (["--bogus"], "unrecognized arguments: --bogus"),
+        (["--config", str(cfg()), "--set", "name=../../elsewhere"], "config key 'name': expected letters, digits"),
+        (["--config", str(cfg()), "--set", "sources.0.paths=[s3://AKIAKEY:s3cr3t@bucket/x.jsonl]"],
+         "config key 'sources[0].paths[0]': a URI with a user or password in it"),
+        (["--config", str(cfg()), "--set", "mlflow.tracking_uri=http://me:s3cr3t@mlflow:5000"],
+         "config key 'mlflow.tracking_uri': a URI with a user or password in it"),
     ]
     for argv, message in cases:
         assert main(argv) == 2, argv
         err = capsys.readouterr().err.strip()
         assert err.startswith("error: ") and message in err, (argv, err)
-        assert len(err.splitlines()) == 1, err
+        assert len(err.splitlines()) == 1 and "s3cr3t" not in err, err  # a secret is never repeated
     assert not (tmp_path / "work").exists()  # nothing ran, nothing was created
 
 

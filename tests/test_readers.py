@@ -168,3 +168,42 @@ def test_text_blocks_are_exact_with_lines_and_byte_offsets(tmp_path):
     raw = text.encode()
     for r in rows:
         assert raw[r["offset"]:].startswith(r["text"].encode())
+
+
+HOSTILE = [
+    (b'{"text": "a number too long to read", "n": ' + b"7" * 5000 + b"}",
+     "unreadable JSON (ValueError: Exceeds the limit (4300 digits) for integer string conversion)"),
+    (b'{"text": "nested", "x": ' + b"[" * 50_000 + b"]" * 50_000 + b"}",
+     "unreadable JSON (RecursionError: maximum recursion depth exceeded while decoding a JSON array from a unicode string)"),
+    (b'{"text": "caf\\u00e9 \\ud800 au lait"}', "a lone surrogate (U+D800) at character 5 of 'text': not UTF-8"),
+    (b'{"text": "ok", "title": "\\udfff"}', "a lone surrogate (U+DFFF) at character 11 of 'meta': not UTF-8"),
+    (b'{"text": "a pair is fine: \\ud83d\\ude00"}', None),
+]
+
+
+def test_a_hostile_record_is_a_located_reject_and_every_document_fits_arrow(tmp_path):
+    """A 5,000-digit number, arrays nested 50,000 deep, and a lone surrogate in the text or in a field that goes
+    to meta: each a reject with its reason and line, the lines around them documents, in jsonl, the Pile and
+    PushShift alike; every row the readers yield is one Arrow can write (a lone surrogate failed at a part's
+    flush, stopping ingest)."""
+    import pyarrow as pa
+
+    from corpus.parts import DOCUMENT_SCHEMA
+
+    lines = [b'{"text": "first"}', *(line for line, _ in HOSTILE), b'{"text": "last"}']
+    path = tmp_path / "x.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    rows = list(read_jsonl(str(path), "web", "x.jsonl"))
+    assert [r["reason"] or None for r in rows] == [None, *(why for _, why in HOSTILE), None]
+    assert [r["line"] for r in rows] == list(range(1, len(lines) + 1))
+    docs = [r for r in rows if not r["reason"]]
+    assert [d["text"] for d in docs] == ["first", "a pair is fine: \U0001F600", "last"]
+    pa.Table.from_pylist([{k: d[k] for k in DOCUMENT_SCHEMA.names} for d in docs], schema=DOCUMENT_SCHEMA)
+    pa.Table.from_pylist([{"head": r["head"], "reason": r["reason"]} for r in rows])  # the rejects' rows, too
+    pile = tmp_path / "p.jsonl"
+    pile.write_bytes(b'{"text": "t", "meta": {"pile_set_name": "Pile-CC\\ud800"}}\n')
+    (row,) = read_pile(str(pile), "pile", "p.jsonl")
+    assert row["reason"] == "a lone surrogate (U+D800) at character 7 of 'subset': not UTF-8"
+    (row,) = pushshift_rows(tmp_path, [b'{"id": "abc1", "parent_id": "t3_s1", "link_id": "t3_s1", '
+                                       b'"created_utc": 1546300800, "body": "\\udc00"}'])
+    assert row["reason"] == "a lone surrogate (U+DC00) at character 0 of 'body': not UTF-8"

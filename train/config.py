@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from core.config import ConfigError, at_least, local_path, positive
+from core.config import ConfigError, at_least, local_path, no_credentials, positive
 from train.rules import DEEPSPEED_MIN_LOSS_SCALE, layout_rule
 
 
@@ -236,6 +236,7 @@ class TrainConfig(EngineConfig):
             raise ConfigError(f"{key}.collective_timeout_seconds", f"expected more than hang_seconds and startup_seconds "
                               f"({slowest:g}), got {self.collective_timeout_seconds:g}: a hung rank's watchdog must act first")
         self.validate_engine(key)
+        no_credentials(self, key, "storage")
         if self.precision == "fp16" and self.autopilot.enabled and self.autopilot.scale_floor <= DEEPSPEED_MIN_LOSS_SCALE:
             raise ConfigError(f"{key}.autopilot.scale_floor", f"expected more than {DEEPSPEED_MIN_LOSS_SCALE}, DeepSpeed's "
                               f"minimum loss scale, got {self.autopilot.scale_floor:g}: at its minimum DeepSpeed ends the "
