@@ -65,7 +65,19 @@ def paired_noise(base: list[float], others: list[list[float]]) -> tuple[float, i
 class Difference:
     delta: float  # the other's mean minus the base's
     half: float  # the half-width of its interval (nan: no interval)
-    side: str  # ABOVE or BELOW 0 (the interval excludes it), WITHIN, or "no interval (1 seed)"
+    side: str  # ABOVE or BELOW 0 (the interval excludes it), WITHIN, or why there is no verdict (NO_INTERVAL, ...)
+
+
+NO_INTERVAL = "no interval (1 seed)"
+# Seeds that differ by exactly the same amount, every one: a spread of 0 would make a zero-width interval, and any
+# difference at all a verdict. No noise estimate is not no noise.
+ZERO_SPREAD = "no verdict (zero spread)"
+
+
+def failed_seed(values: list[float], seeds: list[int]) -> int | None:
+    """The first seed whose value is NaN or infinite (a diverged or broken run), or None. Such a value would make
+    every spread it enters NaN, and every interval with it say nothing: a row with one gets no verdict."""
+    return next((seed for seed, v in zip(seeds, values) if not math.isfinite(v)), None)
 
 
 def difference(base: list[float], other: list[float], alpha: float, noise: tuple[float, int] | None = None) -> Difference:
@@ -79,13 +91,17 @@ def difference(base: list[float], other: list[float], alpha: float, noise: tuple
             return Difference(0.0, 0.0, WITHIN)  # the same runs
         ss, df = noise
         if df < 1:
-            return Difference(delta, float("nan"), "no interval (1 seed)")
+            return Difference(delta, float("nan"), NO_INTERVAL)
+        if ss == 0:
+            return Difference(delta, float("nan"), ZERO_SPREAD)
         half = half_width(ss, df, len(diffs), alpha / 2)
     else:
         if min(len(base), len(other)) < 2:
-            return Difference(delta, float("nan"), "no interval (1 seed)")
+            return Difference(delta, float("nan"), NO_INTERVAL)
         va, vb = np.var(other, ddof=1) / len(other), np.var(base, ddof=1) / len(base)
         se = float(np.sqrt(va + vb))
-        df = (va + vb) ** 2 / (va ** 2 / (len(other) - 1) + vb ** 2 / (len(base) - 1)) if se > 0 else 1.0
+        if se == 0:
+            return Difference(delta, float("nan"), ZERO_SPREAD)
+        df = (va + vb) ** 2 / (va ** 2 / (len(other) - 1) + vb ** 2 / (len(base) - 1))
         half = t_quantile(1 - alpha / 2, df) * se
     return Difference(delta, half, side(delta - half, delta + half))

@@ -1,8 +1,9 @@
 """The data ablations as MLflow holds them: the one reader of pipeline and stage runs for compare.py and
 benchmarks/ablation_noise.py.
 
-An ablation is every pipeline run tagged with its name (`full.py --ablation NAME`; "base" for the config file
-as it is). For each ablation and stage, the newest stage run among its pipeline runs counts (ran or cache hit: a
+An ablation is every finished pipeline run tagged with its name (`full.py --ablation NAME`; "base" for the config
+file as it is): a run that failed or is still running does not count. For each ablation and stage, the newest stage
+run among its pipeline runs counts (ran or cache hit: a
 cache hit logs the counts of the output it reuses), so an ablation built over several invocations (`--only
 dedup`, then the rest) is still one. Its training run gives the loss curve, the seeds and each seed's bits per
 byte on the held-out evaluation set, and that set's fingerprint: ablations evaluated on different sets are
@@ -13,8 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from core.config import ConfigError
-from pipelines.config import load_config
-from pipelines.config import CHECKS
+from pipelines.config import CHECKS, load_config
 from pipelines.stages import STAGES
 
 
@@ -52,15 +52,29 @@ def read(names: list[str] | None = None, *, config: str | None = None, workdir: 
         raise Unreadable(f"no MLflow experiment {name!r} in {uri}")
     ablations = collect(client, found.experiment_id, names)
     if not ablations:
-        raise Unreadable(f"no pipeline runs in experiment {name!r}")
+        raise Unreadable(f"no finished pipeline runs in experiment {name!r}")
+    check_reference(ablations, named=bool(names))
     check_comparable(ablations)
     return ablations
 
 
+def check_reference(ablations: list[Ablation], named: bool) -> None:
+    """The first ablation is the one every other is measured against: base unless others are named, and with an
+    evaluation when any other has one. Otherwise Unreadable, naming it: without the check the next ablation
+    would silently become the reference."""
+    first = ablations[0]
+    if not named and first.name != "base":
+        raise Unreadable(f"no finished pipeline run tagged ablation='base' (the reference; there are: "
+                         f"{', '.join(a.name for a in ablations)}): run the config as it is, or name the reference first")
+    if not first.bpb and any(a.bpb for a in ablations[1:]):
+        raise Unreadable(f"{first.name}, the reference, has no finished training run with an evaluation on the "
+                         "held-out set: its newest training run failed, or did not run")
+
+
 def collect(client, experiment_id: str, names: list[str] | None) -> list[Ablation]:
     """The ablations of an experiment (all, or those named, in that order), newest stage runs first."""
-    parents = client.search_runs([experiment_id], "tags.kind = 'pipeline'", order_by=["attributes.start_time DESC"],
-                                 max_results=5000)
+    parents = client.search_runs([experiment_id], "tags.kind = 'pipeline' and attributes.status = 'FINISHED'",
+                                 order_by=["attributes.start_time DESC"], max_results=5000)
     found: dict[str, Ablation] = {}
     for run in parents:
         name = run.data.tags.get("ablation")
@@ -77,7 +91,8 @@ def collect(client, experiment_id: str, names: list[str] | None) -> list[Ablatio
         chosen = sorted(found.values(), key=lambda a: (a.name != "base", a.name))
     for ablation in chosen:
         for parent in ablation.pipeline_runs:  # newest first: the first run of a stage found is the one shown
-            for run in client.search_runs([experiment_id], f"tags.mlflow.parentRunId = '{parent}'", max_results=1000):
+            for run in client.search_runs([experiment_id], f"tags.mlflow.parentRunId = '{parent}' and "
+                                          "attributes.status = 'FINISHED'", max_results=1000):
                 stage = run.data.tags.get("stage")
                 if stage in {s.name for s in STAGES} and stage not in ablation.stages:
                     ablation.stages[stage] = run

@@ -16,8 +16,11 @@ with the spread of those differences pooled over every such ablation in the tabl
 many-to-one setting: more ablations, more degrees of freedom), Welch's otherwise; at a 5%
 family-wise error rate for each ablation (Bonferroni over its rows), so that a null ablation says
 `within noise` on all of its rows 95% of the time. Runs identical to base's, bit for bit, are
-`within noise` and left out of the pooled spread. One seed gives no interval and no verdict.
-Runs evaluated on different sets (their `eval.fingerprint` tags differ) are refused. The statistics are
+`within noise` and left out of the pooled spread. One seed gives no interval and no verdict; so does a
+spread of exactly 0 (`no verdict (zero spread)`), and a NaN or infinite seed (`failed seed S`: left out of the
+pooled spread too). Only finished runs count; a missing reference (base, or the first ablation named) or one
+without a training run, and runs evaluated on different sets (their `eval.fingerprint` tags differ), are
+refused (exit 2). The statistics are
 core/stats.py's, the screen's too.
 
 The PNG: bits per byte per row with the intervals, and each ablation's training loss against the step.
@@ -69,10 +72,16 @@ def verdicts(scored: list[Ablation]) -> tuple[list[str], float, dict[str, dict[s
     for row in rows:
         if row not in base.bpb:
             continue
-        paired = [a for a in others if a.seeds == base.seeds and row in a.bpb]
+        failed = {a.name: stats.failed_seed(a.bpb[row], a.seeds) for a in scored if row in a.bpb}
+        paired = [a for a in others if a.seeds == base.seeds and row in a.bpb and failed[a.name] is None]
         noise = stats.paired_noise(base.bpb[row], [a.bpb[row] for a in paired])
         for a in others:
-            if row in a.bpb:
+            if row not in a.bpb:
+                continue
+            if failed[base.name] is not None or failed[a.name] is not None:  # no verdict, and none of the pooled noise
+                who = a if failed[a.name] is not None else base
+                out[a.name][row] = Difference(float("nan"), float("nan"), f"failed seed {failed[who.name]} ({who.name})")
+            else:
                 out[a.name][row] = stats.difference(base.bpb[row], a.bpb[row], alpha, noise if a in paired else None)
     return rows, alpha, out
 
@@ -96,7 +105,8 @@ def bpb_table(ablations: list[Ablation]) -> str:
             cells.append("-" if not values else f"{np.mean(values):.4f}" + (f"±{half:.4f}" if np.isfinite(half) else ""))
         for a in others:
             d = found[a.name].get(row)
-            cells += ["-", "-"] if d is None else [f"{d.delta:+.4f}" + (f"±{d.half:.4f}" if np.isfinite(d.half) else ""), verdict(d)]
+            shown = "-" if d is None or not np.isfinite(d.delta) else f"{d.delta:+.4f}" + (f"±{d.half:.4f}" if np.isfinite(d.half) else "")
+            cells += ["-", "-"] if d is None else [shown, verdict(d)]
         body.append(cells)
     widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in [header, *body]]

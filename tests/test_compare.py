@@ -49,6 +49,74 @@ def test_the_mean_interval_is_students_t_over_the_seeds():
     assert np.isnan(mean_interval([1.0], 0.05))
 
 
+def pipeline_run(client, experiment: str, name: str, tags: dict, bpb: list[float] | None,
+                 status: str = "FINISHED") -> None:
+    """A pipeline run as full.py leaves it: tagged with its ablation, a train stage run under it logging each
+    seed's bits per byte (none: no train stage), both ended with `status`."""
+    parent = client.create_run(experiment, tags={"kind": "pipeline", "ablation": name})
+    if bpb is not None:
+        train = client.create_run(experiment, tags={"mlflow.parentRunId": parent.info.run_id, "stage": "train",
+                                                    "eval.fingerprint": "aaaaaaaaaaaaaaaa",
+                                                    "eval.seeds": ",".join(map(str, range(len(bpb)))), **tags})
+        for seed, value in enumerate(bpb):
+            client.log_metric(train.info.run_id, f"seed{seed}/eval.bpb", value)
+        client.set_terminated(train.info.run_id, status)
+    client.set_terminated(parent.info.run_id, status)
+
+
+def test_a_failed_seed_or_a_zero_spread_gives_no_verdict_and_no_noise_to_the_others():
+    """A NaN or inf seed makes its row `failed seed S` (its own, or base's for every ablation) and stays out of the
+    pooled spread, where it would have made every paired interval NaN, `within noise`; a spread of exactly 0
+    gives no verdict, where it gave a zero-width interval and a verdict on any difference."""
+    from core.stats import ZERO_SPREAD, difference, paired_noise
+    from pipelines.ablations import Ablation
+
+    def ablation(name, values):
+        return Ablation(name, "", bpb={"": values}, seeds=list(range(len(values))))
+
+    base = ablation("base", [2.0, 2.1, 1.9])
+    shifted = ablation("shifted", [2.3, 2.4, 2.2])  # +0.3 on every seed: a spread of 0
+    diverged = ablation("diverged", [2.0, float("nan"), 1.9])
+    noisy = ablation("noisy", [2.31, 2.38, 2.21])
+    _, _, found = compare.verdicts([base, shifted, diverged, noisy])
+    assert compare.verdict(found["diverged"][""]) == "failed seed 1 (diverged)"
+    assert compare.verdict(found["noisy"][""]) == "worse"  # the NaN did not reach the pooled spread
+    assert np.isfinite(found["noisy"][""].half)
+    _, _, found = compare.verdicts([ablation("base", [2.0, float("inf"), 1.9]), noisy])
+    assert compare.verdict(found["noisy"][""]) == "failed seed 1 (base)"
+    assert difference([2.0, 2.1], [2.3, 2.4], 0.05, paired_noise([2.0, 2.1], [[2.3, 2.4]])).side == ZERO_SPREAD
+    assert difference([2.0, 2.0], [2.3, 2.3, 2.3], 0.05).side == ZERO_SPREAD  # Welch's: both groups without spread
+    assert "failed seed 1 (diverged)" in compare.bpb_table([base, diverged])
+
+
+def test_compare_refuses_a_missing_or_failed_reference(tmp_path, capsys):
+    """Only finished runs count: a base whose only pipeline run failed is missing, and compare says so (exit 2)
+    rather than measuring the others against the next ablation; a finished base without a training run, while
+    others have one, is refused too."""
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(uri)
+    experiment = client.create_experiment("ablations", artifact_location=str(tmp_path / "artifacts"))
+    pipeline_run(client, experiment, "base", {}, [1.5, 1.51], status="FAILED")
+    pipeline_run(client, experiment, "drop-x", {}, [1.6, 1.62])
+    pipeline_run(client, experiment, "drop-y", {}, [1.4, 1.41])
+    cfg = write_config(tmp_path, "sources: [{name: web, format: jsonl, paths: [x.jsonl]}]\n")
+    args = ["--config", str(cfg), "--tracking-uri", uri, "--experiment", "ablations", "--out", str(tmp_path / "a.png")]
+
+    def error() -> str:
+        (line,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
+        return line
+
+    assert compare.main(args) == 2
+    assert "no finished pipeline run tagged ablation='base'" in error()
+    pipeline_run(client, experiment, "base", {}, None)  # finished, but only up to dedup (`--only dedup`)
+    assert compare.main(args) == 2
+    assert "base, the reference, has no finished training run" in error()
+    assert compare.main([*args, "drop-y", "drop-x"]) == 0  # a reference named: measured against it
+    assert "vs drop-y: drop-x" in capsys.readouterr().out
+
+
 def test_compare_refuses_runs_evaluated_on_different_sets(tmp_path, capsys):
     from mlflow import MlflowClient
 
@@ -56,11 +124,7 @@ def test_compare_refuses_runs_evaluated_on_different_sets(tmp_path, capsys):
     client = MlflowClient(uri)
     experiment = client.create_experiment("ablations", artifact_location=str(tmp_path / "artifacts"))
     for name, fingerprint in (("base", "aaaaaaaaaaaaaaaa"), ("other-eval", "bbbbbbbbbbbbbbbb")):
-        parent = client.create_run(experiment, tags={"kind": "pipeline", "ablation": name})
-        train = client.create_run(experiment, tags={"mlflow.parentRunId": parent.info.run_id, "stage": "train",
-                                                    "eval.fingerprint": fingerprint, "eval.seeds": "0,1"})
-        for seed, value in ((0, 1.5), (1, 1.51)):
-            client.log_metric(train.info.run_id, f"seed{seed}/eval.bpb", value)
+        pipeline_run(client, experiment, name, {"eval.fingerprint": fingerprint}, [1.5, 1.51])
     cfg = write_config(tmp_path, "sources: [{name: web, format: jsonl, paths: [x.jsonl]}]\n")
     args = ["--config", str(cfg), "--tracking-uri", uri, "--experiment", "ablations", "--out", str(tmp_path / "a.png")]
     assert compare.main(args) == 2
