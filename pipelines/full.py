@@ -20,6 +20,7 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the project importable without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from core import locks
 from core.config import ConfigError
 from pipelines.config import PipelineConfig, check_inputs_exist, load_config
 from pipelines import summary
@@ -82,7 +83,7 @@ def main(argv: list[str] | None = None, stages: tuple[Stage, ...] = STAGES) -> i
             write_sample(config.sample_corpus, spiky={spiky: SPIKY_EVERY} if spiky else None)
         check_inputs_exist(config)
         return run(config, args, only, list(stages), ablation)
-    except (ConfigError, UsageError) as exc:
+    except (ConfigError, UsageError, locks.WorkdirBusy) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     except (StageFailed, DamagedOutput) as exc:
@@ -114,13 +115,23 @@ def ablation_tags(args: argparse.Namespace, config: PipelineConfig) -> dict[str,
 
 def run(config: PipelineConfig, args: argparse.Namespace, only: list[str] | None, stages: list[Stage],
         ablation: dict[str, str]) -> int:
+    """The selected stages, one run at a time per workdir (core/locks.py)."""
+    os.makedirs(config.workdir, exist_ok=True)
+    with locks.hold(config.workdir, f"{config.name} [{ablation['ablation']}]") as stale:
+        if stale:
+            print(f"taking over the workdir from a run that ended without releasing it ({stale})", file=sys.stderr)
+        return run_locked(config, args, only, stages, ablation)
+
+
+def run_locked(config: PipelineConfig, args: argparse.Namespace, only: list[str] | None, stages: list[Stage],
+               ablation: dict[str, str]) -> int:
+    """`run`, the workdir held."""
     from core.ray_session import start_ray
     from core.tracking import MlflowTracker
 
     ray_started: list[bool] = []
     runner = Runner(config, stages, start_engines=lambda: ray_started or ray_started.append(start_ray(config.ray, args.verbose)))
     plan = runner.plan(only, args.from_, args.force, args.verify)  # a bad selection or input fails here, before any run
-    os.makedirs(config.workdir, exist_ok=True)
     layout_files = []
     if plan.actions.get("train") == "run":  # GPU training: its layout priced against the best (train/plan/planner.py)
         from train.plan.planner import startup_check
