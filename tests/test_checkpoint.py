@@ -200,3 +200,51 @@ def test_a_gpus_rng_state_goes_into_the_checkpoint_and_back(monkeypatch):
     assert len(restored) == 1 and torch.equal(restored[0], device_state)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert "cuda" not in checkpoint_files.rng_state()
+
+
+class _RunsCode:
+    """What a planted file holds: unpickling it would run `exec` and write a marker."""
+
+    def __init__(self, marker):
+        self.marker = str(marker)
+
+    def __reduce__(self):
+        return exec, (f"open({self.marker!r}, 'w').write('ran')",)
+
+
+def test_a_checkpoint_loads_no_pickle_and_takes_no_linked_folder(engine_factory, tmp_path, caplog):
+    """The RNG file holds tensors and numbers, read back with `weights_only=True`: python's and numpy's states
+    come back exactly. A planted RNG file whose unpickling runs code (its sha256 list rewritten to match, as
+    whoever can write the folder can) is refused without running, and a `step-*` symbolic link to a folder
+    elsewhere is not a checkpoint at all."""
+    import random
+    import shutil
+
+    import numpy as np
+
+    root = tmp_path / "ckpt"
+    a = engine_factory()
+    train_step(a, 1)
+    random.seed(5)
+    np.random.seed(6)
+    checkpoint_files.save(a, root, 1, {})
+    expected = (random.random(), float(np.random.rand()))
+    random.seed(0)
+    np.random.seed(0)
+    checkpoint_files.load_latest(a, root)
+    assert (random.random(), float(np.random.rand())) == expected
+
+    step = root / "step-00000001"
+    marker, rng = tmp_path / "marker", step / "rng-rank00000.pt"
+    torch.save(_RunsCode(marker), rng)
+    meta = json.loads((step / "meta.json").read_text())
+    meta["files"][rng.name][:2] = [checkpoint_files._sha256(rng), rng.stat().st_size]
+    (step / "meta.json").write_text(json.dumps(meta))
+    elsewhere = tmp_path / "elsewhere" / "step-99999999"
+    shutil.copytree(step, elsewhere)
+    (root / "step-99999999").symlink_to(elsewhere)
+    with caplog.at_level(logging.WARNING, logger=checkpoint_files.log.name):
+        assert checkpoint_files.published(root) == [step]
+        assert checkpoint_files.load_latest(a, root)["step"] == 1
+    assert not marker.exists()
+    assert "step-99999999 is a symbolic link" in caplog.text and "rng-rank00000.pt holds more than tensors" in caplog.text

@@ -28,6 +28,7 @@ import hashlib
 import json
 import logging
 import os
+import pickle
 import random
 import shutil
 import threading
@@ -62,8 +63,16 @@ def _sha256(path: Path) -> str:
 
 
 def rng_state() -> dict:
-    """This process's random states; on a GPU, its device's too (dropout draws from it there)."""
-    state = {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate()}
+    """This process's random states; on a GPU, its device's too (dropout draws from it there). Tensors, numbers
+    and strings only, so that `torch.load(weights_only=True)` reads it back: no pickled object, so a planted file
+    cannot run code when it is loaded."""
+    name, keys, pos, has_gauss, gauss = np.random.get_state()
+    version, internal, gauss_next = random.getstate()
+    state = {"torch": torch.get_rng_state(),
+             "numpy": {"name": name, "keys": torch.from_numpy(keys.astype(np.int64)), "pos": int(pos),
+                       "has_gauss": int(has_gauss), "gauss": float(gauss)},
+             "python": {"version": version, "internal": torch.tensor(internal, dtype=torch.int64),
+                        "gauss_next": gauss_next}}
     if torch.cuda.is_available():
         state["cuda"] = torch.cuda.get_rng_state()  # the current device: the worker's own GPU
     return state
@@ -71,8 +80,10 @@ def rng_state() -> dict:
 
 def set_rng_state(state: dict) -> None:
     torch.set_rng_state(state["torch"])
-    np.random.set_state(state["numpy"])
-    random.setstate(state["python"])
+    n = state["numpy"]
+    np.random.set_state((n["name"], n["keys"].numpy().astype(np.uint32), n["pos"], n["has_gauss"], n["gauss"]))
+    p = state["python"]
+    random.setstate((p["version"], tuple(p["internal"].tolist()), p["gauss_next"]))
     if "cuda" in state and torch.cuda.is_available():
         torch.cuda.set_rng_state(state["cuda"])
 
@@ -227,10 +238,17 @@ def _fsync(path: Path) -> None:
 
 
 def published(root: Path) -> list[Path]:
-    """Published checkpoints, newest first."""
+    """Published checkpoints, newest first. A `step-*` that is a symbolic link is none: a link planted in a shared
+    folder would make any folder the newest checkpoint (its sha256 list travels with it, so it verifies)."""
     if not root.is_dir():
         return []
-    return sorted((p for p in root.iterdir() if p.is_dir() and p.name.startswith("step-")), reverse=True)
+    found = []
+    for p in root.iterdir():
+        if p.name.startswith("step-") and p.is_symlink():
+            log.warning("checkpoint %s is a symbolic link (to %s): refused", p.name, os.readlink(p))
+        elif p.name.startswith("step-") and p.is_dir():
+            found.append(p)
+    return sorted(found, reverse=True)
 
 
 def read_meta(path: Path) -> dict | None:
@@ -307,7 +325,11 @@ def load(engine, path: Path, data_group=None) -> dict:
         engine.load_checkpoint(str(path), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=False)
     rng = path / f"rng-rank{rank:05d}.pt"
     if meta["world_size"] == world and rng.is_file():
-        set_rng_state(torch.load(rng, weights_only=False))
+        try:
+            set_rng_state(torch.load(rng, weights_only=True))  # no pickle: rng_state holds tensors and numbers
+        except pickle.UnpicklingError as exc:  # a file that needs pickle: planted, or from before this format
+            log.warning("checkpoint %s: %s holds more than tensors and numbers, not loaded (%s): RNG states not "
+                        "restored", path.name, rng.name, str(exc).splitlines()[0][:120])
     elif rank == 0:
         log.warning("checkpoint %s was written by %d ranks, now %d: RNG states not restored", path.name,
                     meta["world_size"], world)
