@@ -35,10 +35,10 @@ import pyarrow as pa
 
 from corpus import reddit
 from corpus.parts import DOCUMENT_SCHEMA, Parts, check_written, group_by_size, iter_rows, parquet_files, run_tasks, task_bytes
-from corpus.readers import READERS, REDDIT_FIELDS, relative_names
+from corpus.readers import LIMITS, READERS, REDDIT_FIELDS, Limits, relative_names
 from core import storage
 from core.ray_session import RayConfig
-from corpus.config import SourceConfig, source_files
+from corpus.config import IngestConfig, SourceConfig, source_files
 from core.console import note
 from core.dag import StageContext, StageResult
 from core.ray_session import groupby
@@ -74,13 +74,14 @@ class ReadTask:
     stem: str  # of the part files it writes
     folders: dict[str, str]  # where each kind of row goes: output, each reason's folder, records (Reddit's)
     fail_on_bad_input: bool
+    limits: Limits = LIMITS  # what a reader holds at most (ingest.max_line_mb, max_document_mb, max_ratio)
 
 
 def read_task(task: ReadTask) -> dict:
     """Read a group of files of one source; write documents, rejects and set-aside rows; count."""
     source = task.source
     name, fmt = source.name, source.format
-    reader = READERS[fmt]
+    reader = functools.partial(READERS[fmt], limits=task.limits)
     if fmt == "jsonl":
         reader = functools.partial(reader, text_field=source.text_field, id_field=source.id_field)
     elif fmt == "text":
@@ -124,10 +125,14 @@ def read_task(task: ReadTask) -> dict:
 
 
 def read_task_for(source: SourceConfig, files: list[str], rel: dict[str, str], sizes: dict[str, int], stem: str,
-                  folders: dict[str, str], fail_on_bad_input: bool) -> ReadTask:
+                  folders: dict[str, str], fail_on_bad_input: bool, limits: Limits = LIMITS) -> ReadTask:
     """The task `read_task` runs for some files of a source."""
     return ReadTask(source, tuple((f, rel[f], sizes[f]) for f in files), stem,
-                    {**folders, "records": os.path.join(folders["records"], source.name)}, fail_on_bad_input)
+                    {**folders, "records": os.path.join(folders["records"], source.name)}, fail_on_bad_input, limits)
+
+
+def limits_of(ingest: IngestConfig) -> Limits:
+    return Limits(ingest.max_line_mb << 20, ingest.max_document_mb << 20, ingest.max_ratio)
 
 
 def read_tasks(ctx: StageContext, folders: dict[str, str]) -> list[ReadTask]:
@@ -144,7 +149,7 @@ def read_tasks(ctx: StageContext, folders: dict[str, str]) -> list[ReadTask]:
         rel = relative_names(list(sizes))
         for i, group in enumerate(group_by_size(sizes, target)):
             tasks.append(read_task_for(source, group, rel, sizes, f"{source.name}-{i:05d}", folders,
-                                       ctx.config.ingest.on_bad_input == "fail"))
+                                       ctx.config.ingest.on_bad_input == "fail", limits_of(ctx.config.ingest)))
     return tasks
 
 

@@ -5,10 +5,14 @@ rows are counted in one place and `rows_in == documents + rejects` per file. A r
 (file, line, byte offset), why, and shows the first 200 bytes. The readable part of a cut file
 is kept: its complete lines are read, and the cut itself is one reject.
 
-Compressed input is streamed, never read whole: zstd with a window of up to 2 GiB (PushShift's
-`zstd --long=31` dumps, which pyarrow refuses), gzip, or plain. python-zstandard's stream reader
-ends quietly at a truncated frame, so frames are decoded with `decompressobj`, whose `eof`
-says whether a frame really ended.
+Compressed input is streamed, never read whole, and in bounded steps: zstd with a window of up to 2 GiB
+(PushShift's `zstd --long=31` dumps, which pyarrow refuses), gzip, or plain. Each step gives at most CHUNK
+bytes, however much they decompress to: python-zstandard's `decompressobj` would hand a 2 KB zstd bomb's 64 MiB
+over in one piece, so zstd is read with its stream reader, which ends quietly at a truncated frame; the
+frames' own headers and block sizes, walked beside it (`_FrameWalker`), say whether the last one really ended.
+`Limits` bound the rest: a file that decompresses beyond `max_ratio` to 1 is a reject (a bomb), a line over
+`max_line_bytes` is a reject and is never held whole (nor re-split as it grows), and so is a text file over
+`max_document_bytes` (a text file is one document, or blank-line blocks of one).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import json
 import os
 import re
 import zlib
+from dataclasses import dataclass
 from typing import Iterator
 
 import zstandard
@@ -26,6 +31,19 @@ from core.storage import open_input
 
 ZSTD_MAX_WINDOW = 2**31  # PushShift dumps need the full 2 GiB window
 CHUNK = 1 << 20
+RATIO_FLOOR = 16 << 20  # decompressed bytes before the ratio is judged: a small file's headers are no bomb
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one reader holds at most (IngestConfig's max_line_mb, max_document_mb and max_ratio)."""
+
+    max_line_bytes: int = 64 << 20
+    max_document_bytes: int = 256 << 20
+    max_ratio: float = 1000.0  # decompressed bytes per compressed byte over a file: text is 3-10, a bomb 1000s
+
+
+LIMITS = Limits()
 HEAD_BYTES = 200
 # A UTF-16 surrogate alone: JSON's "\ud800" escape decodes to one (web and Reddit dumps have them), and UTF-8,
 # so Arrow, cannot hold it. Such a record is rejected, not repaired: a replacement character would change the
@@ -40,26 +58,107 @@ class Truncated(Exception):
     """The compressed stream ended inside a frame, or the gzip stream before its end marker."""
 
 
-def _zstd_chunks(path: str) -> Iterator[bytes]:
-    dctx = zstandard.ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW)
-    dobj, in_frame = dctx.decompressobj(), False
+class TooLarge(Exception):
+    """A file past a Limits bound (a decompression bomb); str() is the reject's reason."""
+
+
+ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
+
+
+class _FrameWalker:
+    """zstd's frame layout followed over the compressed bytes, without decoding them: a frame's magic number and
+    header, then blocks, each a 3-byte header giving its size and whether it is the last, then an optional
+    4-byte checksum; skippable frames skipped (RFC 8878, 3.1). `complete` says whether the bytes seen so far
+    end where a frame ends."""
+
+    def __init__(self):
+        self.state, self.buf, self.skip, self.checksum = "magic", bytearray(), 0, False
+        self.known = True  # False once the bytes are not zstd's: the decoder reports that itself
+
+    @property
+    def complete(self) -> bool:
+        return not self.known or (self.state == "magic" and not self.buf and not self.skip)
+
+    def feed(self, data: bytes) -> None:
+        i, n = 0, len(data)
+        while self.known and i < n:
+            if self.skip:
+                take = min(self.skip, n - i)
+                self.skip, i = self.skip - take, i + take
+                continue
+            need = {"magic": 4, "descriptor": 1, "block": 3, "skippable": 4}[self.state]
+            take = min(need - len(self.buf), n - i)
+            self.buf += data[i:i + take]
+            i += take
+            if len(self.buf) == need:
+                self._parse(bytes(self.buf))
+                self.buf.clear()
+
+    def _parse(self, field: bytes) -> None:
+        if self.state == "magic":
+            if field == ZSTD_MAGIC:
+                self.state = "descriptor"
+            elif field[1:] == b"\x2a\x4d\x18" and field[0] & 0xF0 == 0x50:
+                self.state = "skippable"
+            else:
+                self.known = False
+        elif self.state == "descriptor":
+            d = field[0]
+            single = (d >> 5) & 1
+            self.checksum = bool((d >> 2) & 1)
+            self.skip = (0 if single else 1) + (0, 1, 2, 4)[d & 3] + (single, 2, 4, 8)[d >> 6]
+            self.state = "block"
+        elif self.state == "block":
+            v = int.from_bytes(field, "little")
+            last, kind, size = v & 1, (v >> 1) & 3, v >> 3
+            self.skip = 1 if kind == 1 else size  # an RLE block holds one byte
+            if last:
+                self.skip += 4 if self.checksum else 0
+                self.state = "magic"
+        else:  # a skippable frame's size
+            self.skip, self.state = int.from_bytes(field, "little"), "magic"
+
+
+class _Counted:
+    """A file's bytes as the decoder reads them, counted and shown to a _FrameWalker on the way."""
+
+    def __init__(self, fh, walker: _FrameWalker):
+        self.fh, self.walker, self.bytes = fh, walker, 0
+
+    def read(self, size: int = -1) -> bytes:
+        data = self.fh.read(size)
+        self.bytes += len(data)
+        self.walker.feed(data)
+        return data
+
+
+def _check_ratio(produced: int, consumed: int, limits: Limits) -> None:
+    if produced > RATIO_FLOOR and produced > limits.max_ratio * max(consumed, 1):
+        raise TooLarge(f"decompresses beyond {limits.max_ratio:g} to 1 ({produced >> 20} MiB from {consumed:,} bytes "
+                       "read): a decompression bomb, not read further")
+
+
+def _zstd_chunks(path: str, limits: Limits) -> Iterator[bytes]:
+    walker, produced = _FrameWalker(), 0
     with open_input(path) as fh:
-        while chunk := fh.read(CHUNK):
-            while chunk:
-                in_frame = True
-                yield dobj.decompress(chunk)
-                if dobj.eof:  # a frame ended; what follows is the next frame (if anything)
-                    chunk, dobj, in_frame = dobj.unused_data, dctx.decompressobj(), False
-                else:
-                    chunk = b""
-    if in_frame:
+        source = _Counted(fh, walker)
+        reader = zstandard.ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW).stream_reader(
+            source, read_size=CHUNK, read_across_frames=True, closefd=False)
+        while chunk := reader.read(CHUNK):
+            produced += len(chunk)
+            _check_ratio(produced, source.bytes, limits)
+            yield chunk
+    if not walker.complete:
         raise Truncated("zstd stream ends inside a frame (file cut short?)")
 
 
-def _gzip_chunks(path: str) -> Iterator[bytes]:
+def _gzip_chunks(path: str, limits: Limits) -> Iterator[bytes]:
     with open_input(path) as raw, gzip.GzipFile(fileobj=raw, mode="rb") as fh:
+        produced = 0
         try:
             while chunk := fh.read1(CHUNK):  # read() would drop what it decoded before a cut
+                produced += len(chunk)
+                _check_ratio(produced, raw.tell(), limits)
                 yield chunk
         except EOFError as exc:
             raise Truncated(f"gzip stream ends early: {exc}") from None
@@ -71,43 +170,74 @@ def _plain_chunks(path: str) -> Iterator[bytes]:
             yield chunk
 
 
-# What a damaged file raises while it is streamed (gzip.BadGzipFile is an OSError).
-STREAM_ERRORS = (Truncated, zstandard.ZstdError, zlib.error, OSError)
+# What a damaged or hostile file raises while it is streamed (gzip.BadGzipFile is an OSError).
+STREAM_ERRORS = (Truncated, TooLarge, zstandard.ZstdError, zlib.error, OSError)
 
 
 def stream_problem(exc: BaseException) -> str:
     """The reject reason for a file that could not be streamed to its end."""
+    if isinstance(exc, TooLarge):
+        return str(exc)
     return f"{'truncated' if isinstance(exc, Truncated) else 'corrupt'} file: {exc}"
 
 
-def byte_chunks(path: str) -> Iterator[bytes]:
+def byte_chunks(path: str, limits: Limits = LIMITS) -> Iterator[bytes]:
+    """A file's bytes, decompressed, in pieces of at most CHUNK."""
     if path.endswith(".zst"):
-        return _zstd_chunks(path)
+        return _zstd_chunks(path, limits)
     if path.endswith(".gz"):
-        return _gzip_chunks(path)
+        return _gzip_chunks(path, limits)
     return _plain_chunks(path)
 
 
-def read_lines(path: str) -> Iterator[tuple[int, int, bytes, str | None]]:
+def read_lines(path: str, limits: Limits = LIMITS) -> Iterator[tuple[int, int, bytes, str | None]]:
     """(line number, byte offset in the decompressed stream, line without newline, problem).
 
-    `problem` is None for a complete line; the last row of a cut or corrupt file carries the
-    reason (with whatever partial line was there).
+    `problem` is None for a complete line; a line over `limits.max_line_bytes` has one (and only its first
+    HEAD_BYTES: it is never held whole); the last row of a cut, corrupt or over-large file carries the reason
+    (with whatever partial line was there). Each chunk is split once: a line growing over many chunks is
+    joined once, at its end, not re-split at every chunk.
     """
-    buf, lineno, offset = b"", 0, 0
+    pending: list[bytes] = []  # the current line's pieces so far
+    held, skipped, lineno, offset, head = 0, -1, 0, 0, b""  # skipped >= 0: an over-long line's bytes passed so far
+
+    def too_long(length: int) -> str:
+        return f"line over {limits.max_line_bytes >> 20} MiB ({length:,} bytes): not read"
+
     try:
-        for chunk in byte_chunks(path):
-            buf += chunk
-            *lines, buf = buf.split(b"\n")
-            for line in lines:
+        for chunk in byte_chunks(path, limits):
+            start = 0
+            while (end := chunk.find(b"\n", start)) >= 0:
                 lineno += 1
-                yield lineno, offset, line, None
-                offset += len(line) + 1
+                if skipped >= 0:
+                    length = skipped + end - start
+                    yield lineno, offset, head, too_long(length)
+                    skipped = -1
+                else:
+                    line = b"".join([*pending, chunk[start:end]]) if pending else chunk[start:end]
+                    length = len(line)
+                    if length > limits.max_line_bytes:
+                        yield lineno, offset, line[:HEAD_BYTES], too_long(length)
+                    else:
+                        yield lineno, offset, line, None
+                pending, held = [], 0
+                offset += length + 1
+                start = end + 1
+            rest = chunk[start:]
+            if skipped >= 0:
+                skipped += len(rest)
+            elif rest:
+                pending.append(rest)
+                held += len(rest)
+                if held > limits.max_line_bytes:  # stop holding it: its head, then its length only
+                    head, skipped, pending = b"".join(pending)[:HEAD_BYTES], held, []
     except STREAM_ERRORS as exc:
-        yield lineno + 1, offset, buf, stream_problem(exc)
+        yield lineno + 1, offset, head if skipped >= 0 else b"".join(pending), stream_problem(exc)
         return
-    if buf:  # a last line without a newline is still a line
-        yield lineno + 1, offset, buf, None
+    if skipped >= 0:
+        yield lineno + 1, offset, head, too_long(skipped)
+    elif pending:  # a last line without a newline is still a line
+        yield lineno + 1, offset, b"".join(pending), None
 
 
 def _reject(file: str, line: int, offset: int, reason: str, raw: bytes, source: str) -> dict:
@@ -121,11 +251,12 @@ def _doc(doc_id: str, text: str, source: str, subset: str, meta: dict, file: str
             "offset": offset, "reason": "", "head": ""}
 
 
-def _records(path: str, source: str) -> Iterator[tuple[int, int, bytes, dict | None, dict | None]]:
+def _records(path: str, source: str, limits: Limits) -> Iterator[tuple[int, int, bytes, dict | None, dict | None]]:
     """JSON lines: (line, offset, raw, record, reject row)."""
     empty = True
-    for lineno, offset, raw, problem in read_lines(path):
+    for lineno, offset, raw, problem in read_lines(path, limits):
         if problem is not None:
+            empty = empty and not raw.strip()  # an over-long or cut line: the file is not empty
             yield lineno, offset, raw, None, _reject(path, lineno, offset, problem, raw, source)
             continue
         empty = False
@@ -171,9 +302,10 @@ def _text_of(record: dict, field: str) -> tuple[str | None, str | None]:
     return record[field], None
 
 
-def read_jsonl(path: str, source: str, rel: str, text_field: str = "text", id_field: str | None = None) -> Iterator[dict]:
+def read_jsonl(path: str, source: str, rel: str, text_field: str = "text", id_field: str | None = None,
+               limits: Limits = LIMITS) -> Iterator[dict]:
     """Any corpus as JSON lines; `id_field` (when given) becomes the id unchanged."""
-    for lineno, offset, raw, record, reject in _records(path, source):
+    for lineno, offset, raw, record, reject in _records(path, source, limits):
         if reject:
             yield reject
             continue
@@ -189,9 +321,9 @@ def read_jsonl(path: str, source: str, rel: str, text_field: str = "text", id_fi
         yield _checked(_doc(doc_id, text, source, source, meta, path, lineno, offset), path, lineno, offset, raw, source)
 
 
-def read_pile(path: str, source: str, rel: str) -> Iterator[dict]:
+def read_pile(path: str, source: str, rel: str, limits: Limits = LIMITS) -> Iterator[dict]:
     """The Pile: `meta.pile_set_name` is the subset (which subsets are kept is decided later)."""
-    for lineno, offset, raw, record, reject in _records(path, source):
+    for lineno, offset, raw, record, reject in _records(path, source, limits):
         if reject:
             yield reject
             continue
@@ -206,16 +338,20 @@ def read_pile(path: str, source: str, rel: str) -> Iterator[dict]:
                        path, lineno, offset, raw, source)
 
 
-def read_text(path: str, source: str, rel: str, split: str = "file") -> Iterator[dict]:
+def read_text(path: str, source: str, rel: str, split: str = "file", limits: Limits = LIMITS) -> Iterator[dict]:
     """BookCorpus, CC-Stories: one document per file (or per blank-line block), bytes kept exactly.
 
     The file must be UTF-8: a Latin-1 book is rejected, not guessed at. With `split: blank_lines`
     each block between blank lines is a document (its id: the file and the block's first line).
     """
-    data = bytearray()  # one document per file: the whole file is the document
+    data = bytearray()  # one document per file (or its blocks): held whole, up to max_document_bytes
     try:
-        for chunk in byte_chunks(path):
+        for chunk in byte_chunks(path, limits):
             data += chunk
+            if len(data) > limits.max_document_bytes:
+                yield _reject(path, 0, 0, f"text file over {limits.max_document_bytes >> 20} MiB: not read (one "
+                              "document, or blocks of one, is held whole)", bytes(data[:HEAD_BYTES]), source)
+                return
     except STREAM_ERRORS as exc:
         yield _reject(path, 0, len(data), stream_problem(exc), bytes(data), source)
         return
@@ -297,9 +433,9 @@ def _reddit_record(record: dict) -> tuple[dict | None, str | None]:
     return None, "neither a comment ('body') nor a submission ('title')"
 
 
-def read_pushshift(path: str, source: str, rel: str) -> Iterator[dict]:
+def read_pushshift(path: str, source: str, rel: str, limits: Limits = LIMITS) -> Iterator[dict]:
     """RC_ comments and RS_ submissions: validated records (REDDIT_FIELDS), grouped into threads later."""
-    for lineno, offset, raw, record, reject in _records(path, source):
+    for lineno, offset, raw, record, reject in _records(path, source, limits):
         if reject:
             yield reject
             continue

@@ -207,3 +207,54 @@ def test_a_hostile_record_is_a_located_reject_and_every_document_fits_arrow(tmp_
     (row,) = pushshift_rows(tmp_path, [b'{"id": "abc1", "parent_id": "t3_s1", "link_id": "t3_s1", '
                                        b'"created_utc": 1546300800, "body": "\\udc00"}'])
     assert row["reason"] == "a lone surrogate (U+DC00) at character 0 of 'body': not UTF-8"
+
+
+def test_a_bomb_an_over_long_line_and_an_over_large_text_are_rejects_read_in_bounded_steps(tmp_path):
+    """A 2 KB zstd file of 64 MiB of zeros is a reject once past the ratio; a line over max_line_bytes is a reject
+    (its head only), the lines around it documents with their right offsets; a text file over
+    max_document_bytes is a reject. Every step hands over at most CHUNK bytes."""
+    from corpus import readers
+    from corpus.readers import CHUNK, Limits, byte_chunks
+
+    bomb = tmp_path / "bomb.jsonl.zst"
+    bomb.write_bytes(zstandard.ZstdCompressor().compress(b"\0" * (64 << 20)))
+    assert bomb.stat().st_size < 4096
+    rows = list(read_jsonl(str(bomb), "web", "bomb.jsonl.zst"))
+    assert len(rows) == 1 and rows[0]["reason"].startswith("decompresses beyond 1000 to 1 (")
+    assert max(len(c) for c in byte_chunks(str(bomb), Limits(max_ratio=1e9))) <= CHUNK
+
+    limits = Limits(max_line_bytes=3 * CHUNK)  # a line over three chunks: held no further
+    long_line = b'{"text": "' + b"x" * (5 * CHUNK) + b'"}'
+    lines = [b'{"text": "before"}', long_line, b'{"text": "after"}']
+    for name, data in (("plain.jsonl", b"\n".join(lines) + b"\n"),
+                       ("lines.jsonl.zst", zstandard.ZstdCompressor().compress(b"\n".join(lines) + b"\n"))):
+        (tmp_path / name).write_bytes(data)
+        rows = list(read_jsonl(str(tmp_path / name), "web", name, limits=limits))
+        assert [r["reason"] or r["text"] for r in rows] == [
+            "before", f"line over 3 MiB ({len(long_line):,} bytes): not read", "after"], name
+        assert [r["offset"] for r in rows] == [0, len(lines[0]) + 1, len(lines[0]) + len(long_line) + 2]
+        assert rows[1]["head"].startswith('{"text": "xxx') and len(rows[1]["head"]) == readers.HEAD_BYTES
+
+    book = tmp_path / "book.txt"
+    book.write_bytes(b"word " * (CHUNK // 2))
+    (row,) = read_text(str(book), "books", "book.txt", limits=Limits(max_document_bytes=CHUNK))
+    assert row["reason"] == "text file over 1 MiB: not read (one document, or blocks of one, is held whole)"
+    (row,) = read_text(str(book), "books", "book.txt")
+    assert not row["reason"] and len(row["text"]) == 5 * (CHUNK // 2)
+
+
+def test_the_frame_walker_knows_where_a_zstd_stream_may_end():
+    """zstd's stream reader ends quietly at a cut; the frames' own layout says whether the last one ended, at
+    every cut point of two frames (one with a checksum) and a skippable frame between them."""
+    from corpus.readers import _FrameWalker
+
+    first = zstandard.ZstdCompressor(write_checksum=True).compress(b"a" * 100_000 + bytes(range(256)) * 50)
+    skippable = (0x184D2A50).to_bytes(4, "little") + (5).to_bytes(4, "little") + b"12345"
+    second = zstandard.ZstdCompressor(write_content_size=False).compress(b"second frame\n" * 1000)
+    stream = first + skippable + second
+    ends = {0, len(first), len(first) + len(skippable), len(stream)}
+    for cut in range(len(stream) + 1):
+        walker = _FrameWalker()
+        walker.feed(stream[:cut // 2])
+        walker.feed(stream[cut // 2:cut])
+        assert walker.complete == (cut in ends), cut
