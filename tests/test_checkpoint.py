@@ -248,3 +248,11 @@ def test_a_checkpoint_loads_no_pickle_and_takes_no_linked_folder(engine_factory,
         assert checkpoint_files.load_latest(a, root)["step"] == 1
     assert not marker.exists()
     assert "step-99999999 is a symbolic link" in caplog.text and "rng-rank00000.pt holds more than tensors" in caplog.text
+    # DeepSpeed's own files are read the same way (its engine would unpickle them whole): the load stops, naming it.
+    (model_file,) = step.rglob("*model_states.pt")
+    torch.save(_RunsCode(marker), model_file)
+    meta["files"][str(model_file.relative_to(step))][:2] = [checkpoint_files._sha256(model_file), model_file.stat().st_size]
+    (step / "meta.json").write_text(json.dumps(meta))
+    with pytest.raises(RuntimeError, match=r"model_states.pt holds more than tensors and DeepSpeed's known types"):
+        checkpoint_files.load_latest(a, root)
+    assert not marker.exists()

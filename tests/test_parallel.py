@@ -334,9 +334,12 @@ def _round_trip(engine, groups, root):
     with torch.no_grad():
         for p in engine.module.parameters():
             p.zero_()
-    opened, read = [], engine.checkpoint_engine.load
-    engine.checkpoint_engine.load = lambda path, *args, **kwargs: opened.append(Path(path).name) or read(path, *args, **kwargs)
-    checkpoint_files.load(engine, Path(root) / checkpoint_files.step_name(10), groups.data)
+    opened, read = [], checkpoint_files.safe_load  # where every file DeepSpeed asks for is read from storage
+    checkpoint_files.safe_load = lambda path, *args: opened.append(Path(path).name) or read(path, *args)
+    try:
+        checkpoint_files.load(engine, Path(root) / checkpoint_files.step_name(10), groups.data)
+    finally:
+        checkpoint_files.safe_load = read
     return opened, all(torch.equal(a, b) for a, b in zip(kept, engine.module.parameters()))
 
 

@@ -280,6 +280,31 @@ def verify(path: Path, rank: int = 0, world: int = 1) -> str | None:
     return None
 
 
+def safe_load(path, map_location=None):
+    """What DeepSpeed's checkpoint engine reads, read without pickle's code: `weights_only=True`, with the few
+    DeepSpeed types its files hold allowed by name (DEEPSPEED_TYPES). DeepSpeed's own engine loads with
+    `weights_only=False` (runtime/checkpoint_engine/torch_checkpoint_engine.py), so a file planted in a shared
+    folder would run code on every rank that resumes; here it stops the load, naming the file."""
+    with torch.serialization.safe_globals(deepspeed_types()):
+        try:
+            return torch.load(path, map_location=map_location, weights_only=True)
+        except pickle.UnpicklingError as exc:
+            first = str(exc).split("WeightsUnpickler error: ")[-1].splitlines()[0][:160]
+            raise RuntimeError(f"checkpoint file {path} holds more than tensors and DeepSpeed's known types ({first}):"
+                               " refused, since loading it could run code") from None
+
+
+def deepspeed_types() -> list:
+    """What DeepSpeed 0.19's checkpoint files hold besides tensors and plain data, found by loading every file it
+    writes under ZeRO 0-3 in fp32, bf16 and fp16 with `weights_only=True`: its loss scalers (their attributes,
+    no code), the ZeRO stage enum, and the fragment addresses (a named tuple) of its optimizer's partitions."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [LossScaler, DynamicLossScaler, ZeroStageEnum, fragment_address]
+
+
 @contextlib.contextmanager
 def reading_once(engine, data_group):
     """While DeepSpeed loads a checkpoint, each file that every rank of the data-parallel group reads (a
@@ -287,10 +312,8 @@ def reading_once(engine, data_group):
     only and broadcast to the others (collectives.read_once); each rank's own files (its ZeRO partition)
     are read where they are. At 175B that is one read of the model per restart where each of the 31
     replicas read it: 0.35 TB from storage instead of 10.9 TB (docs/scale.md, "Restarts")."""
-    original = engine.checkpoint_engine.load
-
     def load(path, map_location=None, *args, **kwargs):
-        return read_once(lambda: original(path, map_location, *args, **kwargs), str(path), data_group)
+        return read_once(lambda: safe_load(path, map_location), str(path), data_group)
 
     with _replaced(engine.checkpoint_engine, "load", load):
         yield
