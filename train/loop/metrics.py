@@ -10,7 +10,6 @@ import queue
 import threading
 import time
 
-import numpy as np
 import torch
 
 from train.loop.config import LoopConfig

@@ -334,7 +334,7 @@ def stage_params(layout: Layout, work: Workload, cluster: Cluster) -> dict[int, 
 def _memory_of(st: _Step, stage: int) -> dict[str, float]:
     """Bytes per GPU on this pipeline stage, by term."""
     layout, work, cfg = st.layout, st.work, st.work.model
-    tp, pp, dp, zero = layout.tp, layout.pp, layout.dp, layout.zero
+    tp, pp, zero = layout.tp, layout.pp, layout.zero
     n, _, last = st.stages[stage]
     params = _params_on(st, stage)
     in_flight = min(pp - stage, st.micro_batches)
