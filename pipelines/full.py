@@ -24,7 +24,7 @@ from core import locks
 from core.config import ConfigError
 from pipelines.config import PipelineConfig, check_inputs_exist, load_config
 from pipelines import summary
-from core.dag import DamagedOutput, Runner, Stage, StageFailed, UsageError, audit, fingerprints, iter_outcomes_table
+from core.dag import DamagedOutput, Plan, Runner, Stage, StageFailed, UsageError, audit, fingerprints, iter_outcomes_table
 from pipelines.config import CHECKS
 from pipelines.stages import STAGES
 from core.tracking import flatten
@@ -116,22 +116,23 @@ def ablation_tags(args: argparse.Namespace, config: PipelineConfig) -> dict[str,
 def run(config: PipelineConfig, args: argparse.Namespace, only: list[str] | None, stages: list[Stage],
         ablation: dict[str, str]) -> int:
     """The selected stages, one run at a time per workdir (core/locks.py)."""
-    os.makedirs(config.workdir, exist_ok=True)
-    with locks.hold(config.workdir, f"{config.name} [{ablation['ablation']}]") as stale:
-        if stale:
-            print(f"taking over the workdir from a run that ended without releasing it ({stale})", file=sys.stderr)
-        return run_locked(config, args, only, stages, ablation)
-
-
-def run_locked(config: PipelineConfig, args: argparse.Namespace, only: list[str] | None, stages: list[Stage],
-               ablation: dict[str, str]) -> int:
-    """`run`, the workdir held."""
     from core.ray_session import start_ray
-    from core.tracking import MlflowTracker
 
     ray_started: list[bool] = []
     runner = Runner(config, stages, start_engines=lambda: ray_started or ray_started.append(start_ray(config.ray, args.verbose)))
     plan = runner.plan(only, args.from_, args.force, args.verify)  # a bad selection or input fails here, before any run
+    os.makedirs(config.workdir, exist_ok=True)
+    with locks.hold(config.workdir, f"{config.name} [{ablation['ablation']}]") as stale:
+        if stale:
+            print(f"taking over the workdir from a run that ended without releasing it ({stale})", file=sys.stderr)
+        return run_locked(config, args, runner, plan, ablation, ray_started)
+
+
+def run_locked(config: PipelineConfig, args: argparse.Namespace, runner: Runner, plan: Plan, ablation: dict[str, str],
+               ray_started: list[bool]) -> int:
+    """`run`'s plan carried out, the workdir held."""
+    from core.tracking import MlflowTracker
+
     layout_files = []
     if plan.actions.get("train") == "run":  # GPU training: its layout priced against the best (train/plan/planner.py)
         from train.plan.planner import startup_check
