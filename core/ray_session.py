@@ -10,14 +10,12 @@ from __future__ import annotations
 import logging
 import os
 import sys
-
 from dataclasses import dataclass
 
 from core.config import at_least
 from core.console import route_ray_logging
 
 PARTITION_BYTES = 256 << 20  # of shuffled data per hash-shuffle partition, when the caller names no count
-
 
 
 @dataclass

@@ -19,6 +19,7 @@ from core.config import no_credentials
 if TYPE_CHECKING:
     from mlflow import MlflowClient
 
+
 @dataclass
 class MlflowConfig:
     """Where runs are tracked. Loading a config imports no MLflow: this module imports it where a client is made."""

@@ -3,13 +3,20 @@ its flags). It lives here, at the top, because it reads the whole pipeline's con
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 
 from core.config import ConfigError
 from pipelines.config import CHECKS, load_config
-from train.plan.layout import LayoutError, parse_layout, problem
+from train.plan.layout import Cluster, Layout, LayoutError, Workload, parse_layout, problem
 from train.plan.planner import DEFAULT_CONFIG, breakdown, chart, inputs, make_plan, parse_args, report
+
+
+def inputs_of(args: argparse.Namespace) -> tuple[Workload, Cluster, str | None, Layout | None]:
+    """The planner's inputs (train/plan/planner.py's `inputs`) from the config the flags name and the flags."""
+    config = load_config(args.config or DEFAULT_CONFIG, [], None, checks=CHECKS)
+    return inputs(args, config.train, config.tokenize.seq_len)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -18,8 +25,7 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:
         return int(exc.code or 0)
     try:
-        config = load_config(args.config or DEFAULT_CONFIG, [], None, checks=CHECKS)
-        work, cluster, node, mine = inputs(args, config.train, config.tokenize.seq_len)
+        work, cluster, node, mine = inputs_of(args)
         if args.layout:  # the given layout takes the configured one's place in the chart
             mine = parse_layout(args.layout, cluster.gpus)
             reason = problem(mine, work, cluster)

@@ -221,12 +221,10 @@ def test_the_configured_layout_follows_train_parallel():
 
 
 def _inputs(argv):
-    from pipelines.config import CHECKS, load_config
-    from train.plan.planner import DEFAULT_CONFIG, inputs, parse_args
+    from pipelines.plan import inputs_of
+    from train.plan.planner import parse_args
 
-    args = parse_args(argv)
-    config = load_config(args.config or DEFAULT_CONFIG, [], None, checks=CHECKS)
-    return inputs(args, config.train, config.tokenize.seq_len)
+    return inputs_of(parse_args(argv))
 
 
 def test_the_command_line(tmp_path, capsys):

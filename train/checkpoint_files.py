@@ -282,7 +282,7 @@ def verify(path: Path, rank: int = 0, world: int = 1) -> str | None:
 
 def safe_load(path, map_location=None):
     """What DeepSpeed's checkpoint engine reads, read without pickle's code: `weights_only=True`, with the few
-    DeepSpeed types its files hold allowed by name (DEEPSPEED_TYPES). DeepSpeed's own engine loads with
+    DeepSpeed types its files hold allowed by name (`deepspeed_types`). DeepSpeed's own engine loads with
     `weights_only=False` (runtime/checkpoint_engine/torch_checkpoint_engine.py), so a file planted in a shared
     folder would run code on every rank that resumes; here it stops the load, naming the file."""
     with torch.serialization.safe_globals(deepspeed_types()):

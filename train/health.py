@@ -354,8 +354,9 @@ def check(run_dir: Path, nodes: list[str], min_fraction: float, collective: bool
     from train import goodput
 
     run_dir, began = Path(run_dir), time.monotonic()
-    earlier = _probes(run_dir / "health.jsonl")
-    drained_before = sum(1 for r in read_rows(run_dir / "health.jsonl") if r.get("drained"))
+    rows_before = goodput.read_jsonl(run_dir / "health.jsonl")  # read once: the earlier probes, and the drains
+    earlier = [_probe(row) for row in rows_before]
+    drained_before = sum(1 for r in rows_before if r.get("drained"))
     probes = probe(nodes, run_dir, collective=collective)
     if collective:  # between nodes: the ring of the nodes probed now (one node after its failures: none)
         pairs = pair_bandwidths([p.node for p in probes if p.error is None])
@@ -395,17 +396,18 @@ def last_checked(run_dir: Path) -> dict[str, float]:
     return out
 
 
-def read_rows(path: Path) -> list[dict]:
+def _probes(path: Path) -> list[Probe]:
+    """The probes recorded in health.jsonl."""
     from train.goodput import read_jsonl
 
-    return read_jsonl(path)
+    return [_probe(row) for row in read_jsonl(path)]
 
 
-def _probes(path: Path) -> list[Probe]:
-    """The probes recorded in health.jsonl (each row also says why it failed and whether it was drained, which
-    a Probe does not hold)."""
+def _probe(row: dict) -> Probe:
+    """A health.jsonl row as a Probe (the row also says why it failed and whether it was drained, which a Probe
+    does not hold)."""
     keep = {f.name for f in dataclasses.fields(Probe)}
-    return [Probe(**{k: v for k, v in row.items() if k in keep}) for row in read_rows(path)]
+    return Probe(**{k: v for k, v in row.items() if k in keep})
 
 
 def _write_down(run_dir: Path, p: Probe, why: str, accepted: bool, refused: str | None = None) -> None:
