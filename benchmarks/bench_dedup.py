@@ -358,7 +358,7 @@ def components(sizes: list[int]) -> None:
     import ray
     import ray.data
 
-    from dedup.stage import PARTITION_BYTES, components_in_one_task, components_on_ray
+    from dedup.components import components_in_one_task, components_on_ray
     from core.ray_session import RayConfig
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -386,7 +386,7 @@ def components(sizes: list[int]) -> None:
         watcher = threading.Thread(target=watch)
         watcher.start()
         t = time.perf_counter()
-        labels, rounds = components_on_ray(ds, nbytes, RayConfig(), partitions=max(1, -(-nbytes // PARTITION_BYTES)))
+        labels, rounds = components_on_ray(ds, nbytes, RayConfig())  # partitions sized from the bytes, as in the stage
         got = pa.concat_tables(labels.iter_batches(batch_format="pyarrow"))
         ray_s = time.perf_counter() - t
         done.set()

@@ -172,7 +172,7 @@ def test_components_on_ray_data_are_the_one_task_components(ray_session):
     import pyarrow as pa
     import ray.data
 
-    from dedup.stage import components_in_one_task, components_on_ray
+    from dedup.components import components_in_one_task, components_on_ray
     from core.ray_session import RayConfig
 
     rng = np.random.default_rng(0)
@@ -256,12 +256,12 @@ def test_exact_copies_a_hot_bucket_and_chains_merge_as_brute_force_does_with_eit
                                                                                                     monkeypatch):
     """The kept documents and `duplicates/` of the one-task components and of the Ray Data rounds are the same,
     and both are the brute-force truth; the exact copies never reach MinHash."""
-    import dedup.stage
+    import dedup.assemble
 
     root, cfg, truth = crowded
     results = []
-    for one_task_edges in (dedup.stage.SMALL_GRAPH_EDGES, 0):
-        monkeypatch.setattr(dedup.stage, "SMALL_GRAPH_EDGES", one_task_edges)
+    for one_task_edges in (dedup.assemble.SMALL_GRAPH_EDGES, 0):
+        monkeypatch.setattr(dedup.assemble, "SMALL_GRAPH_EDGES", one_task_edges)
         assert main(["--config", str(cfg), "--only", "ingest,normalize,dedup", "--force"]) == 0
         manifest = json.loads((root / "work" / "dedup" / "manifest.json").read_text())
         folder = Path(manifest["output"]).parent

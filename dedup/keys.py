@@ -1,0 +1,109 @@
+"""What every dedup phase shares: a document's key, the stable partition of a key, the tasks that read one of
+normalize's parts, and the per-part files of removed rows.
+
+A document's key is its place: `part << ROW_BITS | row` (an int64) in normalize's parts, read in a fixed order.
+Keys are what the shuffles carry, what finds a document's text again (a read of its own part, not a join) and
+what removal matches on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+from core.ray_session import RayConfig, groupby
+from corpus.parts import parquet_bytes
+from dedup.config import DedupConfig
+from dedup.minhash import MinHasher
+
+ROW_BITS = 32  # key = part << ROW_BITS | row
+PARTITION_BYTES = 64 << 20  # of shuffled rows per groupby partition
+
+
+def part_of(values: np.ndarray, partitions: int) -> np.ndarray:
+    """A stable partition for each int64 key (the same in every worker)."""
+    mixed = (values.astype(np.uint64) * np.uint64(0x9E3779B97F4A7C15)) >> np.uint64(33)
+    return (mixed % np.uint64(partitions)).astype(np.int64)
+
+
+def partitions_for(nbytes: int) -> int:
+    """Groupby partitions for `nbytes` of shuffled rows: one per PARTITION_BYTES."""
+    return max(1, -(-nbytes // PARTITION_BYTES))
+
+
+def hasher(config: DedupConfig) -> MinHasher:
+    return MinHasher(num_perm=config.num_perm, ngram=config.ngram, seed=config.seed, lowercase=config.lowercase)
+
+
+def keys_of(part: int, rows: int) -> np.ndarray:
+    return (np.int64(part) << np.int64(ROW_BITS)) + np.arange(rows, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class PartTask:
+    """One of the parts dedup reads (normalize's output, then its evaluation set's: `eval`), for a phase that
+    writes under `out` rows keyed to `partitions` shuffle partitions."""
+    path: str
+    part: int
+    out: str
+    partitions: int
+    eval: bool
+
+
+@dataclass
+class Shuffles:
+    """The stage's groupbys on "part", each with partitions sized from the bytes it moves (Ray Data's block
+    sizes, once the input is materialized), and those bytes counted per phase for the stage's metrics."""
+    ray: RayConfig
+    moved: dict[str, int] = field(default_factory=dict)
+
+    def __call__(self, ds, phase: str):
+        ds = ds.materialize()
+        size = ds.size_bytes()
+        self.moved[phase] = self.moved.get(phase, 0) + size
+        return groupby(ds, "part", size, self.ray, num_partitions=partitions_for(size))
+
+
+def removed_rows(folder: Path, part: int) -> np.ndarray:
+    """The sorted rows of `part` listed in `folder` (written by `write_by_part`)."""
+    path = folder / f"part-{part:05d}.npy"
+    return np.load(path) if path.is_file() else np.zeros(0, dtype=np.int64)
+
+
+def write_by_part(group: pa.Table, folder: str) -> pa.Table:
+    """Keys of one part -> that part's sorted rows, in one file (each output task reads only its own)."""
+    keys = group["key"].to_numpy()
+    part = int(keys[0] >> ROW_BITS)
+    np.save(Path(folder) / f"part-{part:05d}.npy", np.unique(keys & ((1 << ROW_BITS) - 1)))
+    return pa.table({"part": [part], "rows": [len(keys)]})
+
+
+def keys_by_part(batch: pa.Table) -> pa.Table:
+    """Rows with a document key -> (part, key), for a groupby that writes each part's rows (`write_by_part`)."""
+    keys = batch["key"].to_numpy()
+    return pa.table({"part": pa.array(keys >> ROW_BITS), "key": pa.array(keys)})
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """The parts dedup reads: normalize's output (`training`), then its evaluation set's (from `first_eval` on),
+    and the stage's scratch folder `work`. `partitions`: the corpus-sized count of shuffle keys."""
+    parts: list[str]
+    first_eval: int
+    work: Path
+
+    @property
+    def training(self) -> list[str]:
+        return self.parts[:self.first_eval]
+
+    @property
+    def partitions(self) -> int:
+        return partitions_for(parquet_bytes(self.parts))
+
+    def tasks(self, kind: type[PartTask], out: str, **extra) -> list[PartTask]:
+        """A task of `kind` for every part, writing under work/`out`."""
+        partitions = self.partitions
+        return [kind(p, i, str(self.work / out), partitions, i >= self.first_eval, **extra) for i, p in enumerate(self.parts)]

@@ -1,0 +1,52 @@
+"""Phase 6, the output: one task per part of normalize's output drops its removed rows by row number, against
+the part's sorted array of them (written per reason by the assembly), a row group at a time."""
+
+from __future__ import annotations
+
+import collections
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from corpus.parts import DOCUMENT_SCHEMA, Parts, run_tasks
+from dedup.keys import Inputs, removed_rows
+
+
+@dataclass(frozen=True)
+class FilterTask:
+    """One part of normalize's output, written by `filter_task` without the rows dedup removed."""
+    path: str
+    part: int
+    stem: str  # of the part files it writes
+    removed: dict[str, str]  # reason -> the folder of the rows removed for it, by part (write_by_part)
+    output: str
+
+
+def filter_task(task: FilterTask) -> dict:
+    """One part minus its removed rows (by row number, against the part's sorted array), a row group at a time."""
+    by_reason = {reason: removed_rows(Path(folder), task.part) for reason, folder in task.removed.items()}
+    gone = np.sort(np.concatenate(list(by_reason.values())))
+    docs = Parts(task.output, task.stem, DOCUMENT_SCHEMA)
+    parquet, start = pq.ParquetFile(task.path), 0
+    for i in range(parquet.num_row_groups):
+        table = parquet.read_row_group(i)
+        keep = np.ones(table.num_rows, dtype=bool)
+        keep[gone[(gone >= start) & (gone < start + table.num_rows)] - start] = False
+        for row in table.filter(pa.array(keep)).to_pylist():
+            docs.add(row, len(row["text"]))
+        start += table.num_rows
+    docs.close()
+    return {"rows_in": start, "rows_out": start - len(gone), **{reason: len(rows) for reason, rows in by_reason.items()}}
+
+
+def write_output(inputs: Inputs, removed: dict[str, str], output: Path) -> collections.Counter:
+    """Writes the kept documents of every training part under `output`. Returns the counts: rows in and out,
+    and the rows removed per reason."""
+    counts: collections.Counter = collections.Counter()
+    for result in run_tasks(filter_task, [FilterTask(p, i, Path(p).stem, removed, str(output))
+                                          for i, p in enumerate(inputs.training)]):
+        counts.update(result)
+    return counts

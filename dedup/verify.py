@@ -1,0 +1,124 @@
+"""Phase 4, verification, in the part of each pair's first document. A groupby of the pairs' keys on their own
+part (the semi-join) lets one task per part read only its candidate documents whose pairs are verified in
+another part, and send their ids, sources and shingle sets there, once per part that needs them. One groupby
+then brings each part its pairs and those documents; the task reads its own documents from its part, and every
+pair gets its exact Jaccard. A pair below the threshold is never merged. Every checked pair is kept in
+`candidates/`, (a, b) in (id, source) order, with its Jaccard."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from corpus.parts import parquet_files
+from dedup.candidates import PAIR_SCHEMA
+from dedup.config import DedupConfig
+from dedup.keys import ROW_BITS, Inputs, Shuffles, hasher
+from dedup.minhash import jaccard_of_sets
+
+CANDIDATE_SCHEMA = pa.schema([("a", pa.string()), ("b", pa.string()), ("a_source", pa.string()),
+                              ("b_source", pa.string()), ("jaccard", pa.float64()), ("a_key", pa.int64()),
+                              ("b_key", pa.int64())])
+# Rows of the verification groupby, keyed by part: a pair of that part's (kind "pair": a_key, b_key), or a
+# document of another part that one of its pairs needs (kind "doc": a_key, id, source, shingles).
+# `first` is 1 on one row of each candidate document (so they can be counted).
+JOIN_SCHEMA = pa.schema([("part", pa.int64()), ("kind", pa.string()), *PAIR_SCHEMA, ("id", pa.string()),
+                         ("source", pa.string()), ("shingles", pa.binary()), ("first", pa.int64())])
+
+
+def candidate_keys(batch: pa.Table) -> pa.Table:
+    """Pairs -> both their documents' keys, each with the part that holds it (the semi-join's side) and the
+    part that verifies its pair (its first document's), or -1 where that is its own part (nothing to send:
+    that part reads it), each once per batch."""
+    a, b = batch["a_key"].to_numpy(), batch["b_key"].to_numpy()
+    keys = np.concatenate([a, b])
+    dest = np.tile(a >> ROW_BITS, 2)
+    dest[(keys >> ROW_BITS) == dest] = -1
+    routes = np.unique(np.stack([keys, dest], axis=1), axis=0)
+    return pa.table({"part": pa.array(routes[:, 0] >> ROW_BITS), "key": pa.array(routes[:, 0]), "dest": pa.array(routes[:, 1])})
+
+
+def read_documents(path: str, keys: np.ndarray, config: DedupConfig) -> tuple[pa.Table, list[np.ndarray]]:
+    """Some documents of one part, by key (sorted, unique): their ids and sources, and their shingle sets."""
+    table = pq.read_table(path, columns=["id", "source", "text"]).take(pa.array(keys & ((1 << ROW_BITS) - 1)))
+    return table.select(["id", "source"]), hasher(config).shingle_sets(table["text"].to_pylist())
+
+
+def shingle_rows(group: pa.Table, paths: list[str], config: DedupConfig) -> pa.Table:
+    """The candidate documents of one part -> for each part that verifies one of their pairs elsewhere, their
+    id, source and shingle set, read from this part alone. A document verified only here gets one row
+    (part -1, nothing in it) so that `first` counts every candidate document once."""
+    keys, dest = group["key"].to_numpy(), group["dest"].to_numpy()
+    unique, index = np.unique(keys, return_inverse=True)
+    routes = np.unique(np.stack([index, dest], axis=1), axis=0)  # (document, part), each once, by document
+    first = np.concatenate([[True], routes[1:, 0] != routes[:-1, 0]])
+    routes = routes[first | (routes[:, 1] >= 0)]  # a document's -1 route only where it has no other
+    first = np.concatenate([[True], routes[1:, 0] != routes[:-1, 0]])
+    away = routes[:, 1] >= 0
+    sent = np.unique(routes[away, 0])
+    names, sets = read_documents(paths[int(unique[0] >> ROW_BITS)], unique[sent], config)
+    # Each row's place in `names` and `sets`, None on the rows that send nothing.
+    at = pa.array(np.searchsorted(sent, routes[:, 0]), mask=~away)
+    n = len(routes)
+    return pa.table({"part": pa.array(routes[:, 1]), "kind": pa.array(["doc"] * n), "a_key": pa.array(unique[routes[:, 0]]),
+                     "b_key": pa.nulls(n, pa.int64()), "id": names["id"].take(at), "source": names["source"].take(at),
+                     "shingles": pa.array([sets[i].tobytes() if i is not None else None for i in at.to_pylist()], pa.binary()),
+                     "first": pa.array(first.astype(np.int64))}, schema=JOIN_SCHEMA)
+
+
+def pairs_keyed(batch: pa.Table) -> pa.Table:
+    """Pairs keyed by the part that verifies them: their first document's."""
+    n = batch.num_rows
+    return pa.table({"part": pa.array(batch["a_key"].to_numpy() >> ROW_BITS), "kind": pa.array(["pair"] * n),
+                     "a_key": batch["a_key"], "b_key": batch["b_key"], "id": pa.nulls(n, pa.string()),
+                     "source": pa.nulls(n, pa.string()), "shingles": pa.nulls(n, pa.binary()),
+                     "first": pa.array(np.zeros(n, np.int64))}, schema=JOIN_SCHEMA)
+
+
+def verify(group: pa.Table, paths: list[str], config: DedupConfig) -> pa.Table:
+    """One part's pairs (each once, though several bands may have proposed it) and the shingle sets of
+    their second documents held elsewhere -> each pair's exact Jaccard. The part's own documents are
+    read from the part; a pair is written (a, b) in (id, source) order."""
+    docs = group.filter(pc.equal(group["kind"], "doc"))
+    pairs = np.unique(np.stack([c.to_numpy() for c in group.filter(pc.equal(group["kind"], "pair"))
+                                .select(["a_key", "b_key"]).columns], axis=1), axis=0)
+    if not len(pairs):
+        return CANDIDATE_SCHEMA.empty_table()
+    part = int(pairs[0, 0] >> ROW_BITS)
+    local = np.unique(pairs[(pairs >> ROW_BITS) == part])
+    names, sets = read_documents(paths[part], local, config)
+    known = {k: (i, s, x) for k, i, s, x in zip(local.tolist(), names["id"].to_pylist(), names["source"].to_pylist(), sets)}
+    for k, i, s, x in zip(docs["a_key"].to_pylist(), docs["id"].to_pylist(), docs["source"].to_pylist(),
+                          docs["shingles"].to_pylist()):
+        known[k] = (i, s, np.frombuffer(x, dtype=np.uint64))
+    out = []
+    for a, b in pairs.tolist():
+        (a_id, a_source, a_set), (b_id, b_source, b_set) = known[a], known[b]
+        if (b_id, b_source, b) < (a_id, a_source, a):
+            a, b, a_id, b_id, a_source, b_source = b, a, b_id, a_id, b_source, a_source
+        out.append({"a": a_id, "b": b_id, "a_source": a_source, "b_source": b_source,
+                    "jaccard": jaccard_of_sets(a_set, b_set), "a_key": a, "b_key": b})
+    return pa.Table.from_pylist(out, schema=CANDIDATE_SCHEMA)
+
+
+def verify_candidates(inputs: Inputs, pairs: Path, config: DedupConfig, shuffles: Shuffles, out: Path) -> int:
+    """Writes every candidate pair with its exact Jaccard under `out`. Returns the number of candidate documents."""
+    import ray.data
+
+    if not parquet_files(pairs):  # no shared band key anywhere: nothing to verify
+        return 0
+    work, kw = inputs.work, {"paths": inputs.parts, "config": config}
+    pair_rows = ray.data.read_parquet(str(pairs))
+    which = pair_rows.map_batches(candidate_keys, batch_format="pyarrow")
+    shuffles(which, "candidate documents").map_groups(shingle_rows, batch_format="pyarrow", fn_kwargs=kw) \
+        .write_parquet(str(work / "shingles"))
+    documents = ray.data.read_parquet(str(work / "shingles"), columns=["first"]).sum("first") or 0
+    sent = ray.data.read_parquet(str(work / "shingles")).map_batches(
+        lambda b: b.filter(pc.greater_equal(b["part"], 0)), batch_format="pyarrow")
+    shuffles(pair_rows.map_batches(pairs_keyed, batch_format="pyarrow").union(sent), "verification") \
+        .map_groups(verify, batch_format="pyarrow", fn_kwargs=kw).write_parquet(str(out))
+    return documents
