@@ -18,11 +18,15 @@ class DedupConfig:
     bands: int | None = None  # None (with rows): the most rows that still find 99.9% of pairs at the threshold
     rows: int | None = None
     seed: int = 1234
+    # A verification task checks the pairs of at most this many consecutive documents of one part, and holds
+    # them with their partners (dedup/verify.py): no task grows with the largest duplicate cluster. In a hot
+    # cluster a document has about 5 partners over 10 bands (tests/test_dedup.py): ~80k shingle sets, ~0.5 GB.
+    task_documents: int = 1 << 14
 
     def validate(self, key: str) -> None:
         if not 0.0 < self.threshold <= 1.0:
             raise ConfigError(f"{key}.threshold", f"expected a Jaccard similarity in (0, 1], got {self.threshold}")
-        at_least(self, key, 1, "ngram", "num_perm", "bands", "rows")
+        at_least(self, key, 1, "ngram", "num_perm", "bands", "rows", "task_documents")
         if (self.bands is None) != (self.rows is None):
             raise ConfigError(f"{key}.{'rows' if self.rows is None else 'bands'}", "set bands and rows together, or neither")
         if self.bands is not None and self.bands * self.rows > self.num_perm:

@@ -15,9 +15,9 @@ def lsh_threshold(bands: int, rows: int) -> float:
     return (1.0 - 0.5 ** (1.0 / bands)) ** (1.0 / rows)
 
 
-def stage_metrics(found: dict, shuffled: dict[str, int], candidate_fraction: float, bands: int, rows: int,
-                  ctx: StageContext) -> dict:
-    """`found`: the assembly's (dedup/assemble.py: assemble), its tally rows folded here."""
+def stage_metrics(found: dict, shuffled: dict[str, int], documents: int, bands: int, rows: int, ctx: StageContext) -> dict:
+    """`found`: the verification's and the assembly's (dedup/verify.py, dedup/assemble.py), the assembly's tally
+    rows folded here; `documents`: the training documents read."""
     removed, near_eval, sizes = collections.Counter(), collections.Counter(), collections.Counter()
     for t in found["tallies"]:
         if t["size"]:
@@ -26,8 +26,9 @@ def stage_metrics(found: dict, shuffled: dict[str, int], candidate_fraction: flo
             (removed if t["reason"] == DUPLICATE else near_eval)[(t["source"], t["kept_source"])] += t["n"]
     metrics = {"bands": bands, "rows": rows, "lsh_threshold": round(lsh_threshold(bands, rows), 4),
                "exact_duplicates": found["exact_duplicates"], "candidate_pairs": found["candidate_pairs"],
-               "candidate_documents_fraction": round(candidate_fraction, 6),
-               "verified_pairs": found["verified_pairs"], "clusters": sum(sizes.values()), "rounds": found["rounds"]}
+               "candidate_documents_fraction": round(found["candidate_documents"] / documents, 6),
+               "verified_pairs": found["verified_pairs"], "clusters": sum(sizes.values()), "rounds": found["rounds"],
+               "largest_task_documents.verification": found["largest_task_documents.verification"]}
     metrics.update({f"shuffled_bytes.{phase.replace(' ', '_')}": n for phase, n in shuffled.items()})
     by_source: collections.Counter = collections.Counter()
     for (source, kept), n in removed.items():

@@ -48,7 +48,7 @@ def run(ctx: StageContext) -> StageResult:
         bar.update()
         pairs = find_candidates(inputs, cfg, bands, rows, exact_rows, shuffles)
         bar.update()
-        candidate_documents = verify_candidates(inputs, pairs, cfg, shuffles, ctx.aside("candidates"))
+        verified = verify_candidates(inputs, pairs, cfg, shuffles, ctx.aside("candidates"))
         bar.update_to(4)
         found, removed = assemble(inputs, ctx.aside("candidates"), exact, cfg.threshold, priority, shuffles, folders)
         bar.update()
@@ -59,6 +59,6 @@ def run(ctx: StageContext) -> StageResult:
     check_written(ctx.output, counts["rows_out"], "documents kept")
     check_read(counts["rows_in"], ctx.inputs, "normalize")
     shutil.rmtree(inputs.work, ignore_errors=True)
-    metrics = stage_metrics(found, shuffles.moved, candidate_documents / counts["rows_in"], bands, rows, ctx)
+    metrics = stage_metrics({**found, **verified}, shuffles.moved, counts["rows_in"], bands, rows, ctx)
     return StageResult(counts["rows_in"], counts["rows_out"], {DUPLICATE: counts[DUPLICATE], evalset.NEAR: counts[evalset.NEAR]},
                        metrics, fields={"eval": ctx.inputs["normalize"].get("eval")})

@@ -1,9 +1,16 @@
-"""Phase 4, verification, in the part of each pair's first document. A groupby of the pairs' keys on their own
-part (the semi-join) lets one task per part read only its candidate documents whose pairs are verified in
-another part, and send their ids, sources and shingle sets there, once per part that needs them. One groupby
-then brings each part its pairs and those documents; the task reads its own documents from its part, and every
-pair gets its exact Jaccard. A pair below the threshold is never merged. Every checked pair is kept in
-`candidates/`, (a, b) in (id, source) order, with its Jaccard."""
+"""Phase 4, verification. A pair (a < b) is verified in the unit of its second document: `task_documents`
+consecutive rows of one part (`unit_of`). A groupby of the pairs' keys on their own part (the semi-join) lets
+one task per part read only its candidate documents whose pairs are verified in another part, and send their
+ids, sources and shingle sets there, once per unit that needs them. One groupby then brings each unit its pairs
+and those documents; the task reads its own part's documents from the part, and every pair gets its exact
+Jaccard. A pair below the threshold is never merged. Every checked pair is kept in `candidates/`, (a, b) in
+(id, source) order, with its Jaccard.
+
+Why the second document's unit: a bucket of more than SMALL_BUCKET documents pairs its smallest key with every
+other (dedup/candidates.py), so in its first document's part a hot cluster of a million near-copies would be one
+task holding them all. In the second's, each unit holds its own rows and their partners (the bucket's smallest
+document and each one's neighbour in key order): a task is bounded by `task_documents`, whatever the largest
+duplicate cluster, and each pair still has one place, so it is checked once."""
 
 from __future__ import annotations
 
@@ -23,21 +30,27 @@ from dedup.minhash import jaccard_of_sets
 CANDIDATE_SCHEMA = pa.schema([("a", pa.string()), ("b", pa.string()), ("a_source", pa.string()),
                               ("b_source", pa.string()), ("jaccard", pa.float64()), ("a_key", pa.int64()),
                               ("b_key", pa.int64())])
-# Rows of the verification groupby, keyed by part: a pair of that part's (kind "pair": a_key, b_key), or a
-# document of another part that one of its pairs needs (kind "doc": a_key, id, source, shingles).
+VERIFIED_SCHEMA = CANDIDATE_SCHEMA.append(pa.field("held", pa.int64()))  # what `verify` returns
+# Rows of the verification groupby, keyed by unit (`part`): a pair of that unit's (kind "pair": a_key, b_key), or
+# a document of another part that one of its pairs needs (kind "doc": a_key, id, source, shingles).
 # `first` is 1 on one row of each candidate document (so they can be counted).
 JOIN_SCHEMA = pa.schema([("part", pa.int64()), ("kind", pa.string()), *PAIR_SCHEMA, ("id", pa.string()),
                          ("source", pa.string()), ("shingles", pa.binary()), ("first", pa.int64())])
 
 
-def candidate_keys(batch: pa.Table) -> pa.Table:
+def unit_of(keys: np.ndarray, task_documents: int) -> np.ndarray:
+    """The verification unit of each key: its part (high bits, as in the key) and its row // task_documents."""
+    return (keys >> ROW_BITS << ROW_BITS) | ((keys & ((1 << ROW_BITS) - 1)) // task_documents)
+
+
+def candidate_keys(batch: pa.Table, task_documents: int) -> pa.Table:
     """Pairs -> both their documents' keys, each with the part that holds it (the semi-join's side) and the
-    part that verifies its pair (its first document's), or -1 where that is its own part (nothing to send:
-    that part reads it), each once per batch."""
+    unit that verifies its pair (its second document's), or -1 where that unit is in its own part (nothing to
+    send: the unit reads it from its part), each once per batch."""
     a, b = batch["a_key"].to_numpy(), batch["b_key"].to_numpy()
     keys = np.concatenate([a, b])
-    dest = np.tile(a >> ROW_BITS, 2)
-    dest[(keys >> ROW_BITS) == dest] = -1
+    dest = np.tile(unit_of(b, task_documents), 2)
+    dest[(keys >> ROW_BITS) == (dest >> ROW_BITS)] = -1
     routes = np.unique(np.stack([keys, dest], axis=1), axis=0)
     return pa.table({"part": pa.array(routes[:, 0] >> ROW_BITS), "key": pa.array(routes[:, 0]), "dest": pa.array(routes[:, 1])})
 
@@ -49,8 +62,8 @@ def read_documents(path: str, keys: np.ndarray, config: DedupConfig) -> tuple[pa
 
 
 def shingle_rows(group: pa.Table, paths: list[str], config: DedupConfig) -> pa.Table:
-    """The candidate documents of one part -> for each part that verifies one of their pairs elsewhere, their
-    id, source and shingle set, read from this part alone. A document verified only here gets one row
+    """The candidate documents of one part -> for each unit of another part that verifies one of their pairs,
+    their id, source and shingle set, read from this part alone. A document verified only here gets one row
     (part -1, nothing in it) so that `first` counts every candidate document once."""
     keys, dest = group["key"].to_numpy(), group["dest"].to_numpy()
     unique, index = np.unique(keys, return_inverse=True)
@@ -70,25 +83,26 @@ def shingle_rows(group: pa.Table, paths: list[str], config: DedupConfig) -> pa.T
                      "first": pa.array(first.astype(np.int64))}, schema=JOIN_SCHEMA)
 
 
-def pairs_keyed(batch: pa.Table) -> pa.Table:
-    """Pairs keyed by the part that verifies them: their first document's."""
+def pairs_keyed(batch: pa.Table, task_documents: int) -> pa.Table:
+    """Pairs keyed by the unit that verifies them: their second document's."""
     n = batch.num_rows
-    return pa.table({"part": pa.array(batch["a_key"].to_numpy() >> ROW_BITS), "kind": pa.array(["pair"] * n),
+    return pa.table({"part": pa.array(unit_of(batch["b_key"].to_numpy(), task_documents)), "kind": pa.array(["pair"] * n),
                      "a_key": batch["a_key"], "b_key": batch["b_key"], "id": pa.nulls(n, pa.string()),
                      "source": pa.nulls(n, pa.string()), "shingles": pa.nulls(n, pa.binary()),
                      "first": pa.array(np.zeros(n, np.int64))}, schema=JOIN_SCHEMA)
 
 
 def verify(group: pa.Table, paths: list[str], config: DedupConfig) -> pa.Table:
-    """One part's pairs (each once, though several bands may have proposed it) and the shingle sets of
-    their second documents held elsewhere -> each pair's exact Jaccard. The part's own documents are
-    read from the part; a pair is written (a, b) in (id, source) order."""
+    """One unit's pairs (each once, though several bands may have proposed it) and the shingle sets of their
+    first documents held in other parts -> each pair's exact Jaccard, and on every row the documents the task
+    held (`held`: what bounds its memory). The part's own documents are read from the part; a pair is written
+    (a, b) in (id, source) order."""
     docs = group.filter(pc.equal(group["kind"], "doc"))
     pairs = np.unique(np.stack([c.to_numpy() for c in group.filter(pc.equal(group["kind"], "pair"))
                                 .select(["a_key", "b_key"]).columns], axis=1), axis=0)
     if not len(pairs):
-        return CANDIDATE_SCHEMA.empty_table()
-    part = int(pairs[0, 0] >> ROW_BITS)
+        return VERIFIED_SCHEMA.empty_table()
+    part = int(pairs[0, 1] >> ROW_BITS)
     local = np.unique(pairs[(pairs >> ROW_BITS) == part])
     names, sets = read_documents(paths[part], local, config)
     known = {k: (i, s, x) for k, i, s, x in zip(local.tolist(), names["id"].to_pylist(), names["source"].to_pylist(), sets)}
@@ -101,24 +115,26 @@ def verify(group: pa.Table, paths: list[str], config: DedupConfig) -> pa.Table:
         if (b_id, b_source, b) < (a_id, a_source, a):
             a, b, a_id, b_id, a_source, b_source = b, a, b_id, a_id, b_source, a_source
         out.append({"a": a_id, "b": b_id, "a_source": a_source, "b_source": b_source,
-                    "jaccard": jaccard_of_sets(a_set, b_set), "a_key": a, "b_key": b})
-    return pa.Table.from_pylist(out, schema=CANDIDATE_SCHEMA)
+                    "jaccard": jaccard_of_sets(a_set, b_set), "a_key": a, "b_key": b, "held": len(known)})
+    return pa.Table.from_pylist(out, schema=VERIFIED_SCHEMA)
 
 
-def verify_candidates(inputs: Inputs, pairs: Path, config: DedupConfig, shuffles: Shuffles, out: Path) -> int:
-    """Writes every candidate pair with its exact Jaccard under `out`. Returns the number of candidate documents."""
+def verify_candidates(inputs: Inputs, pairs: Path, config: DedupConfig, shuffles: Shuffles, out: Path) -> dict[str, int]:
+    """Writes every candidate pair with its exact Jaccard under `out`. Returns the number of candidate documents
+    and the most documents one verification task held."""
     import ray.data
 
     if not parquet_files(pairs):  # no shared band key anywhere: nothing to verify
-        return 0
-    work, kw = inputs.work, {"paths": inputs.parts, "config": config}
+        return {"candidate_documents": 0, "largest_task_documents.verification": 0}
+    work, kw, unit = inputs.work, {"paths": inputs.parts, "config": config}, {"task_documents": config.task_documents}
     pair_rows = ray.data.read_parquet(str(pairs))
-    which = pair_rows.map_batches(candidate_keys, batch_format="pyarrow")
+    which = pair_rows.map_batches(candidate_keys, batch_format="pyarrow", fn_kwargs=unit)
     shuffles(which, "candidate documents").map_groups(shingle_rows, batch_format="pyarrow", fn_kwargs=kw) \
         .write_parquet(str(work / "shingles"))
     documents = ray.data.read_parquet(str(work / "shingles"), columns=["first"]).sum("first") or 0
     sent = ray.data.read_parquet(str(work / "shingles")).map_batches(
         lambda b: b.filter(pc.greater_equal(b["part"], 0)), batch_format="pyarrow")
-    shuffles(pair_rows.map_batches(pairs_keyed, batch_format="pyarrow").union(sent), "verification") \
-        .map_groups(verify, batch_format="pyarrow", fn_kwargs=kw).write_parquet(str(out))
-    return documents
+    checked = shuffles(pair_rows.map_batches(pairs_keyed, batch_format="pyarrow", fn_kwargs=unit).union(sent), "verification") \
+        .map_groups(verify, batch_format="pyarrow", fn_kwargs=kw).materialize()
+    checked.drop_columns(["held"]).write_parquet(str(out))
+    return {"candidate_documents": documents, "largest_task_documents.verification": checked.max("held") or 0}

@@ -283,3 +283,30 @@ def test_exact_copies_a_hot_bucket_and_chains_merge_as_brute_force_does_with_eit
     for metrics in (one, rounds):
         assert metrics["shuffled_bytes.verification"] > 0
         assert sum(v for k, v in metrics.items() if k.startswith("shuffled_bytes.")) < text
+
+
+def test_a_hot_cluster_is_verified_in_bounded_tasks_and_keeps_one_document(tmp_path, ray_session):
+    """2,000 one-word edits of one text share a MinHash bucket in most bands: a bucket over SMALL_BUCKET pairs its
+    smallest document with every other. Verified in the units of their second documents, 50 rows each
+    (`dedup.task_documents`), no task holds more than its unit and their partners in 10 bands (the bucket's
+    smallest document, each one's neighbour in key order, the few that share a small bucket: 282 here), where
+    the first document's part (the rule before) held all 2,000 in one task; and the cluster keeps one document,
+    by the same rule as before."""
+    base, rng = long_doc(500, words=1000), random.Random(11)
+    docs = {f"hot-{i:04d}": edit(base, [rng.randrange(1000)], 5000 + i) for i in range(2000)}
+    (tmp_path / "web.jsonl").write_text("".join(json.dumps({"id": k, "text": v}) + "\n" for k, v in docs.items()))
+    cfg = write_config(tmp_path, f"""
+workdir: {tmp_path}/work
+eval: {{fraction: 0}}
+dedup: {{task_documents: 50}}
+sources:
+  - {{name: web, format: jsonl, id_field: id, paths: ["{tmp_path}/web.jsonl"]}}
+""")
+    assert main(["--config", str(cfg), "--only", "ingest,normalize,dedup"]) == 0
+    manifest = json.loads((tmp_path / "work" / "dedup" / "manifest.json").read_text())
+    folder = Path(manifest["output"]).parent
+    assert [r["id"] for r in rows(folder / "output")] == ["hot-0000"]
+    dups = rows(folder / "duplicates")
+    assert len(dups) == 1999 and {d["kept_id"] for d in dups} == {"hot-0000"} and min(d["jaccard"] for d in dups) >= 0.95
+    held = manifest["metrics"]["largest_task_documents.verification"]
+    assert 50 <= held <= 500, held
