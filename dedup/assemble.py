@@ -4,10 +4,17 @@ Each component keeps its smallest document (the evaluation set first, source ord
 `duplicates/` with Jaccard 1.0 and `via` its text's kept copy, any other removed document with `via` its verified
 neighbour of highest Jaccard (ties: the preferred one), the evidence. A training document whose component is
 kept as an evaluation document goes to `near_eval/` instead, with that document as `kept_id`: a copy of an
-evaluation document never trains the model. The evaluation set is never removed. Up to SMALL_GRAPH_EDGES checked
-pairs and copies, the components and all this in one task; above, on Ray Data (dedup/components.py), where a
-groupby joins every edge with its first document's label and another brings each component's edges together,
-so that a task holds whole components, never all of them. Each part's removed rows are written per reason
+evaluation document never trains the model. The evaluation set is never removed.
+
+Nothing here needs a whole component in one task. Three reductions, each associative (a block's partial result
+reduces again with the others'), so a node with a million edges or a component of ten million documents is a few
+rows per block before any groupby:
+1. per node (`nodes_reduced`): its id and source, its best neighbour, and its root (the components' label);
+2. per component (`components_reduced`): its kept document, its size, and how many training documents it has;
+3. the join of each node with its component (`leaving`), where a component of more than `task_documents` nodes
+   is met in several tasks: its nodes spread over salts, its row copied to each.
+Up to SMALL_GRAPH_EDGES checked pairs and copies the components and all three run in one task, on whole tables;
+above, on Ray Data (dedup/components.py for the labels). Each part's removed rows are written per reason
 (`write_by_part`) for the output phase."""
 
 from __future__ import annotations
@@ -31,13 +38,23 @@ DUPLICATE_SCHEMA = pa.schema([("id", pa.string()), ("source", pa.string()), ("ke
 # The components' graph: a verified pair (a, b), or an exact copy b of its text's kept copy a (`copy`).
 GRAPH_SCHEMA = pa.schema([("a_key", pa.int64()), ("b_key", pa.int64()), ("a", pa.string()), ("b", pa.string()),
                           ("a_source", pa.string()), ("b_source", pa.string()), ("jaccard", pa.float64()), ("copy", pa.bool_())])
-# Rows of the join of edges with their first document's label: an edge (kind "edge") or a label (kind "label").
-LABEL_JOIN_SCHEMA = pa.schema([("part", pa.int64()), ("kind", pa.string()), ("root", pa.int64()), *GRAPH_SCHEMA])
-ASSEMBLED_SCHEMA = pa.schema([*DUPLICATE_SCHEMA, ("key", pa.int64()), ("cluster_size", pa.int64()), ("reason", pa.string())])
+# A node (`node`, its id, source, and rank: `train` 0 for the evaluation set, `prio` its source's order), a
+# neighbour it may leave `via` (Jaccard `j`; the neighbour's rank), and its component's `root` once labelled.
+# `part`: the groupby's key. A label row has only part, node and root.
+NODE_SCHEMA = pa.schema([("part", pa.int64()), ("node", pa.int64()), ("id", pa.string()), ("source", pa.string()),
+                         ("train", pa.int8()), ("prio", pa.int32()), ("j", pa.float64()), ("via", pa.int64()),
+                         ("via_id", pa.string()), ("via_train", pa.int8()), ("via_prio", pa.int32()), ("root", pa.int64())])
+# A component: its root, its kept document (`key`, id, source, rank), its documents and its training documents.
+COMPONENT_SCHEMA = pa.schema([("part", pa.int64()), ("root", pa.int64()), ("key", pa.int64()), ("id", pa.string()),
+                              ("source", pa.string()), ("train", pa.int8()), ("prio", pa.int32()), ("size", pa.int64()),
+                              ("trained", pa.int64())])
+# What `leaving` returns: a document that leaves, why, and how many nodes its task held.
+LEAVING_SCHEMA = pa.schema([*DUPLICATE_SCHEMA, ("key", pa.int64()), ("reason", pa.string()), ("held", pa.int64())])
 TALLY_SCHEMA = pa.schema([("source", pa.string()), ("kept_source", pa.string()), ("reason", pa.string()), ("size", pa.int64()),
                           ("n", pa.int64())])
 DUPLICATE = "duplicate"  # the reason, and (in the plural) its folder, of a document removed as another's near-duplicate
 FOLDERS = {DUPLICATE: "duplicates", evalset.NEAR: evalset.NEAR}
+RANK = [("train", "ascending"), ("prio", "ascending"), ("id", "ascending")]  # then the key: smaller = preferred
 
 
 def near_edges(batch: pa.Table, threshold: float) -> pa.Table:
@@ -60,138 +77,225 @@ def _undirected(batch: pa.Table) -> pa.Table:
                      "v": pc.min_element_wise(batch["a_key"], batch["b_key"])})
 
 
-def edges_keyed(batch: pa.Table, partitions: int) -> pa.Table:
-    """Graph edges keyed by their first document, for the join with its label."""
+def firsts(values: np.ndarray) -> np.ndarray:
+    """The index of the first of each run of equal values (sorted input)."""
+    return np.flatnonzero(np.concatenate([[True], values[1:] != values[:-1]])) if len(values) else np.zeros(0, np.int64)
+
+
+def _rank(keys: np.ndarray, sources: pa.Array, priority: dict[str, int], first_eval: int) -> tuple[pa.Array, pa.Array]:
+    train = pa.array((keys >> ROW_BITS < first_eval).astype(np.int8))
+    return train, pa.array([priority.get(s, len(priority)) for s in sources.to_pylist()], pa.int32())
+
+
+def node_rows(batch: pa.Table, priority: dict[str, int], first_eval: int, partitions: int) -> pa.Table:
+    """Graph edges -> a row per end of each edge: a verified pair gives each end the other as a neighbour, an exact
+    copy gives the copy its text's kept copy (Jaccard 1.0) and the kept copy no neighbour."""
+    near = pc.invert(batch["copy"])
+    ends = [(batch["a_key"], batch["a"], batch["a_source"], batch["b_key"], batch["b"], batch["b_source"], near),
+            (batch["b_key"], batch["b"], batch["b_source"], batch["a_key"], batch["a"], batch["a_source"], None)]
+    out = []
+    for node, ids, sources, via, via_ids, via_sources, only in ends:
+        keys, via_keys = node.to_numpy(), via.to_numpy()
+        train, prio = _rank(keys, sources, priority, first_eval)
+        via_train, via_prio = _rank(via_keys, via_sources, priority, first_eval)
+        def kept(values, mask=only):  # None: every edge gives this end a neighbour
+            return values if mask is None else pc.if_else(mask, values, pa.scalar(None, values.type))
+
+        out.append(pa.table({
+            "part": pa.array(part_of(keys, partitions)), "node": node, "id": ids, "source": sources, "train": train,
+            "prio": prio, "j": kept(batch["jaccard"]), "via": kept(via), "via_id": kept(via_ids),
+            "via_train": kept(via_train), "via_prio": kept(via_prio), "root": pa.nulls(len(keys), pa.int64())}, schema=NODE_SCHEMA))
+    return pa.concat_tables(out)
+
+
+def label_rows(batch: pa.Table, partitions: int) -> pa.Table:
+    """(node, root) rows of the components' labels -> label rows of NODE_SCHEMA, keyed by node."""
+    n, keys = batch.num_rows, batch["node"].to_numpy()
+    return pa.table({f.name: pa.nulls(n, f.type) for f in NODE_SCHEMA}, schema=NODE_SCHEMA) \
+        .set_column(0, "part", pa.array(part_of(keys, partitions))) \
+        .set_column(1, "node", batch["node"]).set_column(NODE_SCHEMA.get_field_index("root"), "root", batch["root"])
+
+
+def nodes_reduced(group: pa.Table) -> pa.Table:
+    """Node rows (and label rows) -> one row per node: its best neighbour (highest Jaccard, then the preferred
+    one), and its root where a label row gives it. Reduces its own output again: per block, then per group."""
+    labels = group.filter(pc.is_valid(group["root"]))
+    rows = group.filter(pc.is_valid(group["id"]))
+    order = pc.sort_indices(rows, [("node", "ascending"), ("j", "descending"), ("via_train", "ascending"),
+                                   ("via_prio", "ascending"), ("via_id", "ascending"), ("via", "ascending")], null_placement="at_end")
+    rows = rows.take(order)
+    best = rows.take(pa.array(firsts(rows["node"].to_numpy())))
+    if not labels.num_rows:
+        return best
+    nodes, first = np.unique(labels["node"].to_numpy(), return_index=True)
+    root = labels["root"].to_numpy()[first][np.searchsorted(nodes, best["node"].to_numpy())]
+    return best.set_column(NODE_SCHEMA.get_field_index("root"), "root", pa.array(root, pa.int64()))
+
+
+def component_rows(nodes: pa.Table, partitions: int) -> pa.Table:
+    """Labelled nodes -> one component row each (a component of one), keyed by root."""
+    n, root = nodes.num_rows, nodes["root"].to_numpy()
+    return pa.table({"part": pa.array(part_of(root, partitions)), "root": nodes["root"], "key": nodes["node"], "id": nodes["id"],
+                     "source": nodes["source"], "train": nodes["train"], "prio": nodes["prio"],
+                     "size": pa.array(np.ones(n, np.int64)), "trained": pc.cast(nodes["train"], pa.int64())}, schema=COMPONENT_SCHEMA)
+
+
+def components_reduced(group: pa.Table) -> pa.Table:
+    """Component rows -> one per root: its most preferred kept document, the sums of sizes and training documents.
+    Reduces its own output again: per block, then per group."""
+    order = pc.sort_indices(group, [("root", "ascending"), *RANK, ("key", "ascending")])
+    group = group.take(order)
+    starts = firsts(group["root"].to_numpy())
+    kept = group.take(pa.array(starts))
+    sums = {c: pa.array(np.add.reduceat(group[c].to_numpy(), starts) if len(starts) else np.zeros(0, np.int64))
+            for c in ("size", "trained")}
+    return kept.set_column(7, "size", sums["size"]).set_column(8, "trained", sums["trained"])
+
+
+def _salts(components: pa.Table, task_documents: int) -> tuple[np.ndarray, np.ndarray]:
+    """(roots, salts): the components of more than `task_documents` nodes, sorted, and how many tasks each takes."""
+    big = components.filter(pc.greater(components["size"], task_documents))
+    order = np.argsort(big["root"].to_numpy())
+    return big["root"].to_numpy()[order], -(-big["size"].to_numpy()[order] // task_documents)
+
+
+def salted(batch: pa.Table, roots: np.ndarray, salts: np.ndarray, partitions: int, copies: bool) -> pa.Table:
+    """Node rows (or, with `copies`, component rows) keyed for the join by root and salt: a big component's nodes
+    spread over its salts by a hash of the node, its row copied to every one of them."""
+    root = batch["root"].to_numpy()
+    count = np.ones(len(root), np.int64)
+    if len(roots):
+        at = np.minimum(np.searchsorted(roots, root), len(roots) - 1)
+        hit = roots[at] == root
+        count[hit] = salts[at[hit]]
+    if copies:
+        rows = np.repeat(np.arange(batch.num_rows), count)
+        salt = np.arange(len(rows)) - np.repeat(np.cumsum(count) - count, count)
+        batch, root = batch.take(pa.array(rows, pa.int64())), root[rows]
+    else:
+        salt = part_of(batch["node"].to_numpy(), 1 << 30) % count
+    return batch.set_column(0, "part", pa.array(part_of(root, partitions) + partitions * salt))
+
+
+def leaving(nodes: pa.Table, components: pa.Table) -> pa.Table:
+    """The nodes and component rows of some components (a salt's share of each) -> a row for every training
+    document that is not its component's kept one: why it leaves, and via whom; `held`: the nodes in this task."""
+    roots = components["root"].to_numpy()
+    order = np.argsort(roots)
+    at = order[np.searchsorted(roots[order], nodes["root"].to_numpy())]
+    kept, kept_id, kept_source = components["key"].to_numpy()[at], components["id"].take(at), components["source"].take(at)
+    kept_train = components["train"].to_numpy()[at]
+    go = (nodes["train"].to_numpy() == 1) & (nodes["node"].to_numpy() != kept)
+    n, rows = int(go.sum()), pa.array(np.flatnonzero(go))
+    return pa.table({"id": nodes["id"].take(rows), "source": nodes["source"].take(rows), "kept_id": kept_id.take(rows),
+                     "kept_source": kept_source.take(rows), "jaccard": nodes["j"].take(rows), "via": nodes["via_id"].take(rows),
+                     "key": nodes["node"].take(rows),
+                     "reason": pa.array(np.where(kept_train[go] == 1, DUPLICATE, evalset.NEAR).astype(object), pa.string()),
+                     "held": pa.array(np.full(n, nodes.num_rows, np.int64))}, schema=LEAVING_SCHEMA)
+
+
+def leaving_group(group: pa.Table) -> pa.Table:
+    """One group of the join: node rows (with a node) and component rows (without) -> `leaving`."""
+    nodes = group.filter(pc.is_valid(group["node"]))
+    components = group.filter(pc.is_null(group["node"]))
+    return leaving(nodes.select(NODE_SCHEMA.names), pa.table({
+        "part": components["part"], "root": components["root"], "key": components["kept"], "id": components["kept_id"],
+        "source": components["kept_source"], "train": components["kept_train"], "prio": components["prio"],
+        "size": components["size"], "trained": components["trained"]}, schema=COMPONENT_SCHEMA))
+
+
+def joined_rows(batch: pa.Table, copies: bool) -> pa.Table:
+    """Node rows, or component rows (`copies`), in the one schema the join's groupby carries: NODE_SCHEMA and the
+    component's kept document, size and training documents (null on node rows)."""
     n = batch.num_rows
-    return pa.table({"part": pa.array(part_of(batch["a_key"].to_numpy(), partitions)), "kind": pa.array(["edge"] * n),
-                     "root": pa.nulls(n, pa.int64()), **{f.name: batch[f.name] for f in GRAPH_SCHEMA}}, schema=LABEL_JOIN_SCHEMA)
+    if not copies:
+        return batch.select(NODE_SCHEMA.names).append_column("kept", pa.nulls(n, pa.int64())) \
+            .append_column("kept_id", pa.nulls(n, pa.string())).append_column("kept_source", pa.nulls(n, pa.string())) \
+            .append_column("kept_train", pa.nulls(n, pa.int8())).append_column("size", pa.nulls(n, pa.int64())) \
+            .append_column("trained", pa.nulls(n, pa.int64()))
+    nodes = pa.table({f.name: pa.nulls(n, f.type) for f in NODE_SCHEMA}, schema=NODE_SCHEMA) \
+        .set_column(0, "part", batch["part"]).set_column(NODE_SCHEMA.get_field_index("root"), "root", batch["root"]) \
+        .set_column(NODE_SCHEMA.get_field_index("prio"), "prio", batch["prio"])
+    return nodes.append_column("kept", batch["key"]).append_column("kept_id", batch["id"]) \
+        .append_column("kept_source", batch["source"]).append_column("kept_train", batch["train"]) \
+        .append_column("size", batch["size"]).append_column("trained", batch["trained"])
 
 
-def labels_keyed(batch: pa.Table, partitions: int) -> pa.Table:
-    """(node, root) rows keyed by the node, for the join with the edges that start at it."""
-    n = batch.num_rows
-    return pa.table({"part": pa.array(part_of(batch["node"].to_numpy(), partitions)), "kind": pa.array(["label"] * n),
-                     "root": batch["root"], "a_key": batch["node"],
-                     **{f.name: pa.nulls(n, f.type) for f in GRAPH_SCHEMA if f.name != "a_key"}}, schema=LABEL_JOIN_SCHEMA)
+def tally_removed(leaving_rows: pa.Table) -> pa.Table:
+    """Documents removed per (source, kept source, reason)."""
+    removed = collections.Counter(zip(leaving_rows["source"].to_pylist(), leaving_rows["kept_source"].to_pylist(),
+                                      leaving_rows["reason"].to_pylist()))
+    return pa.Table.from_pylist([{"source": s, "kept_source": k, "reason": r, "size": 0, "n": n} for (s, k, r), n in removed.items()],
+                                schema=TALLY_SCHEMA)
 
 
-def with_roots(group: pa.Table, partitions: int) -> pa.Table:
-    """One partition of edges and of the labels of their first documents -> the edges with their
-    component's root, keyed by that root (so that each component meets in one partition)."""
-    labels = group.filter(pc.equal(group["kind"], "label"))
-    edges = group.filter(pc.equal(group["kind"], "edge"))
-    nodes, first = np.unique(labels["a_key"].to_numpy(), return_index=True)
-    roots = labels["root"].to_numpy()[first]
-    root = roots[np.searchsorted(nodes, edges["a_key"].to_numpy())]
-    return rooted(edges.select(GRAPH_SCHEMA.names), root, partitions)
+def tally_sizes(components: pa.Table) -> pa.Table:
+    """Clusters per size: the components that lose a training document (their kept one aside)."""
+    losing = (components["trained"].to_numpy() - components["train"].to_numpy()) > 0
+    sizes = collections.Counter(components["size"].to_numpy()[losing].tolist())
+    return pa.Table.from_pylist([{"source": None, "kept_source": None, "reason": None, "size": s, "n": n} for s, n in sizes.items()],
+                                schema=TALLY_SCHEMA)
 
 
-def rooted(edges: pa.Table, root: np.ndarray, partitions: int) -> pa.Table:
-    return edges.append_column("root", pa.array(root, pa.int64())) \
-        .append_column("part", pa.array(part_of(root, partitions)))
-
-
-def assemble_components(group: pa.Table, priority: dict[str, int], first_eval: int) -> pa.Table:
-    """The edges of whole components (each with its component's root) -> a row for every document but each
-    component's kept one and the evaluation set's (parts from `first_eval` on), with the document's key, its
-    reason (`duplicate`, or `near_eval` where the kept one is an evaluation document), and the component's
-    size on the first row of each component (0 on the others).
-
-    The kept document is the component's smallest (evaluation set first, source order, id); an exact copy
-    goes `via` its text's kept copy with Jaccard 1.0, any other document via its verified neighbour of
-    highest Jaccard (ties: the preferred neighbour)."""
-    name: dict[int, tuple[str, str]] = {}
-    root_of: dict[int, int] = {}
-    copy_of: dict[int, int] = {}
-    best: dict[int, tuple[float, int]] = {}
-
-    def rank(k: int) -> tuple[bool, int, str, int]:  # smaller = preferred: the evaluation set, source order, id, key
-        return k >> ROW_BITS < first_eval, priority.get(name[k][1], len(priority)), name[k][0], k
-
-    columns = [group[c].to_pylist() for c in ("a_key", "b_key", "a", "b", "a_source", "b_source", "jaccard", "copy", "root")]
-    for a_key, b_key, a, b, a_source, b_source, _, _, root in zip(*columns):
-        name[a_key], name[b_key] = (a, a_source), (b, b_source)
-        root_of[a_key] = root_of[b_key] = root
-    for a_key, b_key, _, _, _, _, j, copy, _ in zip(*columns):
-        if copy:
-            copy_of[b_key] = a_key
-            continue
-        for x, y in ((a_key, b_key), (b_key, a_key)):
-            if x not in best or j > best[x][0] or (j == best[x][0] and rank(y) < rank(best[x][1])):
-                best[x] = (j, y)
-    kept: dict[int, int] = {}
-    size: collections.Counter = collections.Counter()
-    for node, root in root_of.items():
-        size[root] += 1
-        if root not in kept or rank(node) < rank(kept[root]):
-            kept[root] = node
-    out, first = [], set()
-    for node in sorted(root_of, key=lambda k: (root_of[k], k)):
-        root = root_of[node]
-        keep = kept[root]
-        if node == keep or node >> ROW_BITS >= first_eval:  # the evaluation set is fixed: nothing leaves it here
-            continue
-        j, via = (1.0, copy_of[node]) if node in copy_of else best[node]
-        out.append({"id": name[node][0], "source": name[node][1], "kept_id": name[keep][0], "kept_source": name[keep][1],
-                    "jaccard": j, "via": name[via][0], "key": node, "cluster_size": 0 if root in first else size[root],
-                    "reason": evalset.NEAR if keep >> ROW_BITS >= first_eval else DUPLICATE})
-        first.add(root)
-    return pa.Table.from_pylist(out, schema=ASSEMBLED_SCHEMA)
-
-
-def tally(batch: pa.Table) -> pa.Table:
-    """Assembled rows -> counts: documents removed per (source, kept source, reason), clusters per size."""
-    removed = collections.Counter(zip(batch["source"].to_pylist(), batch["kept_source"].to_pylist(), batch["reason"].to_pylist()))
-    sizes = collections.Counter(s for s in batch["cluster_size"].to_pylist() if s)
-    rows = [{"source": s, "kept_source": k, "reason": r, "size": 0, "n": n} for (s, k, r), n in removed.items()]
-    rows += [{"source": None, "kept_source": None, "reason": None, "size": s, "n": n} for s, n in sizes.items()]
-    return pa.Table.from_pylist(rows, schema=TALLY_SCHEMA)
+def write_removed(mine: pa.Table, reason: str, folders: dict[str, str], removed: dict[str, str]) -> None:
+    """One task's documents leaving for `reason` -> its folder beside the output, and each part's removed rows."""
+    parts = Parts(folders[reason], FOLDERS[reason], DUPLICATE_SCHEMA)
+    for row in mine.select(DUPLICATE_SCHEMA.names).to_pylist():
+        parts.add(row)
+    parts.close()
+    keys = mine["key"].to_numpy()
+    for part in np.unique(keys >> ROW_BITS).tolist():
+        write_by_part(pa.table({"key": keys[(keys >> ROW_BITS) == part]}), removed[reason])
 
 
 def assemble_in_one_task(candidates: str, exact: str, threshold: float, priority: dict[str, int], first_eval: int,
-                         folders: dict[str, str], removed: dict[str, str]) -> tuple[list[dict], int]:
+                         folders: dict[str, str], removed: dict[str, str]) -> tuple[list[dict], int, int]:
     """The small graph's path: components, kept documents, `duplicates/`, `near_eval/` and each part's removed
-    rows (per reason), in one Ray task (memory ~ the duplicate documents). Returns (tally rows, edges)."""
+    rows (per reason), in one Ray task (memory ~ the duplicate documents). Returns (tally rows, edges, nodes)."""
     near = [near_edges(pq.read_table(p), threshold) for p in parquet_files(candidates)]
     copies = [copy_edges(pq.read_table(p)) for p in parquet_files(exact)]
     graph = pa.concat_tables([GRAPH_SCHEMA.empty_table(), *near, *copies])
     undirected = _undirected(graph)
     labels = components_in_one_task(undirected["u"].to_numpy(), undirected["v"].to_numpy()) if graph.num_rows else {}
-    root = np.array([labels[k] for k in graph["a_key"].to_pylist()], dtype=np.int64)
-    assembled = assemble_components(rooted(graph, root, 1), priority, first_eval)
-    for reason, folder in folders.items():
-        mine = assembled.filter(pc.equal(assembled["reason"], reason))
-        parts = Parts(folder, FOLDERS[reason], DUPLICATE_SCHEMA)
-        for row in mine.select(DUPLICATE_SCHEMA.names).to_pylist():
-            parts.add(row)
-        parts.close()
+    label_table = pa.table({"node": pa.array(list(labels), pa.int64()), "root": pa.array(list(labels.values()), pa.int64())})
+    nodes = nodes_reduced(pa.concat_tables([node_rows(graph, priority, first_eval, 1), label_rows(label_table, 1)]))
+    components = components_reduced(component_rows(nodes, 1))
+    gone = leaving(nodes, components)
+    for reason in folders:
         Path(removed[reason]).mkdir(parents=True, exist_ok=True)
-        keys = mine["key"].to_numpy()
-        for part in np.unique(keys >> ROW_BITS).tolist():
-            write_by_part(pa.table({"key": keys[(keys >> ROW_BITS) == part]}), removed[reason])
-    return tally(assembled).to_pylist(), graph.num_rows
+        write_removed(gone.filter(pc.equal(gone["reason"], reason)), reason, folders, removed)
+    return tally_removed(gone).to_pylist() + tally_sizes(components).to_pylist(), graph.num_rows, nodes.num_rows
 
 
-def assemble_on_ray(graph, labels, shuffles: Shuffles, priority: dict[str, int], first_eval: int,
-                    folders: dict[str, str], removed: dict[str, str]) -> list[dict]:
-    """The large graph's path after `components_on_ray`: a groupby joins each edge with its first document's
-    label, another brings each component's edges to one task (`assemble_components`), and a third writes
-    each part's removed rows. Writes `duplicates/` and `near_eval/` and returns the tally rows."""
-    kw = {"partitions": partitions_for(graph.size_bytes())}
-    joined = graph.map_batches(edges_keyed, batch_format="pyarrow", fn_kwargs=kw) \
-        .union(labels.map_batches(labels_keyed, batch_format="pyarrow", fn_kwargs=kw))
-    by_root = shuffles(joined, "components").map_groups(with_roots, batch_format="pyarrow", fn_kwargs=kw)
-    assembled = shuffles(by_root, "components").map_groups(
-        assemble_components, batch_format="pyarrow", fn_kwargs={"priority": priority, "first_eval": first_eval}).materialize()
-    for reason, folder in folders.items():
-        mine = assembled.map_batches(lambda b, r=reason: b.filter(pc.equal(b["reason"], r)), batch_format="pyarrow").materialize()
-        Path(removed[reason]).mkdir(parents=True, exist_ok=True)
-        if not mine.count():
-            continue
-        mine.select_columns(DUPLICATE_SCHEMA.names).write_parquet(folder)
-        shuffles(mine.map_batches(keys_by_part, batch_format="pyarrow"), "components").map_groups(
-            write_by_part, batch_format="pyarrow", fn_kwargs={"folder": removed[reason]}).materialize()
-    return assembled.map_batches(tally, batch_format="pyarrow").take_all()
+def assemble_on_ray(graph, labels, shuffles: Shuffles, priority: dict[str, int], first_eval: int, task_documents: int,
+                    folders: dict[str, str], removed: dict[str, str]) -> tuple[list[dict], int]:
+    """The large graph's path after `components_on_ray`: the three reductions as groupbys of partial results.
+    Writes `duplicates/` and `near_eval/`; returns (the tally rows, the most nodes one join task held)."""
+    p = partitions_for(graph.size_bytes())
+    rows = graph.map_batches(node_rows, batch_format="pyarrow", fn_kwargs={"priority": priority, "first_eval": first_eval,
+                                                                           "partitions": p})
+    rows = rows.map_batches(nodes_reduced, batch_format="pyarrow") \
+        .union(labels.map_batches(label_rows, batch_format="pyarrow", fn_kwargs={"partitions": p}))
+    nodes = shuffles(rows, "components").map_groups(nodes_reduced, batch_format="pyarrow").materialize()
+    parts = nodes.map_batches(component_rows, batch_format="pyarrow", fn_kwargs={"partitions": p}) \
+        .map_batches(components_reduced, batch_format="pyarrow")
+    components = shuffles(parts, "components").map_groups(components_reduced, batch_format="pyarrow").materialize()
+    big = components.map_batches(lambda b: b.filter(pc.greater(b["size"], task_documents)), batch_format="pyarrow").take_all()
+    kw = dict(zip(("roots", "salts"), _salts(pa.Table.from_pylist(big, COMPONENT_SCHEMA), task_documents)), partitions=p)
+    joined = nodes.map_batches(salted, batch_format="pyarrow", fn_kwargs={**kw, "copies": False}) \
+        .map_batches(joined_rows, batch_format="pyarrow", fn_kwargs={"copies": False}) \
+        .union(components.map_batches(salted, batch_format="pyarrow", fn_kwargs={**kw, "copies": True})
+               .map_batches(joined_rows, batch_format="pyarrow", fn_kwargs={"copies": True}))
+    gone = shuffles(joined, "components").map_groups(leaving_group, batch_format="pyarrow").materialize()
+    for reason in folders:
+        mine = gone.map_batches(lambda b, r=reason: b.filter(pc.equal(b["reason"], r)), batch_format="pyarrow").materialize()
+        if mine.count():
+            mine.select_columns(DUPLICATE_SCHEMA.names).write_parquet(folders[reason])
+            shuffles(mine.map_batches(keys_by_part, batch_format="pyarrow"), "components").map_groups(
+                write_by_part, batch_format="pyarrow", fn_kwargs={"folder": removed[reason]}).materialize()
+    tallies = gone.map_batches(tally_removed, batch_format="pyarrow").take_all() \
+        + components.map_batches(tally_sizes, batch_format="pyarrow").take_all()
+    return tallies, gone.max("held") or 0
 
 
 def graph_on_ray(candidates: Path, exact: Path, threshold: float, checked: int, copied: int):
@@ -204,7 +308,7 @@ def graph_on_ray(candidates: Path, exact: Path, threshold: float, checked: int, 
     return (near.union(copies) if near is not None and copies is not None else near or copies).materialize()
 
 
-def assemble(inputs: Inputs, candidates: Path, exact: Path, threshold: float, priority: dict[str, int],
+def assemble(inputs: Inputs, candidates: Path, exact: Path, threshold: float, task_documents: int, priority: dict[str, int],
              shuffles: Shuffles, folders: dict[str, str]) -> tuple[dict, dict[str, str]]:
     """Writes `duplicates/`, `near_eval/` and each part's removed rows per reason. Returns (what was found: the
     graph's size, rounds and the tally rows; reason -> the folder of its removed rows)."""
@@ -212,10 +316,12 @@ def assemble(inputs: Inputs, candidates: Path, exact: Path, threshold: float, pr
 
     removed = {reason: str(inputs.work / f"removed-{reason}") for reason in FOLDERS}
     checked, copied = rows_in_folder(candidates), rows_in_folder(exact)  # from the footers
-    found = {"candidate_pairs": checked, "exact_duplicates": copied, "rounds": 0, "verified_pairs": 0, "tallies": []}
+    found = {"candidate_pairs": checked, "exact_duplicates": copied, "rounds": 0, "verified_pairs": 0, "tallies": [],
+             "largest_task_documents.assembly": 0}
     if checked + copied <= SMALL_GRAPH_EDGES:  # at most that many edges: one task
-        found["tallies"], found["verified_pairs"] = ray.get(ray.remote(assemble_in_one_task).remote(
-            str(candidates), str(exact), threshold, priority, inputs.first_eval, folders, removed))
+        found["tallies"], found["verified_pairs"], found["largest_task_documents.assembly"] = ray.get(
+            ray.remote(assemble_in_one_task).remote(str(candidates), str(exact), threshold, priority, inputs.first_eval,
+                                                    folders, removed))
         return found, removed
     for folder in removed.values():
         Path(folder).mkdir(parents=True)
@@ -225,5 +331,6 @@ def assemble(inputs: Inputs, candidates: Path, exact: Path, threshold: float, pr
         undirected = graph.map_batches(_undirected, batch_format="pyarrow").materialize()
         shuffles.moved["components"] = undirected.size_bytes()
         labels, found["rounds"] = components_on_ray(undirected, undirected.size_bytes(), shuffles.ray)
-        found["tallies"] = assemble_on_ray(graph, labels, shuffles, priority, inputs.first_eval, folders, removed)
+        found["tallies"], found["largest_task_documents.assembly"] = assemble_on_ray(
+            graph, labels, shuffles, priority, inputs.first_eval, task_documents, folders, removed)
     return found, removed

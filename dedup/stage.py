@@ -50,7 +50,8 @@ def run(ctx: StageContext) -> StageResult:
         bar.update()
         verified = verify_candidates(inputs, pairs, cfg, shuffles, ctx.aside("candidates"))
         bar.update_to(4)
-        found, removed = assemble(inputs, ctx.aside("candidates"), exact, cfg.threshold, priority, shuffles, folders)
+        found, removed = assemble(inputs, ctx.aside("candidates"), exact, cfg.threshold, cfg.task_documents, priority, shuffles,
+                                  folders)
         bar.update()
         counts = write_output(inputs, removed, ctx.output)
         bar.update()

@@ -221,6 +221,7 @@ def crowded(tmp_path_factory):
     cfg = write_config(root, f"""
 workdir: {root}/work
 eval: {{fraction: 0}}   # every document reaches dedup, as in the brute-force truth
+dedup: {{task_documents: 16}}  # the 120 copies' component assembled over 8 tasks, the 60 hot documents verified over 4
 sources:
   - {{name: news, format: jsonl, id_field: id, paths: ["{root}/news.jsonl"]}}
   - {{name: web,  format: jsonl, id_field: id, paths: ["{root}/web.jsonl"]}}
@@ -255,7 +256,8 @@ sources:
 def test_exact_copies_a_hot_bucket_and_chains_merge_as_brute_force_does_with_either_components_path(crowded, ray_session,
                                                                                                     monkeypatch):
     """The kept documents and `duplicates/` of the one-task components and of the Ray Data rounds are the same,
-    and both are the brute-force truth; the exact copies never reach MinHash."""
+    and both are the brute-force truth; the exact copies never reach MinHash. On Ray Data a component of more than
+    `task_documents` is assembled over several tasks (its 120 copies, 16 a task), with the one task's result."""
     import dedup.assemble
 
     root, cfg, truth = crowded
@@ -266,9 +268,12 @@ def test_exact_copies_a_hot_bucket_and_chains_merge_as_brute_force_does_with_eit
         manifest = json.loads((root / "work" / "dedup" / "manifest.json").read_text())
         folder = Path(manifest["output"]).parent
         dups = sorted(tuple(sorted(r.items())) for r in rows(folder / "duplicates"))
-        results.append((manifest["metrics"], dups, sorted(r["id"] for r in rows(folder / "output"))))
-    (one, dups_one, kept_one), (rounds, dups_ray, kept_ray) = results
-    assert dups_one == dups_ray and kept_one == kept_ray
+        results.append((manifest["metrics"], dups, sorted(r["id"] for r in rows(folder / "output")),
+                        json.loads((folder / "cluster_sizes.json").read_text())))
+    (one, dups_one, kept_one, sizes_one), (rounds, dups_ray, kept_ray, sizes_ray) = results
+    assert dups_one == dups_ray and kept_one == kept_ray and sizes_one == sizes_ray and sizes_one["120"] == 1
+    assert one["largest_task_documents.assembly"] == 183 + 3  # one task: every document of the 3 components
+    assert rounds["largest_task_documents.assembly"] < 120, rounds  # was the whole component (assemble_components)
     assert {dict(r)["id"]: dict(r)["kept_id"] for r in dups_one} == truth
     exact = [dict(r) for r in dups_one if dict(r)["id"].startswith("copy-")]
     kept_copy = truth[exact[0]["id"]]
