@@ -108,10 +108,10 @@ def ray_workers_rss() -> list[int]:
 
 
 def run_pipeline(root: Path, data: Path, tree: Path = ROOT, stages: str = "ingest,normalize,dedup",
-                 workdir: Path | None = None) -> tuple[dict, dict]:
-    """`stages` of the pipeline, with the code in `tree`; returns (dedup manifest, peak MB of memory:
-    the driver's RSS, the largest Ray worker's RSS, all workers' RSS together, the object store (/dev/shm)
-    and the machine's used memory, each above what it was before the run)."""
+                 workdir: Path | None = None, path: tuple[str, ...] = ()) -> tuple[dict, dict]:
+    """`stages` of the pipeline, with the code in `tree` (and `path` after it on PYTHONPATH); returns (dedup
+    manifest, peak MB of memory: the driver's RSS, the largest Ray worker's RSS, all workers' RSS together, the
+    object store (/dev/shm) and the machine's used memory, each above what it was before the run)."""
     root.mkdir(parents=True, exist_ok=True)
     workdir = workdir or root / "work"
     config = root / "bench.yaml"
@@ -121,7 +121,7 @@ def run_pipeline(root: Path, data: Path, tree: Path = ROOT, stages: str = "inges
     base, shm_base = psutil.virtual_memory().used, psutil.disk_usage("/dev/shm").used
     peak = dict.fromkeys(["driver", "worker", "workers", "object store", "machine"], 0)
     # Ray's workers must import the tree's code (they put the driver's directory first on sys.path)
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tree), *path])}
     log = root / "pipeline.log"
     with log.open("w") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tree)
@@ -285,8 +285,9 @@ MEASURED_GROUPED = """    def grouped(ds):  # (bench_dedup.py: each groupby's in
 """
 
 
-def baseline_tree(commit: str, out: Path) -> Path:
-    """The baseline's tree, its dedup stage patched to write each groupby's input bytes beside its output."""
+def baseline_tree(commit: str, out: Path, measured: bool = True) -> Path:
+    """The baseline's tree; `measured`: its dedup stage patched to write each groupby's input bytes beside its
+    output (for a baseline from before the stage measured them itself)."""
     tree = out / f"tree-{commit}"
     if not tree.is_dir():
         tree.mkdir(parents=True)
@@ -294,7 +295,7 @@ def baseline_tree(commit: str, out: Path) -> Path:
         subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
         stage = tree / "dedup" / "stage.py"
         text = stage.read_text()
-        if BASELINE_GROUPED not in text:
+        if measured and BASELINE_GROUPED not in text:
             raise SystemExit(f"{commit}'s dedup/stage.py has no grouped() to measure")
         stage.write_text(text.replace(BASELINE_GROUPED, MEASURED_GROUPED))
     return tree

@@ -1,0 +1,142 @@
+"""The dedup stage at corpus scale, on its own code path, against an earlier commit in the same run.
+
+    python benchmarks/bench_dedup_scale.py [--docs 400000 1200000 3600000] [--hot 20000] [--hot-at 400000:80000]
+                                           [--baseline cb30c0f]
+
+For each size: bench_dedup's generator (10% planted near-duplicates, a tenth of them exact), plus a hot cluster
+(one text and `--hot` one-word edits of it: a band bucket of all of them, and one component), through ingest
+and normalize once; then the baseline's dedup/ (the rest of its tree as ours) and ours, each alone in a fresh
+process on that output (`--only dedup --force`). `--hot-at N:H` adds a run at N documents with a hot cluster of H instead, to show
+what grows with the largest duplicate cluster.
+
+Recorded per run: the dedup stage's seconds per document; the driver's peak RSS and the peak bytes in its Ray
+memory store (`get_local_memory_store_bytes_used`, the counter Ray Data warns on), both sampled inside the
+driver every 0.2 s by a sitecustomize on the driver's path; the largest Ray worker's RSS (object-store pages it
+maps included) sampled from outside; and, from our code's metrics, the most documents one verification and one
+assembly task held. The driver's growth is reported per document between the smallest and the largest size.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import shutil
+import sys
+import textwrap
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import provenance  # noqa: E402  (benchmarks/provenance.py: a script's folder is on sys.path)
+from bench_dedup import baseline_tree, edit, generate, run_pipeline  # noqa: E402
+
+# Runs in every process with the probe folder on its path; samples only in the pipeline's driver.
+PROBE = textwrap.dedent('''
+    import atexit, json, os, sys, threading, time
+    if sys.argv and sys.argv[0].endswith("full.py") and os.environ.get("DRIVER_PROBE_OUT"):
+        _peak, _lock, _stopped = {"rss": 0, "memory_store": 0}, threading.Lock(), []
+
+        def _stop_then(shutdown):  # Ray's core worker must not be read once it is shut down (a fatal error)
+            def wrapped(*args, **kwargs):
+                with _lock:
+                    _stopped.append(True)
+                return shutdown(*args, **kwargs)
+            return wrapped
+
+        def _sample():
+            import psutil
+            me = psutil.Process()
+            while not _stopped:
+                _peak["rss"] = max(_peak["rss"], me.memory_info().rss)
+                ray = sys.modules.get("ray")
+                if ray is not None and hasattr(ray, "shutdown") and not hasattr(ray.shutdown, "__probe__"):
+                    ray.shutdown = _stop_then(ray.shutdown)
+                    ray.shutdown.__probe__ = True
+                with _lock:
+                    worker = sys.modules.get("ray._private.worker")
+                    glob = getattr(worker, "global_worker", None) if worker else None
+                    if not _stopped and glob is not None and getattr(glob, "connected", False):
+                        _peak["memory_store"] = max(_peak["memory_store"], glob.core_worker.get_local_memory_store_bytes_used())
+                time.sleep(0.2)
+
+        threading.Thread(target=_sample, daemon=True).start()
+        atexit.register(lambda: open(os.environ["DRIVER_PROBE_OUT"], "w").write(json.dumps(_peak)))
+''')
+
+
+def corpus(folder: Path, docs: int, hot: int) -> Path:
+    """bench_dedup's corpus of `docs` documents, then `hot` one-word edits of one more text (ids h*)."""
+    data = folder / "gen.jsonl"
+    if not data.is_file():
+        generate(data, docs, planted=0.1)
+        rng = random.Random(17)
+        base = " ".join(json.loads(line)["text"] for _, line in zip(range(4), data.open()))  # ~4 documents long
+        with data.open("a") as fh:
+            for i in range(hot):
+                fh.write(json.dumps({"id": f"h{i:07d}", "text": edit(rng, base, 1)}) + "\n")
+    return data
+
+
+def one_run(folder: Path, data: Path, name: str, tree: Path, probe: Path) -> dict:
+    import os
+
+    out = folder / f"probe-{name}.json"
+    os.environ["DRIVER_PROBE_OUT"] = str(out)
+    manifest, peak = run_pipeline(folder / name, data, tree, "dedup", folder / "work", path=(str(probe),))
+    driver = json.loads(out.read_text())
+    m = manifest["metrics"]
+    return {"seconds": m["seconds"], "rows": manifest["counts"]["rows_in"], "driver": driver["rss"] / 2**20,
+            "store": driver["memory_store"] / 2**20, "worker": peak["worker"],
+            "verify": m.get("largest_task_documents.verification"), "assembly": m.get("largest_task_documents.assembly"),
+            "removed": manifest["counts"]["duplicate"] + manifest["counts"].get("near_eval", 0)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--docs", type=int, nargs="+", default=[400_000, 1_200_000, 3_600_000])
+    parser.add_argument("--hot", type=int, default=20_000)
+    parser.add_argument("--hot-at", default="400000:80000", help="N:H, a run at N documents with a hot cluster of H")
+    parser.add_argument("--baseline", default="cb30c0f", help="the commit to compare with (default: before issue 44)")
+    parser.add_argument("--out", default="/tmp/bench_dedup_scale")
+    args = parser.parse_args()
+    print(provenance.header())
+    root = Path(args.out)
+    probe = root / "probe"
+    probe.mkdir(parents=True, exist_ok=True)
+    (probe / "sitecustomize.py").write_text(PROBE)
+    tree = baseline_tree(args.baseline, root, measured=False)
+    for package in ("core", "corpus", "pipelines", "screen", "train", "model", "configs"):
+        # Everything but dedup/ as ours: the same normalize fingerprint (so both read one normalize output), and
+        # a difference that is dedup's alone.
+        shutil.copytree(ROOT / package, tree / package, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
+    runs = [(n, args.hot) for n in args.docs]
+    if args.hot_at:
+        n, h = (int(x) for x in args.hot_at.split(":"))
+        runs.append((n, h))
+    print(f"commit {provenance.commit()} against {args.baseline}; 10% planted duplicates and a hot cluster\n")
+    print("| documents | hot cluster | code | s per 1k docs | driver peak RSS MB | driver Ray memory store peak MB "
+          "| largest worker RSS MB | most documents in one task: verification / assembly | removed (duplicate + near_eval) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    results: dict = {}
+    for n, hot in runs:
+        folder = root / f"n{n}-hot{hot}"
+        folder.mkdir(parents=True, exist_ok=True)
+        data = corpus(folder, n, hot)
+        run_pipeline(folder, data, ROOT, "ingest,normalize", folder / "work")
+        for name, code in ((args.baseline, tree), ("now", ROOT)):
+            r = results[(n, hot, name)] = one_run(folder, data, name, code, probe)
+            tasks = f"{r['verify']:,} / {r['assembly']:,}" if r["verify"] is not None else "- (not measured)"
+            print(f"| {r['rows']:,} | {hot:,} | {name} | {1000 * r['seconds'] / r['rows']:.2f} | {r['driver']:,.0f} "
+                  f"| {r['store']:,.1f} | {r['worker']:,.0f} | {tasks} | {r['removed']:,} |", flush=True)
+    small, large = min(args.docs), max(args.docs)
+    for name in (args.baseline, "now"):
+        a, b = results[(small, args.hot, name)], results[(large, args.hot, name)]
+        per_doc = (b["driver"] - a["driver"]) * 2**20 / (b["rows"] - a["rows"])
+        print(f"\n{name}: the driver grew {b['driver'] - a['driver']:+,.0f} MB from {a['rows']:,} to {b['rows']:,} documents "
+              f"({per_doc:+.1f} bytes per document); its Ray memory store {b['store'] - a['store']:+,.1f} MB")
+
+
+if __name__ == "__main__":
+    main()
