@@ -2,6 +2,7 @@
 
     python benchmarks/bench_dedup_scale.py [--docs 400000 1200000 3600000] [--hot 20000] [--hot-at 400000:80000]
                                            [--baseline cb30c0f]
+    python benchmarks/bench_dedup_scale.py --groupby
 
 For each size: bench_dedup's generator (10% planted near-duplicates, a tenth of them exact), plus a hot cluster
 (one text and `--hot` one-word edits of it: a band bucket of all of them, and one component), through ingest
@@ -14,6 +15,9 @@ memory store (`get_local_memory_store_bytes_used`, the counter Ray Data warns on
 driver every 0.2 s by a sitecustomize on the driver's path; the largest Ray worker's RSS (object-store pages it
 maps included) sampled from outside; and, from our code's metrics, the most documents one verification and one
 assembly task held. The driver's growth is reported per document between the smallest and the largest size.
+
+--groupby: the cause of the driver's growth, alone: one sort-path groupby of 96 MB in 60 blocks, against the same
+repartitioned to blocks of SORT_BLOCK_BYTES first (core/ray_session.py: groupby).
 """
 
 from __future__ import annotations
@@ -93,6 +97,48 @@ def one_run(folder: Path, data: Path, name: str, tree: Path, probe: Path) -> dic
             "removed": manifest["counts"]["duplicate"] + manifest["counts"].get("near_eval", 0)}
 
 
+def groupby_memory(rows: int = 4_000_000, blocks: int = 60) -> None:
+    """One groupby on the sort path (what `core.ray_session.groupby` runs below `ray.small_shuffle_mb`) of `rows` rows
+    in `blocks` blocks, as given and repartitioned first to SORT_BLOCK_BYTES blocks (what it does now): the peak
+    growth of the driver's Ray memory store, sampled every 10 ms, and the seconds."""
+    import threading
+    import time
+
+    import numpy as np
+    import pyarrow as pa
+    import ray
+    import ray.data
+    from ray.data.context import ShuffleStrategy
+
+    from core.ray_session import SORT_BLOCK_BYTES
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    core = ray._private.worker.global_worker.core_worker
+    table = pa.table({"part": np.arange(rows) % 97, "key": np.arange(rows, dtype=np.int64), "h": np.arange(rows, dtype=np.int64)})
+    print("| rows | MB | input blocks | groupby's blocks | driver memory store peak MB | seconds |\n|---|---|---|---|---|---|")
+    for repartition in (False, True):
+        ds = ray.data.from_arrow(table).repartition(blocks).materialize()
+        nbytes, base, peak, stop = ds.size_bytes(), core.get_local_memory_store_bytes_used(), [0], threading.Event()
+
+        def sample() -> None:
+            while not stop.is_set():
+                peak[0] = max(peak[0], core.get_local_memory_store_bytes_used() - base)
+                time.sleep(0.01)
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        start = time.perf_counter()
+        ds.context.shuffle_strategy = ShuffleStrategy.SORT_SHUFFLE_PULL_BASED
+        n = max(1, -(-nbytes // SORT_BLOCK_BYTES)) if repartition else blocks
+        src = ds.repartition(n) if repartition else ds
+        src.groupby("part").map_groups(lambda g: g.slice(0, 1), batch_format="pyarrow").materialize()
+        seconds = time.perf_counter() - start
+        stop.set()
+        sampler.join()
+        print(f"| {rows:,} | {nbytes / 1e6:.0f} | {blocks} | {n} | {peak[0] / 1e6:.1f} | {seconds:.1f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--docs", type=int, nargs="+", default=[400_000, 1_200_000, 3_600_000])
@@ -100,8 +146,12 @@ def main() -> None:
     parser.add_argument("--hot-at", default="400000:80000", help="N:H, a run at N documents with a hot cluster of H")
     parser.add_argument("--baseline", default="cb30c0f", help="the commit to compare with (default: before issue 44)")
     parser.add_argument("--out", default="/tmp/bench_dedup_scale")
+    parser.add_argument("--groupby", action="store_true", help="only the sort-path groupby's driver memory, as given and "
+                                                                "in SORT_BLOCK_BYTES blocks")
     args = parser.parse_args()
     print(provenance.header())
+    if args.groupby:
+        return groupby_memory()
     root = Path(args.out)
     probe = root / "probe"
     probe.mkdir(parents=True, exist_ok=True)

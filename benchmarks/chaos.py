@@ -1,6 +1,7 @@
 """A chaos drill: the train stage on a local three-node Ray cluster with faults injected, and what it did about each.
 
     python benchmarks/chaos.py [--faults SPEC] [--steps 24] [--set KEY=VALUE ...] [--json] [--out /tmp/chaos]
+    python benchmarks/chaos.py --data dedup|normalize [--at PHASE] [--docs 40000] [--set K=V] [--json]   (chaos_data.py)
 
 The cluster: a head that holds no training worker and two nodes of one CPU each, the tiny model's two
 Ray Train workers on them (so a named node always holds a rank). The drill plays the autoscaler: when a
@@ -196,8 +197,15 @@ def main() -> int:
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override, both runs")
     parser.add_argument("--json", action="store_true")
     parser.add_argument("--out", default="/tmp/chaos")
+    parser.add_argument("--data", choices=["dedup", "normalize"], help="the data drill instead (chaos_data.py): this stage")
+    parser.add_argument("--at", help="--data: the phase at which node 2 dies (default: the stage's first)")
+    parser.add_argument("--docs", type=int, default=40_000, help="--data: documents in the generated corpus")
     args = parser.parse_args()
     print(provenance.header(), flush=True)
+    if args.data:
+        import chaos_data
+
+        return chaos_data.main(args.data, args.at, args.docs, Path(args.out + "-data"), args.json, args.set)
     faults = parse(args.faults)
     from bench_tokenize import make_shards
 
