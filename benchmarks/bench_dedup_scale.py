@@ -6,8 +6,8 @@
 
 For each size: bench_dedup's generator (10% planted near-duplicates, a tenth of them exact), plus a hot cluster
 (one text and `--hot` one-word edits of it: a band bucket of all of them, and one component), through ingest
-and normalize once; then the baseline's dedup/ (the rest of its tree as ours) and ours, each alone in a fresh
-process on that output (`--only dedup --force`). `--hot-at N:H` adds a run at N documents with a hot cluster of H instead, to show
+and normalize with each side's code (each its own workdir: the groupby each runs is part of what is compared);
+then each side's dedup alone in a fresh process on that output (`--only dedup --force`). `--hot-at N:H` adds a run at N documents with a hot cluster of H instead, to show
 what grows with the largest duplicate cluster.
 
 Recorded per run: the dedup stage's seconds per document; the driver's peak RSS and the peak bytes in its Ray
@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import shutil
 import sys
 import textwrap
 from pathlib import Path
@@ -88,7 +87,7 @@ def one_run(folder: Path, data: Path, name: str, tree: Path, probe: Path) -> dic
 
     out = folder / f"probe-{name}.json"
     os.environ["DRIVER_PROBE_OUT"] = str(out)
-    manifest, peak = run_pipeline(folder / name, data, tree, "dedup", folder / "work", path=(str(probe),))
+    manifest, peak = run_pipeline(folder / name, data, tree, "dedup", folder / f"work-{name}", path=(str(probe),))
     driver = json.loads(out.read_text())
     m = manifest["metrics"]
     return {"seconds": m["seconds"], "rows": manifest["counts"]["rows_in"], "driver": driver["rss"] / 2**20,
@@ -157,10 +156,6 @@ def main() -> None:
     probe.mkdir(parents=True, exist_ok=True)
     (probe / "sitecustomize.py").write_text(PROBE)
     tree = baseline_tree(args.baseline, root, measured=False)
-    for package in ("core", "corpus", "pipelines", "screen", "train", "model", "configs"):
-        # Everything but dedup/ as ours: the same normalize fingerprint (so both read one normalize output), and
-        # a difference that is dedup's alone.
-        shutil.copytree(ROOT / package, tree / package, dirs_exist_ok=True, ignore=shutil.ignore_patterns("__pycache__"))
     runs = [(n, args.hot) for n in args.docs]
     if args.hot_at:
         n, h = (int(x) for x in args.hot_at.split(":"))
@@ -174,8 +169,8 @@ def main() -> None:
         folder = root / f"n{n}-hot{hot}"
         folder.mkdir(parents=True, exist_ok=True)
         data = corpus(folder, n, hot)
-        run_pipeline(folder, data, ROOT, "ingest,normalize", folder / "work")
         for name, code in ((args.baseline, tree), ("now", ROOT)):
+            run_pipeline(folder / name, data, code, "ingest,normalize", folder / f"work-{name}")
             r = results[(n, hot, name)] = one_run(folder, data, name, code, probe)
             tasks = f"{r['verify']:,} / {r['assembly']:,}" if r["verify"] is not None else "- (not measured)"
             print(f"| {r['rows']:,} | {hot:,} | {name} | {1000 * r['seconds'] / r['rows']:.2f} | {r['driver']:,.0f} "
