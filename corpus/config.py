@@ -58,8 +58,8 @@ class IngestConfig:
 
     on_bad_input: Literal["reject", "fail"] = "reject"  # fail: exit 1 at the first bad line, naming it
     task_mb: int = 256  # files smaller than this are read together in one task, up to this many MB
-    # What one reader holds at most (corpus/readers.py's Limits): a longer line, or a bigger text file (a text
-    # file is one document, or blank-line blocks of one), is a reject naming the file and byte offset ...
+    # What one reader holds at most (corpus/readers.py's Limits): a longer line, a bigger text file read as one
+    # document, or a bigger block of one split at blank lines, is a reject naming the file and byte offset ...
     max_line_mb: int = 64
     max_document_mb: int = 256
     # ... and a compressed file that decompresses beyond this many bytes per byte is a reject (a bomb): text

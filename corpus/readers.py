@@ -12,11 +12,13 @@ over in one piece, so zstd is read with its stream reader, which ends quietly at
 frames' own headers and block sizes, walked beside it (`_FrameWalker`), say whether the last one really ended.
 `Limits` bound the rest: a file that decompresses beyond `max_ratio` to 1 is a reject (a bomb), a line over
 `max_line_bytes` is a reject and is never held whole (nor re-split as it grows), and so is a text file over
-`max_document_bytes` (a text file is one document, or blank-line blocks of one).
+`max_document_bytes` when the file is one document; a text file split at blank lines is streamed, and only a
+block over `max_document_bytes` is a reject (never held whole either).
 """
 
 from __future__ import annotations
 
+import codecs
 import gzip
 import json
 import os
@@ -342,15 +344,23 @@ def read_text(path: str, source: str, rel: str, split: str = "file", limits: Lim
     """BookCorpus, CC-Stories: one document per file (or per blank-line block), bytes kept exactly.
 
     The file must be UTF-8: a Latin-1 book is rejected, not guessed at. With `split: blank_lines`
-    each block between blank lines is a document (its id: the file and the block's first line).
+    each block between blank lines is a document (its id: the file and the block's first line),
+    and the file is streamed: a block is held, never the file (_BlockSplitter).
     """
-    data = bytearray()  # one document per file (or its blocks): held whole, up to max_document_bytes
+    if split == "file":
+        return _whole_file(path, source, rel, limits)
+    return _block_rows(path, source, rel, limits)
+
+
+def _whole_file(path: str, source: str, rel: str, limits: Limits) -> Iterator[dict]:
+    """The file as one document: held whole, so a file over max_document_bytes is a reject."""
+    data = bytearray()
     try:
         for chunk in byte_chunks(path, limits):
             data += chunk
             if len(data) > limits.max_document_bytes:
                 yield _reject(path, 0, 0, f"text file over {limits.max_document_bytes >> 20} MiB: not read (one "
-                              "document, or blocks of one, is held whole)", bytes(data[:HEAD_BYTES]), source)
+                              "document, held whole)", bytes(data[:HEAD_BYTES]), source)
                 return
     except STREAM_ERRORS as exc:
         yield _reject(path, 0, len(data), stream_problem(exc), bytes(data), source)
@@ -364,26 +374,150 @@ def read_text(path: str, source: str, rel: str, split: str = "file", limits: Lim
     except UnicodeDecodeError as exc:
         yield _reject(path, 0, exc.start, f"invalid UTF-8: {exc.reason} at byte {exc.start}", data[exc.start:], source)
         return
-    if split == "file":
-        yield _doc(f"{source}/{rel}", text, source, source, {"file": rel}, path, 0, 0)
+    yield _doc(f"{source}/{rel}", text, source, source, {"file": rel}, path, 0, 0)
+
+
+def _block_rows(path: str, source: str, rel: str, limits: Limits) -> Iterator[dict]:
+    """Each block a document, or a reject at its line and byte offset (over max_document_bytes, invalid UTF-8, cut
+    short), so one bad block costs only itself; a file with no block is an empty file."""
+    empty = True
+    for line, offset, raw, problem in _blocks(path, limits):
+        if problem is None:
+            try:
+                text = raw.decode("utf-8")
+            except UnicodeDecodeError as exc:
+                problem = f"invalid UTF-8: {exc.reason} at byte {exc.start}"
+        if problem is not None:
+            yield _reject(path, line, offset, problem, raw, source)
+        elif text.strip():  # a blank block can only be the file's first line, alone
+            yield _doc(f"{source}/{rel}:{line}", text, source, source, {"file": rel, "line": line}, path, line, offset)
+        else:
+            continue
+        empty = False
+    if empty:
+        yield _reject(path, 0, 0, "empty file", b"", source)
+
+
+def _blocks(path: str, limits: Limits) -> Iterator[tuple[int, int, bytes, str | None]]:
+    """(first line, byte offset, block, problem) for each block of a text file, read in steps of CHUNK; a block
+    cut short by a damaged stream is one reject with the reason."""
+    splitter = _BlockSplitter(limits.max_document_bytes)
+    try:
+        for chunk in byte_chunks(path, limits):
+            yield from splitter.feed(chunk)
+    except STREAM_ERRORS as exc:
+        yield splitter.cut(stream_problem(exc))
         return
-    for line, offset, block in _blocks(text):
-        yield _doc(f"{source}/{rel}:{line}", block, source, source, {"file": rel, "line": line}, path, line, offset)
+    yield from splitter.end()
 
 
-_BLANK_LINES = re.compile(r"\n(?:[^\S\n]*\n)+|\n[^\S\n]*\Z")  # blank lines between blocks, or the file's end
+class _Held:
+    """Bytes gathered in pieces, up to `limit`: past it only their first HEAD_BYTES are kept, and their count."""
+
+    def __init__(self, limit: int):
+        self.limit, self.pieces, self.size, self.head = limit, [], 0, None
+
+    def add(self, piece: bytes, size: int | None = None) -> None:
+        """`piece`; `size` when it stands for more bytes than it holds (the head of a longer line)."""
+        self.size += len(piece) if size is None else size
+        if self.head is None:
+            self.pieces.append(piece)
+            if self.size > self.limit:
+                self.head, self.pieces = b"".join(self.pieces)[:HEAD_BYTES], []
+
+    @property
+    def data(self) -> bytes:
+        return b"".join(self.pieces) if self.head is None else self.head
 
 
-def _blocks(text: str) -> Iterator[tuple[int, int, str]]:
-    """(first line, byte offset, block) for each block between blank lines; blank-only blocks are separators."""
-    start = 0
-    for match in [*_BLANK_LINES.finditer(text), None]:
-        end = match.start() if match else len(text)
-        block = text[start:end]
-        if block.strip():
-            yield text.count("\n", 0, start) + 1, len(text[:start].encode("utf-8")), block
-        if match:
-            start = match.end()
+class _BlockSplitter:
+    """A text file's blank-line blocks, fed its bytes in pieces; holds the block being read and the line being
+    read (each up to `cap`, then their head and length only), never the file.
+
+    The blocks are those of splitting the whole decoded text at runs of blank lines (whitespace only, as
+    str.isspace has it, so \\r and U+3000 too): a block is its first line and the lines after it up to a blank one,
+    without the newline that ends it; the blank lines after it are skipped, and the next line that is not blank
+    begins the next block. Only the file's first line begins a block even when blank. A line's blankness is
+    decided as its bytes arrive, so a character split between two reads is decoded whole.
+    """
+
+    def __init__(self, cap: int):
+        self.cap = cap
+        self.lineno, self.offset = 1, 0  # the line being read
+        self.start: tuple[int, int] | None = (1, 0)  # the block being read: its first line and offset; None between
+        self.block, self.lines = _Held(cap), 0
+        self.decoder = codecs.getincrementaldecoder("utf-8")()
+        self._new_line()
+
+    def _new_line(self) -> None:
+        self.line, self.blank = _Held(self.cap), True
+        self.decoder.reset()
+
+    def _add(self, piece: bytes) -> None:
+        self.line.add(piece)
+        if self.blank:
+            try:
+                self.blank = not self.decoder.decode(piece).strip()
+            except UnicodeDecodeError:
+                self.blank = False
+
+    def feed(self, chunk: bytes) -> Iterator[tuple[int, int, bytes, str | None]]:
+        """The blocks that end in `chunk`."""
+        start = 0
+        while (end := chunk.find(b"\n", start)) >= 0:
+            self._add(chunk[start:end])
+            if (done := self._end_line()) is not None:
+                yield done
+            start = end + 1
+        if start < len(chunk):
+            self._add(chunk[start:])
+
+    def end(self) -> Iterator[tuple[int, int, bytes, str | None]]:
+        """The last line (a file need not end with a newline), then the block it is in."""
+        if (done := self._end_line()) is not None:
+            yield done
+        if self.start is not None:
+            yield self._finish()
+
+    def cut(self, reason: str) -> tuple[int, int, bytes, str]:
+        """The reject for a stream that broke: at the block being read, or at the line between blocks."""
+        line, offset = self.start or (self.lineno, self.offset)
+        return line, offset, self.block.data if self.lines else self.line.data, reason
+
+    def _end_line(self) -> tuple[int, int, bytes, str | None] | None:
+        """The line joins the block, begins one or ends one (returned); a blank line between blocks is dropped."""
+        if self.blank:
+            try:
+                self.decoder.decode(b"", final=True)
+            except UnicodeDecodeError:  # a character cut at the line's end
+                self.blank = False
+        done = None
+        if self.start is None and not self.blank:
+            self.start = self.lineno, self.offset
+        if self.start is not None and (self.lines == 0 or not self.blank):
+            self._join()
+        elif self.start is not None:
+            done = self._finish()
+        self.lineno, self.offset = self.lineno + 1, self.offset + self.line.size + 1
+        self._new_line()
+        return done
+
+    def _join(self) -> None:
+        """The line into the block, after a newline when the block has lines already."""
+        if self.lines:
+            self.block.add(b"\n")
+        if self.line.head is None:
+            for piece in self.line.pieces:
+                self.block.add(piece)
+        else:
+            self.block.add(self.line.head, self.line.size)
+        self.lines += 1
+
+    def _finish(self) -> tuple[int, int, bytes, str | None]:
+        (line, offset), block = self.start, self.block
+        self.start, self.block, self.lines = None, _Held(self.cap), 0
+        problem = None if block.head is None else f"block over {self.cap >> 20} MiB ({block.size:,} bytes): not read"
+        return line, offset, block.data, problem
 
 
 # --------------------------------------------------------------------------- PushShift Reddit

@@ -1,9 +1,13 @@
-"""cluster.yaml against Ray's own autoscaler schema, as `ray up` checks it (without launching)."""
+"""cluster.yaml against Ray's own autoscaler schema, as `ray up` checks it (without launching), and the cluster's
+security (its network, Ray's token, MLflow's login, the pinned image) against the real files."""
 
 from __future__ import annotations
 
+import configparser
 import copy
 import json
+import re
+import shlex
 from pathlib import Path
 
 import jsonschema
@@ -42,7 +46,7 @@ def test_the_opt_175b_cluster(cluster):
     assert worker["node_config"]["InstanceType"] == "p4de.24xlarge"
     assert worker["max_workers"] == cluster["max_workers"] == 124  # 124 x 8 A100 = 992 GPUs
     assert {n["InterfaceType"] for n in worker["node_config"]["NetworkInterfaces"]} == {"efa"}
-    assert cluster["provider"]["type"] == "aws" and cluster["docker"]["image"].endswith("opt-pipeline:latest")
+    assert cluster["provider"]["type"] == "aws" and "/opt-pipeline@sha256:" in cluster["docker"]["image"]
     assert any("/fsx" in c for c in cluster["initialization_commands"])
     head = " ".join(cluster["head_start_ray_commands"])
     assert "mlflow server" in head and "--host 0.0.0.0" not in head and "--dashboard-host=127.0.0.1" in head
@@ -70,6 +74,86 @@ def test_the_nodes_run_a_pinned_current_dlami_and_efa_has_what_aws_documents(clu
     assert "--ulimit memlock=-1:-1" in options and "--device=/dev/infiniband" in options
     image = (ROOT / "Dockerfile").read_text()
     assert "FI_PROVIDER=efa" in image and "NCCL_DEBUG=INFO" in image and "NCCL_DEBUG_FILE=" in image
+
+
+def test_the_image_is_pinned_by_digest_never_by_tag(cluster):
+    """Every node runs the image `ray up` was given, byte for byte: a digest (a placeholder until the image is
+    pushed, which docker refuses to pull), never a tag such as :latest that a later push moves."""
+    image = cluster["docker"]["image"]
+    assert re.fullmatch(r"[\w.-]+(/[\w.-]+)+@sha256:([0-9a-f]{64}|REPLACE_ME)", image), image
+    assert ":latest" not in (ROOT / "cluster.yaml").read_text()
+    assert not any(k in cluster["docker"] for k in ("head_image", "worker_image"))
+
+
+def test_every_node_is_in_the_cluster_group_and_ssh_comes_only_from_the_bastion(cluster):
+    """Ray creates a security group for a node type that names none, with SSH open to 0.0.0.0/0
+    (autoscaler/_private/aws/config.py): every node names ours, in SecurityGroupIds or, as Ray reads them, in each of
+    its NetworkInterfaces. The group's rules, written out in docs/cluster.md: all traffic from the group itself, SSH
+    only from the bastion's group, no CIDR."""
+    for name, node in cluster["available_node_types"].items():
+        config = node["node_config"]
+        groups = config.get("SecurityGroupIds") or [g for nic in config["NetworkInterfaces"] for g in nic["Groups"]]
+        assert set(groups) == {"sg-REPLACE_ME"}, name
+    assert "security_group" not in cluster["provider"]
+    rules = [shlex.split(line) for line in (ROOT / "docs" / "cluster.md").read_text().splitlines()
+             if line.startswith("aws ec2 authorize-security-group-ingress")]
+    assert rules and not any("--cidr" in r or "0.0.0.0/0" in " ".join(r) for r in rules)
+    pairs = {(r[r.index("--protocol") + 1], r[r.index("--port") + 1] if "--port" in r else "all",
+              r[r.index("--source-group") + 1]) for r in rules}
+    assert pairs == {("all", "all", "sg-REPLACE_ME"), ("tcp", "22", "sg-REPLACE_ME_BASTION")}
+
+
+def test_every_node_runs_ray_with_its_token_from_outside_the_repository(cluster):
+    """RAY_AUTH_MODE=token in every container (head and workers, and whatever `ray exec` runs there); the token
+    reaches each node as a file mount from the home of the machine that runs `ray up` (the head's autoscaler copies
+    it to each worker it starts), so no token is in any file here."""
+    assert "--env RAY_AUTH_MODE=token" in cluster["docker"]["run_options"]
+    assert not any("RAY_AUTH_MODE" in o for key in ("head_run_options", "worker_run_options")
+                   for o in cluster["docker"].get(key, []))
+    assert cluster["file_mounts"]["~/.ray/auth_token"] == "~/.ray/auth_token"
+    assert not any(Path(local).expanduser().resolve().is_relative_to(ROOT) for local in cluster["file_mounts"].values())
+    text = (ROOT / "cluster.yaml").read_text()
+    assert "RAY_AUTH_TOKEN=" not in text and "RAY_AUTH_MODE=disabled" not in text
+
+
+def test_mlflow_asks_every_client_for_its_password(cluster):
+    """The head starts MLflow's basic-auth app (once: a second `ray up` leaves it running), its users on /fsx, new
+    users with no permission; its admin password and every client's (job drivers on the head, training workers on
+    the GPU nodes) come from MLflow's own credentials file, mounted like Ray's token; the image has what the app
+    needs (mlflow[auth]: Flask-WTF)."""
+    head = " ".join(cluster["head_start_ray_commands"])
+    server = head[head.index("mlflow server"):head.index("> /tmp/mlflow.log")]
+    assert "--app-name basic-auth" in server and "--host 0.0.0.0" not in server
+    guard = re.search(r'pgrep -f "([^"]+)"', head)[1]  # finds a running MLflow, not the shell that runs this line
+    assert re.search(guard, "/opt/venv/bin/python /opt/venv/bin/mlflow server --app-name basic-auth")
+    assert not re.search(guard, f"bash --login -c -i {head}")
+    assert "MLFLOW_AUTH_CONFIG_PATH=/opt/opt-pipeline/configs/mlflow_auth.ini" in head
+    assert "MLFLOW_AUTH_ADMIN_PASSWORD=\"$(python -c 'from mlflow.utils.credentials import read_mlflow_creds" in head
+    assert cluster["file_mounts"]["~/.mlflow/credentials"] == "~/.mlflow/credentials"
+    auth = configparser.ConfigParser()  # read as mlflow/server/auth/config.py reads it
+    auth.read(ROOT / "configs" / "mlflow_auth.ini")
+    assert (auth["mlflow"]["default_permission"], auth["mlflow"]["database_uri"]) == (
+        "NO_PERMISSIONS", "sqlite:////fsx/mlflow/basic_auth.db")
+    assert "admin_password" not in auth["mlflow"]  # from the credentials file, at start
+    assert '"mlflow[auth]"' in (ROOT / "Dockerfile").read_text()
+
+
+def test_the_dockerfile_pins_what_it_downloads_and_checks_it():
+    """torch by version from the CUDA index that matches the base image's CUDA (DeepSpeed's ops are compiled with
+    its nvcc) and the CPU build the suite runs; the EFA installer by version and SHA-256, checked before it is
+    unpacked; nothing piped from curl into tar or a shell."""
+    image = (ROOT / "Dockerfile").read_text().replace("\\\n", " ")  # a RUN's continued lines as one
+    assert not re.search(r"curl[^\n]*\|\s*(tar|sh|bash)\b", image)
+    cuda = re.search(r"^FROM nvidia/cuda:(\d+)\.(\d+)\.\d+-", image, re.M)
+    torch = re.search(r"pip install torch==(\S+) --index-url https://download\.pytorch\.org/whl/cu(\d+)\b", image)
+    assert cuda and torch and torch[2] == cuda[1] + cuda[2]
+    assert f"torch=={torch[1]}" in (ROOT / "Makefile").read_text()
+    args = dict(re.findall(r"^ARG (EFA_INSTALLER_\w+)=(\S+)$", image, re.M))
+    assert re.fullmatch(r"\d+\.\d+\.\d+", args["EFA_INSTALLER_VERSION"])
+    assert re.fullmatch(r"[0-9a-f]{64}", args["EFA_INSTALLER_SHA256"])
+    efa = next(step for step in image.split("\nRUN ") if "efa-installer.amazonaws.com" in step)
+    assert "aws-efa-installer-${EFA_INSTALLER_VERSION}.tar.gz" in efa and "latest" not in efa
+    assert efa.index("sha256sum -c") < efa.index("tar x") < efa.index("efa_installer.sh")
 
 
 EFA_LOG = """ip-10-0-1-23:812:851 [0] NCCL INFO NET/OFI Initializing aws-ofi-nccl 1.13.2

@@ -6,10 +6,14 @@ import collections
 import gzip
 import io
 import json
+import re
+import tracemalloc
 from pathlib import Path
 
 import pytest
 import zstandard
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from corpus.readers import REDDIT_FIELDS, ROW_FIELDS, read_jsonl, read_lines, read_pile, read_pushshift, read_text, relative_names
 
@@ -170,6 +174,111 @@ def test_text_blocks_are_exact_with_lines_and_byte_offsets(tmp_path):
         assert raw[r["offset"]:].startswith(r["text"].encode())
 
 
+
+BLANK = re.compile(r"\n(?:[^\S\n]*\n)+|\n[^\S\n]*\Z")  # blank lines between blocks, or the text's end
+
+
+def blocks_of(text: str) -> list[tuple[int, int, str]]:
+    """The blocks of a whole text split at blank lines, as read_text made them when it held the file: (first line,
+    byte offset, block); blank-only blocks are separators. The streaming reader must give exactly these."""
+    found, start, line, offset = [], 0, 1, 0
+    for match in [*BLANK.finditer(text), None]:
+        end = match.start() if match else len(text)
+        if text[start:end].strip():
+            found.append((line, offset, text[start:end]))
+        if match:
+            line += text.count("\n", start, match.end())
+            offset += len(text[start:match.end()].encode())
+            start = match.end()
+    return found
+
+
+def block_rows(path: Path, limits=None) -> list[tuple]:
+    from corpus.readers import LIMITS
+
+    rows = read_text(str(path), "s", path.name, split="blank_lines", limits=limits or LIMITS)
+    return [(r["id"], r["line"], r["offset"], r["text"], r["reason"]) for r in rows]
+
+
+# Whitespace a blank line may hold besides spaces: \r (CRLF files), \x1c and \x85 (str.isspace, so the regex's
+# \s, but not bytes.strip), U+3000 (three bytes in UTF-8, which a small read splits).
+BLOCKY = st.text(alphabet="ab\u00e9\n\n\n  \r\t\x1c\x85\u3000\U0001F600", max_size=60)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=list(HealthCheck))
+@given(text=BLOCKY, read=st.integers(1, 9))
+def test_blank_line_blocks_read_in_small_steps_are_the_blocks_of_the_whole_text(tmp_path, monkeypatch, text, read):
+    """Any text, read a few bytes at a time, gives the blocks (ids, lines, byte offsets, texts) that splitting the
+    whole decoded text at its blank lines gives."""
+    from corpus import readers
+
+    path = tmp_path / "b.txt"
+    path.write_bytes(text.encode())
+    monkeypatch.setattr(readers, "CHUNK", read)
+    rows = block_rows(path)
+    expected = blocks_of(text)
+    if not expected:
+        assert [r[-1] for r in rows] == ["empty file"]
+        return
+    assert rows == [(f"s/b.txt:{line}", line, offset, block, "") for line, offset, block in expected]
+
+
+def test_a_file_of_blocks_streams_past_the_document_cap_with_the_same_documents(tmp_path, monkeypatch):
+    """A file of blank-line blocks larger than max_document_bytes is read block by block: every block a document,
+    the same in reads of 4093 bytes (which split lines and characters) as in reads of CHUNK, plain and zstd, and the
+    reader's memory bounded by its reads and a block, not the file."""
+    from corpus import readers
+    from corpus.readers import CHUNK, Limits
+
+    blocks = [f"block {i} \u00e9\r\n" + "words words words\n" * (i % 7) + "end" for i in range(40_000)]
+    text = "\n\n".join(blocks) + "\n"
+    plain = tmp_path / "blocks.txt"
+    plain.write_bytes(text.encode())
+    (tmp_path / "blocks.txt.zst").write_bytes(zstandard.ZstdCompressor().compress(text.encode()))
+    assert plain.stat().st_size > 2 * CHUNK
+    limits = Limits(max_document_bytes=CHUNK)
+    whole = block_rows(plain, limits)
+    assert [r[3] for r in whole] == blocks and {r[4] for r in whole} == {""}
+    assert [r[1:4] for r in whole] == blocks_of(text)
+    tracemalloc.start()
+    streamed = sum(1 for _ in read_text(str(plain), "s", "blocks.txt", split="blank_lines"))
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert streamed == len(blocks) and peak < 3 * CHUNK, peak  # the file is 2.9 MiB: held whole, 3 times that
+    monkeypatch.setattr(readers, "CHUNK", 4093)
+    assert block_rows(plain, limits) == whole
+    assert [r[1:] for r in block_rows(tmp_path / "blocks.txt.zst", limits)] == [r[1:] for r in whole]
+
+
+def test_a_bad_block_is_a_located_reject_and_the_blocks_after_it_still_arrive(tmp_path):
+    """A block over max_document_bytes (its head only: never held whole), a block with invalid UTF-8, and a zstd
+    file cut inside a block are each one reject with the block's line and byte offset; every other block is a
+    document, so a file's rows are its blocks, documents + rejects."""
+    from corpus.readers import CHUNK, HEAD_BYTES, Limits
+
+    big = "x" * (3 * CHUNK)
+    raw = b"first\n\n" + big.encode() + b"\n\nsecond\n\nbad \xff byte\n\nthird\n\nlast"
+    path = tmp_path / "b.txt"
+    path.write_bytes(raw)
+    rows = list(read_text(str(path), "s", "b.txt", split="blank_lines", limits=Limits(max_document_bytes=CHUNK)))
+    assert [(r["line"], r["offset"], r["reason"] or r["text"]) for r in rows] == [
+        (1, 0, "first"),
+        (3, 7, f"block over 1 MiB ({len(big):,} bytes): not read"),
+        (5, 9 + len(big), "second"),
+        (7, 17 + len(big), "invalid UTF-8: invalid start byte at byte 4"),
+        (9, 29 + len(big), "third"),
+        (11, 36 + len(big), "last")]
+    assert rows[1]["head"] == "x" * HEAD_BYTES and rows[1]["id"] == "" and rows[3]["head"].startswith("bad ")
+    assert [r["id"] for r in rows if not r["reason"]] == ["s/b.txt:1", "s/b.txt:5", "s/b.txt:9", "s/b.txt:11"]
+    cctx = zstandard.ZstdCompressor()  # the cut frame's one compressed block: none of it can be decoded
+    whole = cctx.compress(b"first\n\nsecond\n\nthi") + cctx.compress(b"rd " * 100 + b"\n\nlast")
+    (tmp_path / "cut.txt.zst").write_bytes(whole[:-3])
+    rows = list(read_text(str(tmp_path / "cut.txt.zst"), "s", "cut.txt.zst", split="blank_lines"))
+    assert [(r["line"], r["offset"], r["reason"] or r["text"]) for r in rows] == [
+        (1, 0, "first"), (3, 7, "second"), (5, 15, "truncated file: zstd stream ends inside a frame (file cut short?)")]
+    assert rows[-1]["head"] == "thi"
+
+
 HOSTILE = [
     (b'{"text": "a number too long to read", "n": ' + b"7" * 5000 + b"}",
      "unreadable JSON (ValueError: Exceeds the limit (4300 digits) for integer string conversion)"),
@@ -238,7 +347,7 @@ def test_a_bomb_an_over_long_line_and_an_over_large_text_are_rejects_read_in_bou
     book = tmp_path / "book.txt"
     book.write_bytes(b"word " * (CHUNK // 2))
     (row,) = read_text(str(book), "books", "book.txt", limits=Limits(max_document_bytes=CHUNK))
-    assert row["reason"] == "text file over 1 MiB: not read (one document, or blocks of one, is held whole)"
+    assert row["reason"] == "text file over 1 MiB: not read (one document, held whole)"
     (row,) = read_text(str(book), "books", "book.txt")
     assert not row["reason"] and len(row["text"]) == 5 * (CHUNK // 2)
 
