@@ -115,7 +115,9 @@ def run_pipeline(root: Path, data: Path, tree: Path = ROOT, stages: str = "inges
     root.mkdir(parents=True, exist_ok=True)
     workdir = workdir or root / "work"
     config = root / "bench.yaml"
-    config.write_text(f"workdir: {workdir}\n"
+    # No evaluation set: every document is training, as in the ground truth (the quality's recall counts removals
+    # in duplicates/; an evaluation document's near-copies would leave as near_eval instead).
+    config.write_text(f"workdir: {workdir}\neval: {{fraction: 0}}\n"
                       f"sources: [{{name: gen, format: jsonl, id_field: id, paths: ['{data}']}}]\n")
     cmd = [sys.executable, str(tree / "pipelines" / "full.py"), "--config", str(config), "--only", stages, "--force"]
     base, shm_base = psutil.virtual_memory().used, psutil.disk_usage("/dev/shm").used

@@ -13,7 +13,7 @@ launch one. Each run is `pipelines/full.py --only STAGE --force` in a driver of 
 counts, and the same rows in the output and in every folder of rows set aside (dedup: duplicates/, near_eval/,
 candidates/; normalize: dropped/, eval/). If the faulted run fails, it is run again without a fault, and that
 rerun must be identical. `--set` passes a config override to every run: `ray.small_shuffle_mb=0` puts every
-groupby on Ray Data's hash shuffle, whose aggregators are actors (the path of a corpus's large exchanges).
+groupby on Ray Data's hash shuffle (SHUFFLE_V2), the path of a corpus's large exchanges.
 
 `--json` prints {"stage", "killed_node", "at_phase", "identical", "seconds", "clean_seconds", "first_attempt",
 "rerun_identical"}: seconds are the stage's own (its manifest's), a failed attempt's the driver's whole run. Exits 0 when the stage's output is identical, at the first attempt or at the rerun.
