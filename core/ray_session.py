@@ -25,8 +25,11 @@ class RayConfig:
 
     num_cpus: int | None = None  # None: all cores of this machine
     # A groupby moving less than this many MB shuffles in Ray Data tasks (a sort); more, on Ray Data's
-    # hash-shuffle actors with partitions sized for the data (core/ray_session.py: groupby). 0: always hash.
+    # hash shuffle with partitions sized for the data (core/ray_session.py: groupby). 0: always hash.
     small_shuffle_mb: int = 256
+    # The hash shuffle's shards in files on each node (Ray's disk-based SHUFFLE_V2) instead of the object store:
+    # the driver then holds a handle per map task, not a reference per map task and partition (M x P).
+    disk_shuffle: bool = True
 
     def validate(self, key: str) -> None:
         at_least(self, key, 1, "num_cpus")
@@ -105,4 +108,5 @@ def groupby(ds, key: str, nbytes: int, ray_config: RayConfig, num_partitions: in
         # whole exchange in the driver's memory (96 MB from 60 blocks: +99 MB there; bench_dedup_scale.py --groupby).
         # Blocks of SORT_BLOCK_BYTES first: pieces of megabytes, in the object store, and the groupby 3x faster.
         return ds.repartition(max(1, -(-nbytes // SORT_BLOCK_BYTES))).groupby(key)
+    ds.context.use_disk_based_hash_shuffle = ray_config.disk_shuffle
     return ds.groupby(key, num_partitions=num_partitions or max(1, -(-nbytes // PARTITION_BYTES)))
