@@ -3,6 +3,7 @@
     python benchmarks/bench_dedup_scale.py [--docs 400000 1200000 3600000] [--hot 20000] [--hot-at 400000:80000]
                                            [--baseline cb30c0f]
     python benchmarks/bench_dedup_scale.py --groupby
+    python benchmarks/bench_dedup_scale.py --references
 
 For each size: bench_dedup's generator (10% planted near-duplicates, a tenth of them exact), plus a hot cluster
 (one text and `--hot` one-word edits of it: a band bucket of all of them, and one component), through ingest
@@ -18,6 +19,8 @@ assembly task held. The driver's growth is reported per document between the sma
 
 --groupby: the cause of the driver's growth, alone: one sort-path groupby of 96 MB in 60 blocks, against the same
 repartitioned to blocks of SORT_BLOCK_BYTES first (core/ray_session.py: groupby).
+--references: the hash shuffle's cost on the driver, alone: the references it holds for M map tasks and P
+partitions, with the shards in the object store and on disk (`ray.disk_shuffle`).
 """
 
 from __future__ import annotations
@@ -138,6 +141,44 @@ def groupby_memory(rows: int = 4_000_000, blocks: int = 60) -> None:
         print(f"| {rows:,} | {nbytes / 1e6:.0f} | {blocks} | {n} | {peak[0] / 1e6:.1f} | {seconds:.1f} |")
 
 
+def hash_references(rows: int = 2_000_000, blocks: int = 40, partitions: int = 50) -> None:
+    """One groupby on the hash shuffle (SHUFFLE_V2) with each input block its own map task (M = `blocks`) and
+    `partitions` partitions (P), on the object store and on disk (`ray.disk_shuffle`): the peak number of object
+    references the driver holds (its core worker's reference table, sampled every 5 ms), and the seconds."""
+    import threading
+    import time
+
+    import numpy as np
+    import pyarrow as pa
+    import ray
+    import ray.data
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    core = ray._private.worker.global_worker.core_worker
+    table = pa.table({"part": np.arange(rows) % 997, "key": np.arange(rows, dtype=np.int64)})
+    print("| shards on | M x P | driver references, peak | seconds |\n|---|---|---|---|")
+    for disk in (False, True):
+        ds = ray.data.from_arrow(table).repartition(blocks).materialize()
+        ds.context.use_disk_based_hash_shuffle = disk
+        ds.context.shuffle_input_batch_bytes = 0  # a map task per input block, as at corpus scale with M = bytes / 1 GiB
+        base, peak, stop = len(core.get_all_reference_counts()), [0], threading.Event()
+
+        def sample() -> None:
+            while not stop.is_set():
+                peak[0] = max(peak[0], len(core.get_all_reference_counts()) - base)
+                time.sleep(0.005)
+
+        sampler = threading.Thread(target=sample)
+        sampler.start()
+        start = time.perf_counter()
+        ds.groupby("part", num_partitions=partitions).map_groups(lambda g: g.slice(0, 1), batch_format="pyarrow").materialize()
+        seconds = time.perf_counter() - start
+        stop.set()
+        sampler.join()
+        print(f"| {'disk' if disk else 'object store'} | {blocks} x {partitions} | {peak[0]:,} | {seconds:.1f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--docs", type=int, nargs="+", default=[400_000, 1_200_000, 3_600_000])
@@ -147,10 +188,14 @@ def main() -> None:
     parser.add_argument("--out", default="/tmp/bench_dedup_scale")
     parser.add_argument("--groupby", action="store_true", help="only the sort-path groupby's driver memory, as given and "
                                                                 "in SORT_BLOCK_BYTES blocks")
+    parser.add_argument("--references", action="store_true", help="only the hash shuffle's driver references, on the "
+                                                                   "object store and on disk")
     args = parser.parse_args()
     print(provenance.header())
     if args.groupby:
         return groupby_memory()
+    if args.references:
+        return hash_references()
     root = Path(args.out)
     probe = root / "probe"
     probe.mkdir(parents=True, exist_ok=True)

@@ -94,18 +94,21 @@ def node_rows(batch: pa.Table, priority: dict[str, int], first_eval: int, partit
     ends = [(batch["a_key"], batch["a"], batch["a_source"], batch["b_key"], batch["b"], batch["b_source"], near),
             (batch["b_key"], batch["b"], batch["b_source"], batch["a_key"], batch["a"], batch["a_source"], None)]
     out = []
-    for node, ids, sources, via, via_ids, via_sources, only in ends:
+    for node, ids, sources, via, via_ids, via_sources, only in ends:  # only: the edges that give this end a neighbour
         keys, via_keys = node.to_numpy(), via.to_numpy()
         train, prio = _rank(keys, sources, priority, first_eval)
         via_train, via_prio = _rank(via_keys, via_sources, priority, first_eval)
-        def kept(values, mask=only):  # None: every edge gives this end a neighbour
-            return values if mask is None else pc.if_else(mask, values, pa.scalar(None, values.type))
-
         out.append(pa.table({
             "part": pa.array(part_of(keys, partitions)), "node": node, "id": ids, "source": sources, "train": train,
-            "prio": prio, "j": kept(batch["jaccard"]), "via": kept(via), "via_id": kept(via_ids),
-            "via_train": kept(via_train), "via_prio": kept(via_prio), "root": pa.nulls(len(keys), pa.int64())}, schema=NODE_SCHEMA))
+            "prio": prio, "j": _where(only, batch["jaccard"]), "via": _where(only, via), "via_id": _where(only, via_ids),
+            "via_train": _where(only, via_train), "via_prio": _where(only, via_prio),
+            "root": pa.nulls(len(keys), pa.int64())}, schema=NODE_SCHEMA))
     return pa.concat_tables(out)
+
+
+def _where(mask, values):
+    """`values` where `mask` holds, null elsewhere; all of them where there is no mask."""
+    return values if mask is None else pc.if_else(mask, values, pa.scalar(None, values.type))
 
 
 def label_rows(batch: pa.Table, partitions: int) -> pa.Table:
