@@ -191,7 +191,7 @@ def main() -> None:
     parser.add_argument("--references", action="store_true", help="only the hash shuffle's driver references, on the "
                                                                    "object store and on disk")
     args = parser.parse_args()
-    print(provenance.header())
+    print(provenance.header(), flush=True)
     if args.groupby:
         return groupby_memory()
     if args.references:

@@ -205,7 +205,7 @@ def main() -> int:
     if args.data:
         import chaos_data
 
-        return chaos_data.main(args.data, args.at, args.docs, Path(args.out + "-data"), args.json, args.set)
+        return chaos_data.run(args.data, args.at, args.docs, Path(args.out + "-data"), args.json, args.set)
     faults = parse(args.faults)
     from bench_tokenize import make_shards
 

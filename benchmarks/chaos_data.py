@@ -3,6 +3,7 @@ cluster, and whether the stage still gives the clean run's output.
 
     python benchmarks/chaos.py --data dedup|normalize [--at PHASE] [--docs 40000] [--set KEY=VALUE ...] [--json]
                                [--out /tmp/chaos]   (its folder: /tmp/chaos-data)
+    python benchmarks/chaos_data.py dedup|normalize [the same options]
 
 The cluster is chaos.py's: a head without CPUs (cluster.yaml's) and two one-CPU nodes. bench_dedup's generator
 (10% planted near-duplicates) goes through ingest and normalize once; then the stage runs clean, then again with
@@ -21,6 +22,7 @@ groupby on Ray Data's hash shuffle (SHUFFLE_V2), the path of a corpus's large ex
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import os
@@ -31,6 +33,8 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+import provenance  # noqa: E402  (benchmarks/provenance.py: a script's folder is on sys.path)
 
 # Where each phase first writes, under the stage's partial folder: the drill kills a node once that file exists.
 PHASES = {
@@ -125,7 +129,7 @@ def drill(stage: str, phase: str, docs: int, out: Path, overrides: list[str]) ->
     return report
 
 
-def main(stage: str, phase: str | None, docs: int, out: Path, as_json: bool, overrides: list[str]) -> int:
+def run(stage: str, phase: str | None, docs: int, out: Path, as_json: bool, overrides: list[str]) -> int:
     phase = phase or next(iter(PHASES[stage]))
     if phase not in PHASES[stage]:
         raise SystemExit(f"--at: {stage}'s phases are {', '.join(PHASES[stage])}")
@@ -136,3 +140,20 @@ def main(stage: str, phase: str | None, docs: int, out: Path, as_json: bool, ove
         for key, value in report.items():
             print(f"{key}: {value}")
     return 0 if report["identical"] or report["rerun_identical"] else 1
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("stage", choices=sorted(PHASES))
+    parser.add_argument("--at", help="the phase at which node 2 dies (default: the stage's first)")
+    parser.add_argument("--docs", type=int, default=40_000, help="documents in the generated corpus")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override, every run")
+    parser.add_argument("--json", action="store_true")
+    parser.add_argument("--out", default="/tmp/chaos-data")
+    args = parser.parse_args()
+    print(provenance.header(), flush=True)
+    return run(args.stage, args.at, args.docs, Path(args.out), args.json, args.set)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
