@@ -99,13 +99,32 @@ def one_run(folder: Path, data: Path, name: str, tree: Path, probe: Path) -> dic
             "removed": manifest["counts"]["duplicate"] + manifest["counts"].get("near_eval", 0)}
 
 
+def peak_while(measure, interval: float, work) -> tuple[float, float]:
+    """`work()`, with `measure()` sampled every `interval` s beside it: (its peak above where it started, seconds)."""
+    import threading
+    import time
+
+    base, peak, stop = measure(), [0], threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], measure() - base)
+            time.sleep(interval)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    start = time.perf_counter()
+    work()
+    seconds = time.perf_counter() - start
+    stop.set()
+    sampler.join()
+    return peak[0], seconds
+
+
 def groupby_memory(rows: int = 4_000_000, blocks: int = 60) -> None:
     """One groupby on the sort path (what `core.ray_session.groupby` runs below `ray.small_shuffle_mb`) of `rows` rows
     in `blocks` blocks, as given and repartitioned first to SORT_BLOCK_BYTES blocks (what it does now): the peak
     growth of the driver's Ray memory store, sampled every 10 ms, and the seconds."""
-    import threading
-    import time
-
     import numpy as np
     import pyarrow as pa
     import ray
@@ -121,33 +140,19 @@ def groupby_memory(rows: int = 4_000_000, blocks: int = 60) -> None:
     print("| rows | MB | input blocks | groupby's blocks | driver memory store peak MB | seconds |\n|---|---|---|---|---|---|")
     for repartition in (False, True):
         ds = ray.data.from_arrow(table).repartition(blocks).materialize()
-        nbytes, base, peak, stop = ds.size_bytes(), core.get_local_memory_store_bytes_used(), [0], threading.Event()
-
-        def sample() -> None:
-            while not stop.is_set():
-                peak[0] = max(peak[0], core.get_local_memory_store_bytes_used() - base)
-                time.sleep(0.01)
-
-        sampler = threading.Thread(target=sample)
-        sampler.start()
-        start = time.perf_counter()
+        nbytes = ds.size_bytes()
         ds.context.shuffle_strategy = ShuffleStrategy.SORT_SHUFFLE_PULL_BASED
         n = max(1, -(-nbytes // SORT_BLOCK_BYTES)) if repartition else blocks
         src = ds.repartition(n) if repartition else ds
-        src.groupby("part").map_groups(lambda g: g.slice(0, 1), batch_format="pyarrow").materialize()
-        seconds = time.perf_counter() - start
-        stop.set()
-        sampler.join()
-        print(f"| {rows:,} | {nbytes / 1e6:.0f} | {blocks} | {n} | {peak[0] / 1e6:.1f} | {seconds:.1f} |")
+        peak, seconds = peak_while(core.get_local_memory_store_bytes_used, 0.01, lambda: src.groupby("part").map_groups(
+            lambda g: g.slice(0, 1), batch_format="pyarrow").materialize())
+        print(f"| {rows:,} | {nbytes / 1e6:.0f} | {blocks} | {n} | {peak / 1e6:.1f} | {seconds:.1f} |")
 
 
 def hash_references(rows: int = 2_000_000, blocks: int = 40, partitions: int = 50) -> None:
     """One groupby on the hash shuffle (SHUFFLE_V2) with each input block its own map task (M = `blocks`) and
     `partitions` partitions (P), on the object store and on disk (`ray.disk_shuffle`): the peak number of object
     references the driver holds (its core worker's reference table, sampled every 5 ms), and the seconds."""
-    import threading
-    import time
-
     import numpy as np
     import pyarrow as pa
     import ray
@@ -162,21 +167,9 @@ def hash_references(rows: int = 2_000_000, blocks: int = 40, partitions: int = 5
         ds = ray.data.from_arrow(table).repartition(blocks).materialize()
         ds.context.use_disk_based_hash_shuffle = disk
         ds.context.shuffle_input_batch_bytes = 0  # a map task per input block, as at corpus scale with M = bytes / 1 GiB
-        base, peak, stop = len(core.get_all_reference_counts()), [0], threading.Event()
-
-        def sample() -> None:
-            while not stop.is_set():
-                peak[0] = max(peak[0], len(core.get_all_reference_counts()) - base)
-                time.sleep(0.005)
-
-        sampler = threading.Thread(target=sample)
-        sampler.start()
-        start = time.perf_counter()
-        ds.groupby("part", num_partitions=partitions).map_groups(lambda g: g.slice(0, 1), batch_format="pyarrow").materialize()
-        seconds = time.perf_counter() - start
-        stop.set()
-        sampler.join()
-        print(f"| {'disk' if disk else 'object store'} | {blocks} x {partitions} | {peak[0]:,} | {seconds:.1f} |")
+        peak, seconds = peak_while(lambda: len(core.get_all_reference_counts()), 0.005, lambda: ds.groupby(
+            "part", num_partitions=partitions).map_groups(lambda g: g.slice(0, 1), batch_format="pyarrow").materialize())
+        print(f"| {'disk' if disk else 'object store'} | {blocks} x {partitions} | {peak:,} | {seconds:.1f} |")
 
 
 def main() -> None:

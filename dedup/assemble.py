@@ -152,7 +152,9 @@ def components_reduced(group: pa.Table) -> pa.Table:
     kept = group.take(pa.array(starts))
     sums = {c: pa.array(np.add.reduceat(group[c].to_numpy(), starts) if len(starts) else np.zeros(0, np.int64))
             for c in ("size", "trained")}
-    return kept.set_column(7, "size", sums["size"]).set_column(8, "trained", sums["trained"])
+    for column, total in sums.items():
+        kept = kept.set_column(COMPONENT_SCHEMA.get_field_index(column), column, total)
+    return kept
 
 
 def _salts(components: pa.Table, task_documents: int) -> tuple[np.ndarray, np.ndarray]:

@@ -90,20 +90,22 @@ def keys_by_part(batch: pa.Table) -> pa.Table:
 @dataclass(frozen=True)
 class Inputs:
     """The parts dedup reads: normalize's output (`training`), then its evaluation set's (from `first_eval` on),
-    and the stage's scratch folder `work`. `partitions`: the corpus-sized count of shuffle keys."""
+    and the stage's scratch folder `work`. `partitions`: the corpus-sized count of shuffle keys, from the parts'
+    footers, read once (`of`)."""
     parts: list[str]
     first_eval: int
     work: Path
+    partitions: int
+
+    @classmethod
+    def of(cls, parts: list[str], first_eval: int, work: Path) -> Inputs:
+        return cls(parts, first_eval, work, partitions_for(parquet_bytes(parts)))
 
     @property
     def training(self) -> list[str]:
         return self.parts[:self.first_eval]
 
-    @property
-    def partitions(self) -> int:
-        return partitions_for(parquet_bytes(self.parts))
-
     def tasks(self, kind: type[PartTask], out: str, **extra) -> list[PartTask]:
         """A task of `kind` for every part, writing under work/`out`."""
-        partitions = self.partitions
-        return [kind(p, i, str(self.work / out), partitions, i >= self.first_eval, **extra) for i, p in enumerate(self.parts)]
+        return [kind(p, i, str(self.work / out), self.partitions, i >= self.first_eval, **extra)
+                for i, p in enumerate(self.parts)]

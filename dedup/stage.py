@@ -40,7 +40,7 @@ def run(ctx: StageContext) -> StageResult:
     training = input_parts(ctx.inputs, "normalize")
     if not training:  # normalize kept nothing
         return StageResult(0, 0, {DUPLICATE: 0, evalset.NEAR: 0})
-    inputs = Inputs(training + aside_parts(ctx.inputs, "normalize", evalset.REASON), len(training), ctx.folder / "work")
+    inputs = Inputs.of(training + aside_parts(ctx.inputs, "normalize", evalset.REASON), len(training), ctx.folder / "work")
     priority = {s.name: i for i, s in enumerate(ctx.config.sources)}
     shuffles, folders = Shuffles(ctx.config.ray), {reason: str(ctx.aside(folder)) for reason, folder in FOLDERS.items()}
     with Bar("dedup", "phases", 6) as bar:  # exact; candidates; candidate documents and verification; components; output
