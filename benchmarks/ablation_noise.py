@@ -1,92 +1,233 @@
-"""Does compare.py's verdict know the noise? Null ablations against real ones on the laptop's sample, repeated.
+"""How often is compare.py's verdict wrong, and how often right? Its error rate and power, measured on its own path.
 
-    .venv/bin/python benchmarks/ablation_noise.py [--repeats 3] [--seeds 3] [--workdir /tmp/ablation-noise] [--report]
+    .venv/bin/python benchmarks/ablation_noise.py pool [--seeds 16] [--math-seeds 6] [--workdir /tmp/ablation-noise]
+    .venv/bin/python benchmarks/ablation_noise.py calibrate [--workdir /tmp/ablation-noise] [--baseline 4722f6b]
 
-Each repetition r trains the sample (configs/local.yaml) with `train.seeds` seeds from seed 1000 r, and
-these ablations of it, each with the same seeds unless said:
-- `same-data`: `train.checkpoint_every=100`, a config change that leaves the data and the training as
-  they were (a null ablation: the runs are the same, bit for bit, on a CPU);
-- `other-seeds`: the base's data with other seeds (1000 r + 500 ...): a null ablation that only the
-  seed-to-seed noise separates from the base (Welch's t, since the seeds are not paired);
-- `drop-stories`: `screen.drop=[stories]`, a source removed from training (the evaluation set keeps it).
-  The sample writes stories, bookcorpus, ccnews, reddit and most Pile subsets with one prose
-  generator, so this removes data of a kind the rest still has;
-- `drop-math`: `screen.drop=[DM Mathematics]`, the one subset of a kind of its own (arithmetic);
-- `keep-spiky`: `screen.enabled=false`, the planted spiky subset (HackerNews) kept in training.
+`pool` trains the laptop's sample (configs/local.yaml) as it is on `--seeds` seeds (0, 1, ...: ablation `pool-base`)
+and with the DM Mathematics subset dropped (`screen.drop`, a harmful ablation: arithmetic is a kind of text nothing
+else in the sample writes) on the first `--math-seeds` of them (`pool-drop-math`). The stage cache shares the rest.
 
-Then pipelines/compare.py's verdicts (5% family-wise over each repetition's table) are counted per
-ablation: how many rows came out worse, better or within noise, and the verdict on the rows each real
-ablation is about. The stage cache shares what does not change (the corpus stages, and the screen
-between repetitions).
+`calibrate` reads the pool from MLflow (pipelines/ablations.py, as compare.py does) and draws tables from it, each
+judged by pipelines/compare.py's `verdicts`, at this commit and at `--baseline` (its rule, from `git archive`, in a
+process of its own), on the same draws:
+
+- **Null tables**: a base of n seeds, and two null ablations of other seeds of the same data (disjoint from the
+  base's and each other's): one on its own seeds (compare takes Welch's t), and one whose values are relabelled with
+  the base's seeds (compare pairs them) and whose deviations from the pool's mean are inflated 3x (an ablation
+  noisier than the rest, as a shorter run or a smaller subset is). Any verdict on any row is a false one: the
+  measured rates, per row and per table, are against the stated 5% per table, with Wilson intervals over the draws
+  (drawn from one pool, so the pool's own luck is not in them; the synthetic tables below are free of it).
+- **Power**: a base of n seeds, the DM Mathematics ablation on the same n seeds (paired), and one null ablation of
+  other seeds (a table of two ablations, as the README's example): how often DM Mathematics' row says `worse`.
+- **Synthetic tables**: the same layouts with Gaussian seeds, each row's spread and the DM Mathematics effect
+  taken from the pool, many more draws: rates with tight intervals, and power for more seed counts.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
+import json
+import math
+import subprocess
 import sys
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-import provenance  # noqa: E402  (benchmarks/provenance.py: a script's folder is on sys.path)
+MATH = "pile.DM Mathematics"
+INFLATE = 3.0  # the noisy null ablation's deviations, against the others'
 
-ABLATIONS = {  # name -> (--set overrides beyond the seeds, seed offset)
-    "base": ([], 0),
-    "same-data": (["train.checkpoint_every=100"], 0),
-    "other-seeds": ([], 500),
-    "drop-stories": (["screen.drop=[stories]"], 0),
-    "drop-math": (["screen.drop=[DM Mathematics]"], 0),
-    "keep-spiky": (["screen.enabled=false"], 0),
-}
-WATCHED = {"drop-stories": ["stories"], "drop-math": ["pile.DM Mathematics"], "keep-spiky": ["pile.HackerNews", "pile"]}
+
+def pool(args) -> None:
+    from pipelines.full import main as full
+
+    for name, sets in (("pool-base", [f"train.seeds={args.seeds}"]),
+                       ("pool-drop-math", [f"train.seeds={args.math_seeds}", "screen.drop=[DM Mathematics]"])):
+        argv = ["--workdir", args.workdir, "--ablation", name]
+        for item in [*sets, *args.set]:
+            argv += ["--set", item]
+        t0 = time.time()
+        assert full(argv) == 0, f"{name} failed"
+        print(f"[bench] {name}: {time.time() - t0:.0f}s", flush=True)
+
+
+def read_pool(workdir: str) -> dict:
+    """{ablation: {"seeds": [...], "bpb": {row: [one value per seed]}}} of the pool's two ablations."""
+    from pipelines.ablations import read
+
+    return {a.name: {"seeds": a.seeds, "bpb": a.bpb} for a in read(["pool-base", "pool-drop-math"], workdir=workdir)}
+
+
+def wilson(k: int, n: int, z: float = 1.96) -> tuple[float, float]:
+    if n == 0:
+        return float("nan"), float("nan")
+    p = k / n
+    centre, half = (p + z * z / (2 * n)) / (1 + z * z / n), z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / (1 + z * z / n)
+    return centre - half, centre + half
+
+
+def null_tables(base: dict, n: int, draws: int, rng, synthetic: bool) -> list[list[tuple[str, list[int], dict]]]:
+    """Null tables of (name, seeds, {row: values}): base, `other-seeds` (its own seeds) and `noisy` (relabelled with
+    base's seeds, deviations inflated). From the pool's runs, or (synthetic) Gaussian with each row's pool spread."""
+    import numpy as np
+
+    rows, seeds = list(base["bpb"]), base["seeds"]
+    values = np.array([base["bpb"][r] for r in rows])  # rows x seeds
+    mean, sd = values.mean(axis=1, keepdims=True), values.std(axis=1, ddof=1, keepdims=True)
+    out = []
+    for _ in range(draws):
+        if synthetic:
+            b, o, z = (mean + sd * rng.standard_normal((len(rows), n)) for _ in range(3))
+            sb, so = list(range(n)), list(range(100, 100 + n))
+        else:
+            pick = rng.choice(len(seeds), 3 * n, replace=False)
+            b, o, z = (values[:, pick[k * n:(k + 1) * n]] for k in range(3))
+            sb, so = [seeds[i] for i in pick[:n]], [seeds[i] for i in pick[n:2 * n]]
+        z = mean + INFLATE * (z - mean)
+        out.append([("base", sb, dict(zip(rows, b.tolist()))), ("other-seeds", so, dict(zip(rows, o.tolist()))),
+                    ("noisy", sb, dict(zip(rows, z.tolist())))])
+    return out
+
+
+def power_tables(base: dict, math_run: dict, n: int, draws: int, rng, synthetic: bool) -> list:
+    """Tables of base (n seeds), `drop-math` on the same seeds and a null ablation of other seeds."""
+    import numpy as np
+
+    rows, seeds = list(base["bpb"]), base["seeds"]
+    values = np.array([base["bpb"][r] for r in rows])
+    shared = [s for s in math_run["seeds"] if s in seeds]
+    paired_b = np.array([[base["bpb"][r][seeds.index(s)] for s in shared] for r in rows])
+    paired_m = np.array([[math_run["bpb"][r][math_run["seeds"].index(s)] for s in shared] for r in rows])
+    diffs = paired_m - paired_b
+    mean, sd = values.mean(axis=1, keepdims=True), values.std(axis=1, ddof=1, keepdims=True)
+    out = []
+    for _ in range(draws):
+        if synthetic:
+            b, o = (mean + sd * rng.standard_normal((len(rows), n)) for _ in range(2))
+            d = diffs.mean(axis=1, keepdims=True) + diffs.std(axis=1, ddof=1, keepdims=True) * rng.standard_normal((len(rows), n))
+            m, sb, so = b + d, list(range(n)), list(range(100, 100 + n))
+        else:
+            pick = rng.choice(len(shared), n, replace=False)
+            others = [i for i in range(len(seeds)) if seeds[i] not in shared]
+            rest = rng.choice(others, n, replace=False)
+            b, m, o = paired_b[:, pick], paired_m[:, pick], values[:, rest]
+            sb, so = [shared[i] for i in pick], [seeds[i] for i in rest]
+        out.append([("base", sb, dict(zip(rows, b.tolist()))), ("drop-math", sb, dict(zip(rows, m.tolist()))),
+                    ("other-seeds", so, dict(zip(rows, o.tolist())))])
+    return out
+
+
+def judge(tables: list) -> dict:
+    """Each table through compare.verdicts (the tree on sys.path: this commit's or the baseline's): the false
+    verdicts of the null ones, per row and per table; or, for power tables, DM Mathematics' verdicts."""
+    from pipelines import compare
+    from pipelines.ablations import Ablation
+
+    rows_judged = rows_wrong = tables_wrong = math_worse = 0
+    for table in tables:
+        ablations = [Ablation(name, "", seeds=seeds, bpb=bpb) for name, seeds, bpb in table]
+        _, _, found = compare.verdicts(ablations)
+        said = {(name, row): compare.verdict(d) for name, by_row in found.items() for row, d in by_row.items()}
+        if "drop-math" in found:
+            math_worse += said[("drop-math", MATH)] == "worse"
+            said = {k: v for k, v in said.items() if k[0] != "drop-math"}
+        wrong = [v for v in said.values() if v in ("worse", "better")]
+        rows_judged, rows_wrong, tables_wrong = rows_judged + len(said), rows_wrong + len(wrong), tables_wrong + bool(wrong)
+    return {"tables": len(tables), "rows": rows_judged, "rows_wrong": rows_wrong, "tables_wrong": tables_wrong,
+            "math_worse": math_worse}
+
+
+def measure(args) -> None:
+    """Runs inside the tree whose rule is measured (sys.path[0]): every layout, printed as JSON."""
+    import numpy as np
+
+    data = json.loads(Path(args.pool_json).read_text())
+    base, math_run = data["pool-base"], data["pool-drop-math"]
+    found = {}
+    for synthetic, draws in ((False, args.tables), (True, args.synthetic)):
+        kind = "synthetic" if synthetic else "pool"
+        for n in (2, 3, 5):
+            if 3 * n <= len(base["seeds"]) or synthetic:
+                found[f"{kind} null n={n}"] = judge(null_tables(base, n, draws, np.random.default_rng(n), synthetic))
+        for n in (2, 3, 4, 5, 6, 8):
+            if n <= len(math_run["seeds"]) or synthetic:
+                found[f"{kind} power n={n}"] = judge(power_tables(base, math_run, n, draws, np.random.default_rng(100 + n), synthetic))
+    print(json.dumps(found))
+
+
+def tree_of(commit: str, out: Path) -> Path:
+    tree = out / f"tree-{commit}"
+    if not tree.is_dir():
+        tree.mkdir(parents=True)
+        archive = subprocess.run(["git", "-C", str(ROOT), "archive", commit], capture_output=True, check=True).stdout
+        subprocess.run(["tar", "-x", "-C", str(tree)], input=archive, check=True)
+    return tree
+
+
+def calibrate(args) -> None:
+    import provenance  # benchmarks/provenance.py: a script's folder is on sys.path
+
+    print(provenance.header(), flush=True)
+    data = read_pool(args.workdir)
+    pool_json = Path(args.workdir) / "pool.json"
+    pool_json.write_text(json.dumps(data))
+    print(f"pool: pool-base seeds {data['pool-base']['seeds']}, pool-drop-math seeds {data['pool-drop-math']['seeds']}; "
+          f"{len(data['pool-base']['bpb'])} rows; {args.tables} draws from the pool, {args.synthetic} synthetic, per layout\n")
+    results = {}
+    for label, tree in ((args.baseline, tree_of(args.baseline, Path(args.workdir))), ("now", ROOT)):
+        t0 = time.time()
+        out = subprocess.run([sys.executable, __file__, "measure", "--root", str(tree), "--pool-json", str(pool_json),
+                              "--tables", str(args.tables), "--synthetic", str(args.synthetic)],
+                             capture_output=True, text=True, check=True).stdout
+        results[label] = json.loads(out.strip().splitlines()[-1])
+        print(f"[bench] {label}: {time.time() - t0:.0f}s", flush=True)
+    report(results, args.baseline)
+
+
+def report(results: dict, baseline: str) -> None:
+    def rate(k: int, n: int) -> str:
+        low, high = wilson(k, n)
+        return f"{k / n:.2%} [{low:.2%}, {high:.2%}]" if n else "-"
+
+    print("\n| layout | rule | tables | false verdicts per row | tables with any false verdict (stated: 5%) | "
+          "now / baseline (tables) |")
+    print("|---|---|---|---|---|---|")
+    for layout in (k for k in results["now"] if " null " in k):
+        before = results[baseline][layout]["tables_wrong"]
+        for label in (baseline, "now"):
+            r = results[label][layout]
+            ratio = f"{r['tables_wrong'] / before:.2f}x" if label == "now" and before else ""
+            print(f"| {layout} | {label} | {r['tables']} | {rate(r['rows_wrong'], r['rows'])} | "
+                  f"{rate(r['tables_wrong'], r['tables'])} | {ratio} |")
+    print("\n| layout | rule | tables | DM Mathematics dropped: `worse` (power) |")
+    print("|---|---|---|---|")
+    for layout in (k for k in results["now"] if " power " in k):
+        for label in (baseline, "now"):
+            r = results[label][layout]
+            print(f"| {layout} | {label} | {r['tables']} | {rate(r['math_worse'], r['tables'])} |")
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--seeds", type=int, default=3)
-    p.add_argument("--workdir", default="/tmp/ablation-noise")
-    p.add_argument("--report", action="store_true", help="no runs: the verdicts of the runs already in --workdir")
+    sub = p.add_subparsers(dest="command", required=True)
+    a = sub.add_parser("pool")
+    a.add_argument("--seeds", type=int, default=16)
+    a.add_argument("--math-seeds", type=int, default=6)
+    a.add_argument("--workdir", default="/tmp/ablation-noise")
+    a.add_argument("--set", action="append", default=[], help="more overrides for both (full.py's --set)")
+    c = sub.add_parser("calibrate")
+    c.add_argument("--workdir", default="/tmp/ablation-noise")
+    c.add_argument("--baseline", default="4722f6b", help="the commit whose rule is measured beside this one's")
+    c.add_argument("--tables", type=int, default=2000)
+    c.add_argument("--synthetic", type=int, default=10000)
+    m = sub.add_parser("measure")  # inside one tree: calibrate runs it twice
+    m.add_argument("--root", required=True)
+    m.add_argument("--pool-json", required=True)
+    m.add_argument("--tables", type=int, required=True)
+    m.add_argument("--synthetic", type=int, required=True)
     args = p.parse_args()
-    print(provenance.header(), flush=True)
-
-    from pipelines import compare
-    from pipelines.ablations import read
-    from pipelines.full import main as full
-
-    began = time.time()
-    if not args.report:
-        for r in range(args.repeats):
-            for name, (sets, offset) in ABLATIONS.items():
-                overrides = [f"train.seeds={args.seeds}", f"train.seed={1000 * r + offset}", *sets]
-                argv = ["--workdir", args.workdir, "--ablation", f"{name}-r{r}"]
-                for item in overrides:
-                    argv += ["--set", item]
-                t0 = time.time()
-                assert full(argv) == 0, f"{name}-r{r} failed"
-                print(f"[bench] {name}-r{r}: {time.time() - t0:.0f}s", flush=True)
-    counts: dict[str, collections.Counter] = {name: collections.Counter() for name in ABLATIONS if name != "base"}
-    watched: dict[str, list[str]] = collections.defaultdict(list)
-    for r in range(args.repeats):
-        ablations = read([f"{name}-r{r}" for name in ABLATIONS], workdir=args.workdir)
-        print(compare.bpb_table(ablations) + "\n", flush=True)
-        rows, _, found = compare.verdicts(ablations)
-        for tagged, by_row in found.items():
-            name = tagged.rsplit("-r", 1)[0]
-            counts[name].update(compare.verdict(d) for d in by_row.values())
-            for row in WATCHED.get(name, []):
-                d = by_row[row]
-                watched[f"{name} on {row}"].append(f"{compare.verdict(d)} ({d.delta:+.3f} ± {d.half:.3f})")
-    print(f"{args.repeats} repetitions of {args.seeds} seeds, {len(rows)} rows each; {time.time() - began:.0f}s\n")
-    print("| ablation | rows worse | rows better | rows within noise |")
-    print("|---|---|---|---|")
-    for name, c in counts.items():
-        print(f"| {name} | {c['worse']} | {c['better']} | {c['within noise']} |")
-    print()
-    for what, verdicts in watched.items():
-        print(f"- {what}: {', '.join(verdicts)}")
+    sys.path.insert(0, str(Path(args.root) if args.command == "measure" else ROOT))
+    {"pool": pool, "calibrate": calibrate, "measure": measure}[args.command](args)
 
 
 if __name__ == "__main__":

@@ -37,9 +37,10 @@ sys.path.insert(0, str(ROOT))
 import provenance  # noqa: E402  (benchmarks/provenance.py: a script's folder is on sys.path)
 
 # Where each phase first writes, under the stage's partial folder: the drill kills a node once that file exists.
+# The first listed is the default --at (dedup: exact, as the recorded drills ran; decontamination runs before it).
 PHASES = {
-    "dedup": {"exact": "work/index/*", "candidates": "work/bands/*", "verification": "work/shingles/*",
-              "assembly": "work/removed-*", "output": "output/*"},
+    "dedup": {"exact": "work/index/*", "decontamination": "work/decontaminated/*", "candidates": "work/bands/*",
+              "verification": "work/shingles/*", "assembly": "work/removed-*", "output": "output/*"},
     "normalize": {"tasks": "output/*"},
 }
 ASIDE = {"dedup": ("duplicates", "near_eval", "candidates"), "normalize": ("dropped", "eval")}

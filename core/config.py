@@ -266,11 +266,29 @@ def local_path(path: str, key: str) -> str:
         raise ConfigError(key, str(exc)) from None
 
 
+# A field's metadata that makes it a section of its own stage: left out of its parent's section_dict, so that the
+# stages keyed on the parent do not rerun when only it changes (eval.downstream: the downstream stage's).
+KEYED_APART = "keyed_apart"
+
+
+def section_of(config: Any, name: str) -> Any:
+    """A config section by name; a dotted name is a section inside one (`eval.downstream`)."""
+    value = config
+    for part in name.split("."):
+        value = getattr(value, part)
+    return value
+
+
 def section_dict(config: Any, section: str | tuple[str, ...]) -> Any:
-    """A config section (or several, by name) as plain data: what fingerprints and MLflow params are made of."""
+    """A config section (or several, by name) as plain data: what fingerprints and MLflow params are made of. The
+    fields marked KEYED_APART are not in it: they are sections of their own (section_dict(config, "eval.downstream"))."""
     if isinstance(section, tuple):
         return {name: section_dict(config, name) for name in section}
-    value = getattr(config, section)
+    value = section_of(config, section)
     if isinstance(value, list):
         return [dataclasses.asdict(v) for v in value]
-    return dataclasses.asdict(value)
+    out = dataclasses.asdict(value)
+    for f in dataclasses.fields(value):
+        if f.metadata.get(KEYED_APART):
+            del out[f.name]
+    return out

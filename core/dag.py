@@ -46,7 +46,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Protocol
 
 from core import console, outputs
-from core.config import section_dict
+from core.config import section_dict, section_of
 from core.imports import imported
 
 log = logging.getLogger("pipelines")
@@ -82,6 +82,9 @@ class StageResult:
     set_aside: dict[str, int] = field(default_factory=dict)  # reason -> rows written beside the output
     metrics: dict[str, float] = field(default_factory=dict)  # anything else worth a number in MLflow
     fields: dict[str, Any] = field(default_factory=dict)  # stage-specific manifest entries (train: steps, final_loss)
+    # MLflow tags of the stage's run (train: eval.seeds, eval.fingerprint), kept in the manifest so that a cache
+    # hit's run carries them too: a user who filters runs by a tag finds the cache hits as well
+    tags: dict[str, str] = field(default_factory=dict)
 
     def counts(self) -> dict[str, int]:
         return {"rows_in": self.rows_in, "rows_out": self.rows_out, **self.set_aside}
@@ -135,6 +138,7 @@ class Tracker(Protocol):
     def stage(self, name: str, params: dict, tags: dict, resume_run_id: str | None = None) -> Any: ...
     def log_metrics(self, metrics: dict[str, float]) -> None: ...
     def set_tag(self, key: str, value: str) -> None: ...
+    def final_metrics(self, run_id: str) -> dict[str, float]: ...
 
 
 @dataclass
@@ -286,7 +290,7 @@ def _write_json_atomic(path: Path, data: dict) -> None:
 
 
 _MANIFEST_KEYS = ("stage", "fingerprint", "inputs", "config", "code_version", "counts", "metrics", "started",
-                  "finished", "mlflow_run_id", "output", "output_in_workdir", "files")
+                  "finished", "mlflow_run_id", "tags", "output", "output_in_workdir", "files")
 
 
 def _now() -> str:
@@ -396,7 +400,7 @@ class Runner:
                 if stage.resumable:
                     _write_json_atomic(attempt, {"mlflow_run_id": run_id, "started": started})
                 first = stage.section[0] if isinstance(stage.section, tuple) else stage.section
-                section = getattr(self.config, first)
+                section = section_of(self.config, first)
                 ctx = StageContext(stage.name, self.config, section, inputs, folder, stage_log, run_id, fp, bool(resume))
                 result = stage.run(ctx)
                 _check_result(stage.name, result)
@@ -412,6 +416,8 @@ class Runner:
                 metrics["rows_per_second"] = result.rows_in / seconds
             tracker.log_metrics(metrics)
             tracker.set_tag("counts", ",".join(counts))  # which metrics are row counts (pipelines/compare.py)
+            for key, value in result.tags.items():
+                tracker.set_tag(key, value)
             manifest = {
                 "stage": stage.name,
                 "fingerprint": fp,
@@ -423,6 +429,7 @@ class Runner:
                 "started": started,
                 "finished": _now(),
                 "mlflow_run_id": run_id,
+                "tags": result.tags,
                 **{k: v for k, v in result.fields.items() if k not in _MANIFEST_KEYS},
             }
             manifest = self.workdir.commit(folder, manifest)
@@ -446,9 +453,13 @@ class Runner:
                 "cache_hit": "true",
                 "cached_from_run": str(manifest.get("mlflow_run_id")),
                 "counts": ",".join(manifest["counts"]),
+                **manifest.get("tags", {}),  # the reused run's own (its metrics below are too)
             },
         ):
-            tracker.log_metrics({**manifest["counts"], **manifest.get("metrics", {})})
+            # every metric of the reused run, its workers' step by step ones as they ended too (the manifest has only
+            # the stage's own), so that the cache hit's run reads like the one it reuses
+            reused = tracker.final_metrics(str(manifest.get("mlflow_run_id")))
+            tracker.log_metrics({**reused, **manifest["counts"], **manifest.get("metrics", {})})
 
 
 def _check_result(stage: str, result: Any) -> None:

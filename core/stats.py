@@ -1,5 +1,5 @@
-"""The statistics the pipeline's decisions rest on, in one place: Student t intervals over seeds, paired
-differences with their noise pooled over several comparisons, and the rule every verdict follows (an interval
+"""The statistics the pipeline's decisions rest on, in one place: Student t intervals over seeds, a spread pooled
+over groups (the screen's), the difference of two groups of seeds (compare.py's), and the rule every verdict follows (an interval
 that excludes the line decides; one that straddles it does not). The screen's keep/drop
 (screen/score.py) and compare.py's better/worse both use them."""
 
@@ -52,26 +52,24 @@ def side(low: float, high: float, line: float = 0.0) -> str:
     return ABOVE if low > line else BELOW if high < line else WITHIN
 
 
-def paired_noise(base: list[float], others: list[list[float]]) -> tuple[float, int]:
-    """The spread of the per-seed differences from the base, pooled over the comparisons that ran the base's seeds
-    (each around its own mean difference, so their effects do not count): (sum of squares, degrees of freedom).
-    A comparison whose runs are the base's, bit for bit (a difference of 0 on every seed), tells nothing of the
-    noise and is left out."""
-    diffs = [np.subtract(values, base) for values in others]
-    return pooled_spread([d for d in diffs if np.any(d != 0)])
-
-
 @dataclass
 class Difference:
     delta: float  # the other's mean minus the base's
     half: float  # the half-width of its interval (nan: no interval)
-    side: str  # ABOVE or BELOW 0 (the interval excludes it), WITHIN, or why there is no verdict (NO_INTERVAL, ...)
+    side: str  # ABOVE or BELOW 0 (the interval excludes it), WITHIN, or why there is no verdict (not enough seeds, ...)
 
 
-NO_INTERVAL = "no interval (1 seed)"
+# A verdict needs this many seeds on each side (paired: this many shared seeds). With two, the interval's t-quantile
+# has one degree of freedom: at the table's family-wise level (0.05 over 26 comparisons) it is about 330, and an
+# interval of +-100 bits per byte says nothing that "not enough seeds" does not say more plainly.
+MIN_SEEDS = 3
 # Seeds that differ by exactly the same amount, every one: a spread of 0 would make a zero-width interval, and any
 # difference at all a verdict. No noise estimate is not no noise.
 ZERO_SPREAD = "no verdict (zero spread)"
+
+
+def not_enough_seeds(n: int) -> str:
+    return f"not enough seeds ({n}; {MIN_SEEDS} decide)"
 
 
 def failed_seed(values: list[float], seeds: list[int]) -> int | None:
@@ -80,24 +78,29 @@ def failed_seed(values: list[float], seeds: list[int]) -> int | None:
     return next((seed for seed, v in zip(seeds, values) if not math.isfinite(v)), None)
 
 
-def difference(base: list[float], other: list[float], alpha: float, noise: tuple[float, int] | None = None) -> Difference:
-    """The other's difference from the base over seeds, with its two-sided (1 - alpha) interval. With `noise`
-    (paired_noise: the other ran the base's seeds), Student t over the per-seed differences with that pooled
-    spread; without, Welch's t over the two groups of seeds."""
+def difference(base: list[float], other: list[float], alpha: float, paired: bool) -> Difference:
+    """The other's difference from the base over seeds, with its two-sided (1 - alpha) interval.
+
+    Paired (the two ran the same seeds, in the same order): Student t over the per-seed differences, with their
+    own spread and n - 1 degrees of freedom. Nothing is pooled with other comparisons: an ablation noisier than
+    the rest (a shorter run, a smaller subset) is judged by its own noise, and two ablations that share the base's
+    deviations do not count as independent evidence of the noise (both made a pooled rule's verdicts wrong up to
+    8 times more often than stated: docs/benchmarks.md). Unpaired: Welch's t over the two groups of seeds. Under
+    MIN_SEEDS on either side: no verdict."""
     delta = float(np.mean(other) - np.mean(base))
-    if noise is not None:
+    if paired:
         diffs = np.subtract(other, base)
         if len(diffs) and not np.any(diffs != 0):
-            return Difference(0.0, 0.0, WITHIN)  # the same runs
-        ss, df = noise
-        if df < 1:
-            return Difference(delta, float("nan"), NO_INTERVAL)
-        if ss == 0:
+            return Difference(0.0, 0.0, WITHIN)  # the same runs, bit for bit
+        if len(diffs) < MIN_SEEDS:
+            return Difference(delta, float("nan"), not_enough_seeds(len(diffs)))
+        sd = float(np.std(diffs, ddof=1))
+        if sd == 0:
             return Difference(delta, float("nan"), ZERO_SPREAD)
-        half = half_width(ss, df, len(diffs), alpha / 2)
+        half = t_quantile(1 - alpha / 2, len(diffs) - 1) * sd / math.sqrt(len(diffs))
     else:
-        if min(len(base), len(other)) < 2:
-            return Difference(delta, float("nan"), NO_INTERVAL)
+        if min(len(base), len(other)) < MIN_SEEDS:
+            return Difference(delta, float("nan"), not_enough_seeds(min(len(base), len(other))))
         va, vb = np.var(other, ddof=1) / len(other), np.var(base, ddof=1) / len(base)
         se = float(np.sqrt(va + vb))
         if se == 0:

@@ -161,6 +161,16 @@ class MlflowTracker:
     def log_artifact(self, path) -> None:
         self.client.log_artifact(self._run_id, str(path))
 
+    def final_metrics(self, run_id: str) -> dict[str, float]:
+        """A run's metrics as they ended (each one's last value); {} when this store does not have it (a workdir
+        tracked elsewhere before)."""
+        from mlflow.exceptions import MlflowException
+
+        try:
+            return dict(self.client.get_run(run_id).data.metrics)
+        except MlflowException:
+            return {}
+
 
 class StageRun:
     """A stage's MLflow run as the stage's own code reaches it, by tracking URI and run id (its StageContext's):

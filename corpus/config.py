@@ -6,12 +6,13 @@ pipelines/config.py composes them into the pipeline's config.
 
 from __future__ import annotations
 
+import hashlib
 import os
 from dataclasses import dataclass, field
 from typing import Literal
 
 from core import storage
-from core.config import ConfigError, at_least, local_path, no_credentials
+from core.config import KEYED_APART, ConfigError, at_least, local_path, no_credentials, positive
 
 # The Pile subsets OPT kept (by `meta.pile_set_name`); the other 14 it dropped.
 OPT_PILE_SUBSETS = [
@@ -86,16 +87,85 @@ class NormalizeConfig:
 
 
 @dataclass
+class DecontaminateConfig:
+    """What counts as a copy of an evaluation document in training (dedup/decontaminate.py), with settings of its
+    own: fixed across dedup ablations, and part of the evaluation set's fingerprint.
+
+    A training document T leaves as `near_eval` when, for some evaluation document E, the word n-grams they share
+    are at least `threshold` of the smaller one's: |G(T) & G(E)| / min(|G(T)|, |G(E)|) >= threshold.
+    13 words: GPT-3's overlap length (Brown et al. 2020, appendix C), long enough that unrelated texts share
+    almost none by chance, so what is shared is copied. 0.5 of the smaller document: a near-copy that dedup's
+    rule caught (Jaccard >= 0.7 on 5-word shingles, scattered edits) shares more than half its 13-grams, so this
+    removes every such copy whatever dedup.threshold is, and also what dedup's Jaccard cannot see: an evaluation
+    document inside a longer training one, or a training document that is a piece of one (Paloma's concern,
+    Magnusson et al. 2023); a few quoted sentences or shared boilerplate in long documents stay well below it."""
+
+    ngram: int = 13  # words per n-gram
+    threshold: float = 0.5  # of the smaller document's distinct n-grams, shared with one evaluation document
+
+    def validate(self, key: str) -> None:
+        at_least(self, key, 1, "ngram")
+        if not 0.0 < self.threshold <= 1.0:
+            raise ConfigError(f"{key}.threshold", f"expected a fraction of n-grams in (0, 1], got {self.threshold}")
+
+
+@dataclass
+class DownstreamConfig:
+    """Downstream tasks through lm-evaluation-harness (train/downstream/): each seed's exported model scored on
+    `tasks`, zero-shot by default as OPT's were, by the downstream stage after train.
+
+    `tasks` are lm-eval's names (a task, group or tag: `lm_eval --tasks list`) or ours (corpus/lm_eval_tasks/:
+    `heldout_continuation`, made offline from this evaluation set). A name neither knows is refused at load
+    (corpus/lm_eval_names.py, which reads them without importing lm-eval)."""
+
+    tasks: list[str] = field(default_factory=list)  # none: the stage evaluates nothing
+    limit: int | None = None  # examples per task at most (lm-eval's first ones; ours are shuffled): None for all
+    num_fewshot: int = 0
+    batch_size: int = 16
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"  # auto: the model's, as exported
+    gpus: float = 0  # of the evaluation's Ray task (the seeds go one after another); over 1: each model split over them
+    cpus: float = 1  # of that task, and torch's threads
+    seed: int = 0  # heldout_continuation's draw, and lm-eval's generators
+
+    def validate(self, key: str) -> None:
+        at_least(self, key, 1, "limit", "batch_size")
+        at_least(self, key, 0, "num_fewshot", "gpus")
+        positive(self, key, "cpus")
+        for i, name in enumerate(self.tasks):
+            if name in self.tasks[:i]:
+                raise ConfigError(f"{key}.tasks[{i}]", f"{name!r} is listed twice")
+        from corpus import lm_eval_names as names
+
+        if unknown := names.unknown(self.tasks):
+            i = self.tasks.index(unknown[0])
+            version = names.lm_eval_version()
+            raise ConfigError(f"{key}.tasks[{i}]", f"unknown task {unknown[0]!r}: neither ours ({', '.join(names.ours())})"
+                              + (f" nor a task, group or tag of lm-eval {version} (`lm_eval --tasks list`)" if version
+                                 else " and lm-eval is not installed"))
+
+
+@dataclass
 class EvalConfig:
     """The held-out evaluation set (corpus/evalset.py): drawn at normalize, before dedup and the screen, so that
-    every data ablation is evaluated on the same documents."""
+    every data ablation is evaluated on the same documents; and what is removed from training as its copies
+    (`decontaminate`, in the dedup stage's first phase)."""
 
     fraction: float = 0.0025  # of each source's (and so each subset's) documents; OPT held out ~200 MB of ~800 GB
     seed: int = 0  # the draw is a seeded hash of (source, id): a document is in or out whatever else changes
+    decontaminate: DecontaminateConfig = field(default_factory=DecontaminateConfig)
+    # after training: the downstream stage's section alone (KEYED_APART), so that a new task list reruns only it
+    downstream: DownstreamConfig = field(default_factory=DownstreamConfig, metadata={KEYED_APART: True})
 
     def validate(self, key: str) -> None:
         if not 0.0 <= self.fraction < 1.0:
             raise ConfigError(f"{key}.fraction", f"expected a fraction in [0, 1), got {self.fraction}")
+
+    def identity(self) -> int:
+        """What the evaluation set's fingerprint adds to its documents' hashes (corpus/normalize.py): the
+        decontamination settings, so that runs whose training was decontaminated differently are not compared."""
+        d = self.decontaminate
+        settings = f"eval.decontaminate\0ngram={d.ngram}\0threshold={float(d.threshold)!r}"
+        return int.from_bytes(hashlib.sha256(settings.encode()).digest(), "big")
 
 
 TOKENIZER_FILES = ("vocab", "merges", "fairseq_dict")  # kind gpt2 reads these; paths resolved at load

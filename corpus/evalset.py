@@ -4,23 +4,32 @@ Drawn in the normalize stage, before dedup and the screen, by a seeded hash of e
 (source, id): a document is in the set or not whatever dedup, the screen or any later setting does,
 so the base run and an ablation are evaluated on the same documents (and the same texts: the set is
 normalized like the corpus). It leaves the training corpus there, as a reason of its own in
-normalize's counts (`eval`), and dedup removes every training document that its MinHash-LSH finds
-to be a near-duplicate of one of its documents (`near_eval`). The subsets the screen drops stay in
-the set: their rows say what dropping them cost on that kind of text.
+normalize's counts (`eval`). The dedup stage's first phase (dedup/decontaminate.py), before its own
+phases and with settings of its own (`eval.decontaminate`: word 13-grams, half of the smaller
+document's shared with one evaluation document), removes every training document that overlaps one
+of its documents (`near_eval`): no dedup.* setting changes which, so every dedup ablation trains
+without the same documents. The subsets the screen drops stay in the set: their rows say what
+dropping them cost on that kind of text.
 
 The tokenize stage lays each (source, subset)'s documents end to end, each ending with </s> as in
 training, after one </s> that opens the stream, and cuts the stream into windows of seq_len + 1
-tokens that overlap by one: every token of every document (and each closing </s>) is predicted
-exactly once, with the stream's earlier tokens in the window as its context. The last window is
-filled with <pad>, whose targets are ignored.
+tokens that overlap by one: every token of every document is predicted exactly once, with the
+stream's earlier tokens in the window as its context. Each document's closing </s> stays in the
+stream as context (the model was trained that way) but is not scored: its target is ignored, as
+Paloma and nanochat leave special tokens out, since it encodes no byte of the text. The last window
+is filled with <pad>, whose targets are ignored too (were <pad> and </s> one id, both would be
+ignored all the same). A unit's `tokens` counts the targets scored: its documents' tokens, no </s>.
 
 Bits per byte: the summed negative log-likelihood of those tokens, in bits, over the UTF-8 bytes of
-the texts they encode. Unlike a loss per token it does not depend on the tokenizer. A source's row
-sums its subsets'; the whole set's row sums every source's.
+the texts they encode. Unlike a loss per token it does not depend on the tokenizer. `eval.loss` is
+nats per token scored (per non-</s> token). A source's row sums its subsets'; the whole set's row
+sums every source's; so do the rows' sizes (`eval.size.documents`, `.bytes`, `.tokens`).
 
 The fingerprint is a hash over the set's documents' (source, id, text), as a sum of one SHA-256 per
-document (order-free, so each normalize task adds up its own): runs tagged with different
-fingerprints were evaluated on different sets, and pipelines/compare.py refuses to compare them.
+document (order-free, so each normalize task adds up its own), plus one of the decontamination
+settings (`EvalConfig.identity`): runs tagged with different fingerprints were evaluated on different
+sets, or trained on corpora decontaminated against it differently, and pipelines/compare.py refuses to
+compare them. A dedup.* setting is not in it.
 """
 
 from __future__ import annotations
@@ -30,7 +39,7 @@ import math
 import numpy as np
 
 REASON = "eval"  # normalize's set-aside folder and count
-NEAR = "near_eval"  # dedup's: training documents that are near-duplicates of an evaluation document
+NEAR = "near_eval"  # dedup's first phase's: training documents that overlap an evaluation document (dedup/decontaminate.py)
 IGNORE = -100  # a target that is not scored (torch's cross_entropy default; train/parallel/tensor.py too)
 
 
@@ -72,10 +81,12 @@ def windows(documents: list[list[int]], eos: int, pad: int, block: int) -> np.nd
     return out
 
 
-def targets(rows: np.ndarray, pad: int) -> np.ndarray:
-    """Windows -> their targets (the next tokens), with the padding's set to IGNORE."""
+def targets(rows: np.ndarray, pad: int, eos: int) -> np.ndarray:
+    """Windows -> their targets (the next tokens), with the padding's and every </s>'s set to IGNORE: only the
+    documents' own tokens are scored. (A document's text never encodes to <pad> or </s>: corpus/tokenizer.py
+    encodes special tokens' text as text; so the two are told apart, and if they were one id both go unscored.)"""
     out = rows[:, 1:].astype(np.int64)
-    out[out == pad] = IGNORE
+    out[(out == pad) | (out == eos)] = IGNORE
     return out
 
 
@@ -93,7 +104,7 @@ def rows_for(units: list[dict]) -> list[str]:
 
 def metrics(units: list[dict], nll: list[float]) -> dict[str, float]:
     """Each unit's summed negative log-likelihood (nats) -> `eval.bpb.<row>` and `eval.loss.<row>` (nats per token
-    scored) for every row, and `eval.bpb` and `eval.loss` for the whole set."""
+    scored: per non-</s> token) for every row, and `eval.bpb` and `eval.loss` for the whole set."""
     sums: dict[str, list[float]] = {}
     for unit, value in zip(units, nll, strict=True):
         for row in ["", *rows_of(unit["source"], unit["subset"])]:
@@ -108,3 +119,16 @@ def metrics(units: list[dict], nll: list[float]) -> dict[str, float]:
         out[f"eval.bpb{suffix}"] = bits_per_byte(value, n_bytes)
         out[f"eval.loss{suffix}"] = value / tokens if tokens else float("nan")
     return out
+
+
+def sizes(units: list[dict]) -> dict[str, int]:
+    """Each row's size, summed over its units: `eval.size.documents.<row>`, `eval.size.bytes.<row>` and
+    `eval.size.tokens.<row>` (tokens scored), and `eval.size.documents` etc. for the whole set."""
+    sums: dict[str, dict[str, int]] = {}
+    for unit in units:
+        for row in ["", *rows_of(unit["source"], unit["subset"])]:
+            s = sums.setdefault(row, dict.fromkeys(("documents", "bytes", "tokens"), 0))
+            for key in s:
+                s[key] += int(unit[key])
+    return {f"eval.size.{key}{f'.{row}' if row else ''}": value
+            for row in rows_for(units) if row in sums for key, value in sums[row].items()}

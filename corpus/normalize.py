@@ -186,7 +186,7 @@ def run(ctx: StageContext) -> StageResult:
     check_written(ctx.output, counts["rows_out"], "rows_out")
     check_written(folders["dropped"], counts["dropped"], "dropped")
     check_written(folders["eval_folder"], counts[evalset.REASON], "held out for evaluation")
-    total = counts.pop("eval_hash", 0)
+    total = counts.pop("eval_hash", 0) + ctx.config.eval.identity()  # the documents, and how training is decontaminated
     fingerprint = evalset.fingerprint(total, counts[evalset.REASON])
     ctx.log.info("evaluation set: %d documents, fingerprint %s", counts[evalset.REASON], fingerprint)
     metrics = {k: v for k, v in counts.items() if k not in ("rows_in", "rows_out", "dropped", evalset.REASON)}

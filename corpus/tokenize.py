@@ -21,8 +21,9 @@ partial block dropped. At 180B tokens nothing here may need the whole corpus in 
    vocabulary fits). The tail that does not fill a block is dropped, counted, and the
    documents it came from are named in index.json.
 4. The evaluation set (normalize's, corpus/evalset.py), in a Ray task: each (source, subset)'s
-   documents in id order, as windows that score every token once, in `eval/NNNNN.arrow`, with the
-   UTF-8 bytes they encode and the set's fingerprint in index.json. Nothing is dropped from it.
+   documents in id order, as windows that score every token once (but not the closing </s>s), in
+   `eval/NNNNN.arrow`, with its documents, the UTF-8 bytes they encode and the tokens scored, and the
+   set's fingerprint in index.json. Nothing is dropped from it.
 
 index.json is the contract with training (design.md): seq_len, vocab_size, tokenizer, eos id,
 sequences, token counts per source and subset, every shard with its row count, and the evaluation
@@ -235,7 +236,9 @@ def shard_task(task: ShardTask) -> dict:
     if tokens.size != task.sequences * task.block:
         raise RuntimeError(f"{task.file}: read {tokens.size} tokens from the streams, expected {task.sequences * task.block}")
     size = write_rows(Path(task.output) / task.file, tokens.reshape(-1, task.block))
-    return {"file": task.file, "sequences": task.sequences, "bytes": size}
+    # the shard's tokens by content (data_fingerprint): about 1 GB/s, a fraction of the copy's own time
+    digest = hashlib.blake2b(tokens.tobytes(), digest_size=16).hexdigest()
+    return {"file": task.file, "sequences": task.sequences, "bytes": size, "blake2b": digest}
 
 
 def dropped_tail(summaries: list[dict], dropped: int) -> list[dict]:
@@ -299,7 +302,7 @@ class EvalTask:
 
 def eval_task(task: EvalTask) -> dict:
     """The evaluation set's documents -> one file of windows per (source, subset), and what index.json says of
-    each: its documents, the UTF-8 bytes their tokens encode, the tokens scored, the windows."""
+    each: its documents, the UTF-8 bytes their tokens encode, the tokens scored (not the </s>s), the windows."""
     os.environ["TOKENIZERS_PARALLELISM"] = "true"
     tok = tokenizers.load(task.tokenizer)
     columns = ["id", "text", "source", "subset"]
@@ -314,10 +317,11 @@ def eval_task(task: EvalTask) -> dict:
         texts = table["text"].take(pa.array(rows)).to_pylist()
         encoded = tokenizers.encode_documents(tok, texts)
         windows = evalset.windows(encoded, tokenizers.EOS, tokenizers.PAD, task.block)
+        scored = int((evalset.targets(windows, tokenizers.PAD, tokenizers.EOS) != evalset.IGNORE).sum())
         name = f"eval/{number:05d}.arrow"
         size = write_rows(Path(task.output) / name, windows.astype(task.dtype))
         out.append({"source": source, "subset": subset, "documents": len(rows),
-                    "bytes": sum(len(t.rstrip().encode()) for t in texts), "tokens": sum(map(len, encoded)),
+                    "bytes": sum(len(t.rstrip().encode()) for t in texts), "tokens": scored,
                     "sequences": len(windows), "shards": [{"file": name, "sequences": len(windows), "bytes": size}]})
     return {"units": out}
 
@@ -364,6 +368,7 @@ def run(ctx: StageContext) -> StageResult:
         "bos_id": tokenizers.BOS, "pad_id": tokenizers.PAD, "eos_id": tokenizers.EOS, "unk_id": tokenizers.UNK,
         "seed": config.seed, "sequences": train_split["sequences"], "train": train_split, "eval": evaluation,
     }
+    index["data_fingerprint"] = data_fingerprint(train_split["shards"], output / tokenizers.FILE, dtype, block)
     (output / INDEX).write_text(json.dumps(index, indent=2) + "\n")
     missing = sorted(set(sources) - {u["source"] for u in evaluation["units"]})
     if missing:
@@ -371,6 +376,17 @@ def run(ctx: StageContext) -> StageResult:
                         evaluation.get("fraction"))
     seconds = {"tokenizer": t1 - t0, "encode_shuffle": t2 - t1, "pack": t3 - t2}
     return StageResult(documents, documents, {}, stage_metrics(train_split, evaluation, vocab_size, buckets, seconds))
+
+
+def data_fingerprint(shards: list[dict], tokenizer: Path, dtype: str, block: int) -> str:
+    """The training data by content: its shards' tokens in order, and the tokenizer that gives them meaning. Two
+    runs with the same one trained on the same sequences, whatever code or config made them: what lets
+    pipelines/ablations.py pool an ablation's seeds over several runs (a fingerprint of the stage's config and
+    code would part runs of the same data after any edit to the code)."""
+    digest = hashlib.blake2b(f"{dtype}/{block}/".encode() + tokenizer.read_bytes(), digest_size=16)
+    for shard in shards:
+        digest.update(shard["blake2b"].encode())
+    return digest.hexdigest()[:16]
 
 
 def encode_streams(ctx: StageContext, parts: list[str], tok_path: str, seed: int, dtype: str,

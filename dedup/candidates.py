@@ -1,8 +1,9 @@
 """Phases 2 and 3, band keys and candidate pairs. One task per part computes the MinHash band keys
-(dedup/minhash.py, dedup/lsh.py) of its documents that are not exact copies: rows (band key, partition, key),
-20 bytes each. The band rows are then grouped by a coarse partition of the band key; a bucket (one band key)
-of k <= SMALL_BUCKET documents gives all its pairs, a bigger one the pairs of its smallest key with every other
-and of each neighbour in key order: O(k) instead of O(k^2). A pair is two keys, a < b."""
+(dedup/minhash.py, dedup/lsh.py) of its documents that are not exact copies (nor removed by decontamination):
+rows (band key, partition, key), 20 bytes each. The band rows are then grouped by a coarse partition of the band
+key; a bucket (one band key) of k <= SMALL_BUCKET documents gives all its pairs, a bigger one the pairs of its
+smallest key with every other and of each neighbour in key order: O(k) instead of O(k^2). A pair is two keys,
+a < b."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pyarrow.parquet as pq
 
 from corpus.parts import run_tasks
 from dedup.config import DedupConfig
-from dedup.keys import ROW_BITS, Inputs, PartTask, Shuffles, hasher, removed_rows
+from dedup.keys import ROW_BITS, Inputs, PartTask, Shuffles, hasher, kept_rows
 from dedup.lsh import band_keys
 
 SMALL_BUCKET = 32  # buckets up to this size give all their pairs
@@ -31,10 +32,11 @@ class BandTask(PartTask):
 
 
 def band_task(task: BandTask) -> dict:
-    """One part -> band rows of its documents that are not exact copies: (band, part, key), 20 bytes."""
+    """One part -> band rows of its documents that are not exact copies (nor decontamination's): (band, part, key),
+    20 bytes."""
     cfg = task.config
     table = pq.read_table(task.path, columns=["text"])
-    keep = np.setdiff1d(np.arange(table.num_rows), removed_rows(Path(task.exact), task.part), assume_unique=True)
+    keep = kept_rows(task.part, table.num_rows, task.exact, task.skip)
     bands = task.bands
     keys = band_keys(hasher(cfg).signatures(table["text"].take(keep).to_pylist()), bands, task.rows, seed=cfg.seed)
     flat = keys.ravel()  # document-major: doc 0's bands, doc 1's, ...

@@ -1,7 +1,7 @@
-"""Phase 1, exact duplicates: one task per part hashes every text (128-bit BLAKE2b) and writes an index of key,
-hash, id and source; a groupby on the hash collapses identical texts to their kept copy (the evaluation set
-first, then source order in the config, then the smallest id). Every phase after this one sees one document
-per text: the copies get no MinHash bands, and join the components' graph linked to their text's kept copy."""
+"""Phase 1, exact duplicates: one task per part hashes every text (128-bit BLAKE2b) but those decontamination
+removed, and writes an index of key, hash, id and source; a groupby on the hash collapses identical texts to their
+kept copy (source order in the config, then the smallest id). Every phase after this one sees one document per
+text: the copies get no MinHash bands, and join the components' graph linked to their text's kept copy."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from corpus.parts import parquet_files, run_tasks
-from dedup.keys import Inputs, PartTask, Shuffles, keys_by_part, keys_of, write_by_part
+from dedup.keys import Inputs, PartTask, Shuffles, keys_by_part, keys_of, kept_rows, write_by_part
 
 
 @dataclass(frozen=True)
@@ -26,13 +26,15 @@ class IndexTask(PartTask):
 def index_task(task: IndexTask) -> dict:
     """One part -> its index rows: key, the text's 128-bit hash (two uint64), priority, id, source."""
     table = pq.read_table(task.path, columns=["id", "source", "text"])
-    n = table.num_rows
+    keys = keys_of(task.part, table.num_rows)
+    kept = kept_rows(task.part, table.num_rows, task.skip)
+    table, keys, n = table.take(pa.array(kept)), keys[kept], len(kept)
     digest = b"".join(hashlib.blake2b(t.encode(), digest_size=16).digest() for t in table["text"].to_pylist())
     h = np.frombuffer(digest, dtype=np.uint64).reshape(n, 2) if n else np.zeros((0, 2), dtype=np.uint64)
     priority = task.priority
-    prio = [-1] * n if task.eval else [priority.get(s, len(priority)) for s in table["source"].to_pylist()]
+    prio = [priority.get(s, len(priority)) for s in table["source"].to_pylist()]
     out = pa.table({"part": pa.array((h[:, 0] % np.uint64(task.partitions)).astype(np.int32)),
-                    "key": pa.array(keys_of(task.part, n)), "h1": pa.array(h[:, 0]), "h2": pa.array(h[:, 1]),
+                    "key": pa.array(keys), "h1": pa.array(h[:, 0]), "h2": pa.array(h[:, 1]),
                     "prio": pa.array(prio, pa.int32()),
                     "id": table["id"], "source": table["source"]})
     Path(task.out).mkdir(parents=True, exist_ok=True)

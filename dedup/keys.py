@@ -1,5 +1,5 @@
 """What every dedup phase shares: a document's key, the stable partition of a key, the tasks that read one of
-normalize's parts, and the per-part files of removed rows.
+normalize's parts (without the rows decontamination removed), and the per-part files of removed rows.
 
 A document's key is its place: `part << ROW_BITS | row` (an int64) in normalize's parts, read in a fixed order.
 Keys are what the shuffles carry, what finds a document's text again (a read of its own part, not a join) and
@@ -44,13 +44,13 @@ def keys_of(part: int, rows: int) -> np.ndarray:
 
 @dataclass(frozen=True)
 class PartTask:
-    """One of the parts dedup reads (normalize's output, then its evaluation set's: `eval`), for a phase that
-    writes under `out` rows keyed to `partitions` shuffle partitions."""
+    """One of normalize's parts, for a phase that writes under `out` rows keyed to `partitions` shuffle partitions,
+    and skips the part's rows that decontamination removed (listed in `skip`, as `write_by_part` writes them)."""
     path: str
     part: int
     out: str
     partitions: int
-    eval: bool
+    skip: str
 
 
 @dataclass
@@ -73,6 +73,12 @@ def removed_rows(folder: Path, part: int) -> np.ndarray:
     return np.load(path) if path.is_file() else np.zeros(0, dtype=np.int64)
 
 
+def kept_rows(part: int, rows: int, *folders: str) -> np.ndarray:
+    """The rows of a part of `rows` rows that none of `folders` (each written by `write_by_part`) lists, sorted."""
+    gone = [removed_rows(Path(f), part) for f in folders]
+    return np.setdiff1d(np.arange(rows, dtype=np.int64), np.concatenate([np.zeros(0, np.int64), *gone]))
+
+
 def write_by_part(group: pa.Table, folder: str) -> pa.Table:
     """Keys of one part -> that part's sorted rows, in one file (each output task reads only its own)."""
     keys = group["key"].to_numpy()
@@ -89,23 +95,22 @@ def keys_by_part(batch: pa.Table) -> pa.Table:
 
 @dataclass(frozen=True)
 class Inputs:
-    """The parts dedup reads: normalize's output (`training`), then its evaluation set's (from `first_eval` on),
-    and the stage's scratch folder `work`. `partitions`: the corpus-sized count of shuffle keys, from the parts'
-    footers, read once (`of`)."""
+    """The parts dedup reads: normalize's output; and the stage's scratch folder `work`. `partitions`: the
+    corpus-sized count of shuffle keys, from the parts' footers, read once (`of`)."""
     parts: list[str]
-    first_eval: int
     work: Path
     partitions: int
 
     @classmethod
-    def of(cls, parts: list[str], first_eval: int, work: Path) -> Inputs:
-        return cls(parts, first_eval, work, partitions_for(parquet_bytes(parts)))
+    def of(cls, parts: list[str], work: Path) -> Inputs:
+        return cls(parts, work, partitions_for(parquet_bytes(parts)))
 
     @property
-    def training(self) -> list[str]:
-        return self.parts[:self.first_eval]
+    def decontaminated(self) -> Path:
+        """The rows of each part that decontamination removed (dedup/decontaminate.py), by part."""
+        return self.work / "decontaminated"
 
     def tasks(self, kind: type[PartTask], out: str, **extra) -> list[PartTask]:
         """A task of `kind` for every part, writing under work/`out`."""
-        return [kind(p, i, str(self.work / out), self.partitions, i >= self.first_eval, **extra)
+        return [kind(p, i, str(self.work / out), self.partitions, str(self.decontaminated), **extra)
                 for i, p in enumerate(self.parts)]

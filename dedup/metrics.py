@@ -1,5 +1,6 @@
-"""The dedup stage's metrics: the banding, what each phase found and moved, who was removed as a copy of whom,
-and the cluster-size histogram (a file beside the output, and a plot on the stage's MLflow run)."""
+"""The dedup stage's metrics: the banding, what each phase found and moved, who was removed as a copy of whom (the
+decontamination's `near_eval.*` and `decontaminate.*` come as they are), and the cluster-size histogram (a file
+beside the output, and a plot on the stage's MLflow run)."""
 
 from __future__ import annotations
 
@@ -7,7 +8,6 @@ import collections
 import json
 
 from core.dag import StageContext
-from dedup.assemble import DUPLICATE
 
 
 def lsh_threshold(bands: int, rows: int) -> float:
@@ -17,13 +17,13 @@ def lsh_threshold(bands: int, rows: int) -> float:
 
 def stage_metrics(found: dict, shuffled: dict[str, int], documents: int, bands: int, rows: int, ctx: StageContext) -> dict:
     """`found`: the verification's and the assembly's (dedup/verify.py, dedup/assemble.py), the assembly's tally
-    rows folded here; `documents`: the training documents read."""
-    removed, near_eval, sizes = collections.Counter(), collections.Counter(), collections.Counter()
+    rows folded here; `documents`: the documents read."""
+    removed, sizes = collections.Counter(), collections.Counter()
     for t in found["tallies"]:
         if t["size"]:
             sizes[int(t["size"])] += t["n"]
         else:
-            (removed if t["reason"] == DUPLICATE else near_eval)[(t["source"], t["kept_source"])] += t["n"]
+            removed[(t["source"], t["kept_source"])] += t["n"]
     metrics = {"bands": bands, "rows": rows, "lsh_threshold": round(lsh_threshold(bands, rows), 4),
                "exact_duplicates": found["exact_duplicates"], "candidate_pairs": found["candidate_pairs"],
                "candidate_documents_fraction": round(found["candidate_documents"] / documents, 6),
@@ -35,10 +35,6 @@ def stage_metrics(found: dict, shuffled: dict[str, int], documents: int, bands: 
         metrics[f"duplicates.{source}.of.{kept}"] = n
         by_source[source] += n
     metrics.update({f"duplicates.{source}": n for source, n in by_source.items()})
-    near: collections.Counter = collections.Counter()
-    for (source, _), n in near_eval.items():
-        near[source] += n
-    metrics.update({f"near_eval.{source}": n for source, n in near.items()})
     (ctx.folder / "cluster_sizes.json").write_text(json.dumps(dict(sorted(sizes.items()))) + "\n")
     _log_histogram(sizes, ctx)
     return metrics

@@ -1,5 +1,6 @@
 """Phase 6, the output: one task per part of normalize's output drops its removed rows by row number, against
-the part's sorted array of them (written per reason by the assembly), a row group at a time."""
+the part's sorted array of them (written per reason: by decontamination, and by the assembly), a row group at a
+time."""
 
 from __future__ import annotations
 
@@ -43,10 +44,10 @@ def filter_task(task: FilterTask) -> dict:
 
 
 def write_output(inputs: Inputs, removed: dict[str, str], output: Path) -> collections.Counter:
-    """Writes the kept documents of every training part under `output`. Returns the counts: rows in and out,
-    and the rows removed per reason."""
+    """Writes the kept documents of every part under `output`. Returns the counts: rows in and out, and the rows
+    removed per reason."""
     counts: collections.Counter = collections.Counter()
     for result in run_tasks(filter_task, [FilterTask(p, i, Path(p).stem, removed, str(output))
-                                          for i, p in enumerate(inputs.training)]):
+                                          for i, p in enumerate(inputs.parts)]):
         counts.update(result)
     return counts

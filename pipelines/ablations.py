@@ -3,11 +3,11 @@ benchmarks/ablation_noise.py.
 
 An ablation is every finished pipeline run tagged with its name (`full.py --ablation NAME`; "base" for the config
 file as it is): a run that failed or is still running does not count. For each ablation and stage, the newest stage
-run among its pipeline runs counts (ran or cache hit: a
-cache hit logs the counts of the output it reuses), so an ablation built over several invocations (`--only
-dedup`, then the rest) is still one. Its training run gives the loss curve, the seeds and each seed's bits per
-byte on the held-out evaluation set, and that set's fingerprint: ablations evaluated on different sets are
-refused."""
+run among its pipeline runs counts (ran or cache hit: a cache hit carries the tags and metrics of the run it reuses),
+so an ablation built over several invocations (`--only dedup`, then the rest) is still one. Its training runs give
+the loss curve (the newest's), the seeds and each seed's bits per byte on the held-out evaluation set, pooled over
+every training run of the ablation on the same data (an ablation run again on more seeds adds them), and that set's
+fingerprint: ablations evaluated on different sets are refused, and so are an ablation's runs on different data."""
 
 from __future__ import annotations
 
@@ -33,6 +33,8 @@ class Ablation:
     fingerprint: str | None = None  # the evaluation set's (the train run's `eval.fingerprint` tag)
     bpb: dict[str, list[float]] = field(default_factory=dict)  # row ("" for the whole set) -> one value per seed
     seeds: list[int] = field(default_factory=list)
+    downstream: dict[str, list[float]] = field(default_factory=dict)  # task -> its accuracy, one per seed ...
+    downstream_seeds: list[int] = field(default_factory=list)  # ... of these (the downstream stage's runs)
 
 
 def read(names: list[str] | None = None, *, config: str | None = None, workdir: str | None = None,
@@ -90,34 +92,65 @@ def collect(client, experiment_id: str, names: list[str] | None) -> list[Ablatio
     else:
         chosen = sorted(found.values(), key=lambda a: (a.name != "base", a.name))
     for ablation in chosen:
+        scored: dict[str, list] = {"train": [], "downstream": []}  # every run of the stages with scores per seed
         for parent in ablation.pipeline_runs:  # newest first: the first run of a stage found is the one shown
             for run in client.search_runs([experiment_id], f"tags.mlflow.parentRunId = '{parent}' and "
                                           "attributes.status = 'FINISHED'", max_results=1000):
                 stage = run.data.tags.get("stage")
                 if stage in {s.name for s in STAGES} and stage not in ablation.stages:
                     ablation.stages[stage] = run
-        train = ablation.stages.get("train")
-        if train is not None:
-            source = train.data.tags.get("cached_from_run") if train.data.tags.get("cache_hit") == "true" else train.info.run_id
-            history = client.get_metric_history(source, "loss")
+                scored.get(stage, []).append(run)
+        if scored["downstream"]:
+            ablation.downstream_seeds, ablation.downstream = pooled(ablation.name, reused_runs(client, scored["downstream"]),
+                                                                    "downstream.seeds", "downstream")
+        if scored["train"]:
+            sources = reused_runs(client, scored["train"])
+            ablation.seeds, ablation.bpb = pooled(ablation.name, sources, "eval.seeds", "eval.bpb")
+            ablation.fingerprint = sources[0].data.tags.get("eval.fingerprint")
+            history = client.get_metric_history(sources[0].info.run_id, "loss")
             by_step = {m.step: m.value for m in sorted(history, key=lambda m: m.timestamp)}  # a redone step: its last value
             ablation.loss = sorted(by_step.items())
-            tags = client.get_run(source).data.tags
-            ablation.fingerprint = tags.get("eval.fingerprint")
-            ablation.seeds = [int(s) for s in tags.get("eval.seeds", "").split(",") if s]
-            ablation.bpb = seed_values(train.data.metrics, ablation.seeds)
     return chosen
 
 
-def seed_values(metrics: dict[str, float], seeds: list[int]) -> dict[str, list[float]]:
-    """`seed<s>/eval.bpb[.<row>]` metrics -> {row: [value for each seed]} (rows every seed has)."""
-    out: dict[str, list[float]] = {}
-    for seed in seeds:
-        prefix = f"seed{seed}/eval.bpb"
-        for key, value in metrics.items():
-            if key == prefix or key.startswith(prefix + "."):
-                out.setdefault(key[len(prefix) + 1:], []).append(value)
-    return {row: values for row, values in out.items() if len(values) == len(seeds)}
+def reused_runs(client, runs: list) -> list:
+    """Stage runs, newest first -> the runs that did the work (a cache hit's `cached_from_run`), each once."""
+    out, seen = [], set()
+    for run in runs:
+        tags = run.data.tags
+        source = tags.get("cached_from_run") if tags.get("cache_hit") == "true" else run.info.run_id
+        if source not in seen:
+            seen.add(source)
+            out.append(run if source == run.info.run_id else client.get_run(source))
+    return out
+
+
+def pooled(name: str, runs: list, seeds_tag: str, metric: str) -> tuple[list[int], dict[str, list[float]]]:
+    """The seeds of an ablation's runs (newest first) and {row: one value per seed} of `seed<s>/<metric>[.<row>]`,
+    pooled over the runs: an ablation run again with more seeds (`--set train.seed=5`) adds them; a seed run twice
+    counts once, its newest run. Runs of other training data (the `data.fingerprint` tag: tokenize's shards, by
+    content) or another evaluation set cannot be pooled: Unreadable, naming both."""
+    newest = runs[0].data.tags
+    by_seed: dict[int, dict[str, float]] = {}
+    for run in runs:
+        tags = run.data.tags
+        for key in ("data.fingerprint", "eval.fingerprint"):
+            if tags.get(key) != newest.get(key) or (len(runs) > 1 and key not in tags):  # not recorded: not known equal
+                raise Unreadable(f"ablation {name!r} has runs of two {key}s, {newest.get(key)} (run "
+                                 f"{runs[0].info.run_id}) and {tags.get(key)} (run {run.info.run_id}): its seeds cannot "
+                                 "be pooled; name the new runs with another --ablation, or delete the old ones")
+        for seed in (int(s) for s in tags.get(seeds_tag, "").split(",") if s):
+            if seed not in by_seed:
+                by_seed[seed] = seed_values(run.data.metrics, seed, metric)
+    seeds = sorted(by_seed)
+    rows = set.intersection(*(set(v) for v in by_seed.values())) if seeds else set()
+    return seeds, {row: [by_seed[s][row] for s in seeds] for row in sorted(rows)}
+
+
+def seed_values(metrics: dict[str, float], seed: int, metric: str) -> dict[str, float]:
+    """`seed<s>/<metric>[.<row>]` metrics -> {row: value} ("" for `<metric>` itself)."""
+    prefix = f"seed{seed}/{metric}"
+    return {key[len(prefix) + 1:]: value for key, value in metrics.items() if key == prefix or key.startswith(prefix + ".")}
 
 
 def check_comparable(ablations: list[Ablation]) -> None:

@@ -7,21 +7,27 @@ The first table: rows in and out and every reason rows left, per stage; the subs
 dropped; tokens per source; final training loss (labelled: each ablation's own data, so not a
 comparison of corpora); grad-norm spikes and autopilot interventions.
 
-The second: bits per byte on the held-out evaluation set (corpus/evalset.py), for the whole set,
-each source and each subset, as the mean over the training seeds (`train.seeds`) with its interval,
-and for each ablation its difference from the first (base) with a verdict: `worse` or `better` when
-the difference's interval excludes 0, else `within noise`. The intervals are Student t over the
-seeds: paired (each seed's difference from base) when an ablation ran base's seeds, as by default,
-with the spread of those differences pooled over every such ablation in the table (Dunnett's
-many-to-one setting: more ablations, more degrees of freedom), Welch's otherwise; at a 5%
-family-wise error rate for each ablation (Bonferroni over its rows), so that a null ablation says
-`within noise` on all of its rows 95% of the time. Runs identical to base's, bit for bit, are
-`within noise` and left out of the pooled spread. One seed gives no interval and no verdict; so does a
-spread of exactly 0 (`no verdict (zero spread)`), and a NaN or infinite seed (`failed seed S`: left out of the
-pooled spread too). Only finished runs count; a missing reference (base, or the first ablation named) or one
-without a training run, and runs evaluated on different sets (their `eval.fingerprint` tags differ), are
-refused (exit 2). The statistics are
-core/stats.py's, the screen's too.
+The second: bits per byte on the held-out evaluation set (corpus/evalset.py; each document's `</s>` not
+scored), for the whole set (weighted by bytes), its macro average over the domains (each source, or each subset
+of a source that has them, weighing the same), each source and each subset, with each row's size (documents,
+bytes, tokens scored); each cell the mean over the training seeds (`train.seeds`) with its interval, and for each
+ablation its difference from the first (base) with a verdict: `worse` or `better` when the difference's interval
+excludes 0, else `within noise`. The third: the downstream tasks (`eval.downstream.tasks`, lm-evaluation-harness's
+accuracy per seed), the same way, higher being better.
+
+The rule (core/stats.py `difference`): an ablation that shares at least 3 of base's seeds is paired on them, and
+judged by the spread of its own per-seed differences (Student t, n - 1 degrees of freedom); one that does not,
+by Welch's t over the two groups. Nothing is pooled across ablations: an ablation noisier than the others keeps
+its own, wider, interval, and cannot narrow theirs. Each table holds a 5% family-wise error rate over all of its
+comparisons (Bonferroni over every ablation x row): a table of null ablations says `within noise` everywhere 95%
+of the time, which benchmarks/ablation_noise.py measures on this path (docs/benchmarks.md). Under 3 seeds there is
+no verdict (`not enough seeds`: one degree of freedom would give an interval of +-100); nor for a spread of exactly
+0 (`no verdict (zero spread)`), nor for a row with a NaN or infinite seed (`failed seed S`). Runs identical to
+base's, bit for bit, are `within noise`. An ablation's seeds are pooled over its runs on the same training data
+(pipelines/ablations.py). Only finished runs count; a missing reference (base, or the first ablation named) or
+one without a training run, runs evaluated on different sets (their `eval.fingerprint` tags differ), and an
+ablation's runs on different data (`data.fingerprint`) are refused (exit 2). The statistics are core/stats.py's,
+the screen's too.
 
 The PNG: bits per byte per row with the intervals, and each ablation's training loss against the step.
 
@@ -31,7 +37,9 @@ MLflow's own UI shows the same runs: every run carries the `ablation` tag (Group
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 if __package__ in (None, ""):  # run as a script: make the project importable without installing
@@ -46,78 +54,151 @@ from pipelines.stages import STAGES
 
 
 TRAIN_LOSS_ROW = "train final loss (own data: not comparable)"
-ALPHA = 0.05  # the table's family-wise error rate
-# A difference in bits per byte from the base: above 0 is worse, below better (core.stats.side).
-VERDICT = {stats.ABOVE: "worse", stats.BELOW: "better", stats.WITHIN: "within noise"}
+ALPHA = 0.05  # each table's family-wise error rate
+MACRO = "all, macro"  # the mean over the domains (each source, or each subset of a source that has them)
+
+
+@dataclass(frozen=True)
+class Measure:
+    """One table of scores per seed: bits per byte (lower is better) or downstream accuracy (higher is)."""
+
+    title: str
+    attr: str  # Ablation's {row: one value per seed} ...
+    seeds_attr: str  # ... of these seeds
+    lower_is_better: bool
+    digits: int
+
+    def values(self, ablation: Ablation) -> dict[str, list[float]]:
+        return getattr(ablation, self.attr)
+
+    def seeds(self, ablation: Ablation) -> list[int]:
+        return getattr(ablation, self.seeds_attr)
+
+    def verdict(self, d: Difference) -> str:
+        if d.side == stats.WITHIN:
+            return "within noise"
+        if d.side in (stats.ABOVE, stats.BELOW):
+            return "worse" if (d.side == stats.ABOVE) == self.lower_is_better else "better"
+        return d.side  # why there is none ("not enough seeds (2; 3 decide)", ...)
+
+
+BPB = Measure("bits per byte", "bpb", "seeds", lower_is_better=True, digits=4)
+DOWNSTREAM = Measure("downstream accuracy", "downstream", "downstream_seeds", lower_is_better=False, digits=3)
 
 
 def verdict(d: Difference) -> str:
-    return VERDICT.get(d.side, d.side)  # or why there is none ("no interval (1 seed)")
+    return BPB.verdict(d)
 
 
-def bpb_rows(ablations: list[Ablation]) -> list[str]:
-    """Every row any ablation has: the whole set first, then sources and their subsets, alphabetically."""
-    found = {row for a in ablations for row in a.bpb}
-    return sorted(found, key=lambda r: (r != "", r.split(".")[0], "." in r, r))
+def score_rows(ablations: list[Ablation], measure: Measure = BPB) -> list[str]:
+    """Every row any ablation has: the whole set first (and its macro average), then sources and their subsets,
+    alphabetically."""
+    found = {row for a in ablations for row in measure.values(a)}
+    return sorted(found, key=lambda r: (r not in ("", MACRO), r != "", r.split(".")[0], "." in r, r))
 
 
-def verdicts(scored: list[Ablation]) -> tuple[list[str], float, dict[str, dict[str, Difference]]]:
-    """The rows, the error rate of each comparison (ALPHA over an ablation's rows: Bonferroni), and {ablation: {row:
-    its Difference from the first ablation's}} for every other ablation. The ablations that ran the base's seeds
-    share one estimate of the noise per row (paired_noise), as Dunnett's many-to-one comparisons do."""
+
+def with_macro(ablation: Ablation) -> Ablation:
+    """The ablation with its bits per byte's macro average as a row of its own: per seed, the mean over the
+    domains (the leaf rows: each subset of a source that has subsets, else the source), so that a small domain
+    weighs as much as a large one, where the whole set's row weighs each by its bytes."""
+    rows = [r for r in ablation.bpb if r and not any(o.startswith(r + ".") for o in ablation.bpb)]
+    if len(rows) < 2:
+        return ablation
+    macro = list(np.mean([ablation.bpb[r] for r in rows], axis=0))
+    return dataclasses.replace(ablation, bpb={**ablation.bpb, MACRO: macro})
+
+
+def verdicts(scored: list[Ablation], measure: Measure = BPB) -> tuple[list[str], float, dict[str, dict[str, Difference]]]:
+    """The rows, the error rate of each comparison (ALPHA over every ablation x row of the table: Bonferroni), and
+    {ablation: {row: its Difference from the first ablation's}} for every other ablation. An ablation that shares
+    at least MIN_SEEDS of the base's seeds is paired on them, each judged by its own noise (core.stats.difference)."""
     base, others = scored[0], scored[1:]
-    rows = bpb_rows(scored)
-    alpha = ALPHA / max(1, len(rows))
+    rows = score_rows(scored, measure)
+    alpha = ALPHA / max(1, len(rows) * len(others))
     out: dict[str, dict[str, Difference]] = {a.name: {} for a in others}
-    for row in rows:
-        if row not in base.bpb:
-            continue
-        failed = {a.name: stats.failed_seed(a.bpb[row], a.seeds) for a in scored if row in a.bpb}
-        paired = [a for a in others if a.seeds == base.seeds and row in a.bpb and failed[a.name] is None]
-        noise = stats.paired_noise(base.bpb[row], [a.bpb[row] for a in paired])
-        for a in others:
-            if row not in a.bpb:
+    theirs_all = measure.values(base)
+    for a in others:
+        shared = [s for s in measure.seeds(base) if s in measure.seeds(a)]
+        paired = len(shared) >= stats.MIN_SEEDS
+        mine_all = measure.values(a)
+        for row in rows:
+            if row not in theirs_all or row not in mine_all:
                 continue
-            if failed[base.name] is not None or failed[a.name] is not None:  # no verdict, and none of the pooled noise
-                who = a if failed[a.name] is not None else base
-                out[a.name][row] = Difference(float("nan"), float("nan"), f"failed seed {failed[who.name]} ({who.name})")
+            sides = [(by_seed(measure.seeds(x), values[row], shared) if paired else (values[row], measure.seeds(x)), x.name)
+                     for x, values in ((a, mine_all), (base, theirs_all))]
+            failed = [(stats.failed_seed(v, s), who) for (v, s), who in sides]
+            failed = [(seed, who) for seed, who in failed if seed is not None]
+            if failed:  # no verdict: a NaN would make the interval NaN, and the verdict `within noise`
+                out[a.name][row] = Difference(float("nan"), float("nan"), f"failed seed {failed[0][0]} ({failed[0][1]})")
             else:
-                out[a.name][row] = stats.difference(base.bpb[row], a.bpb[row], alpha, noise if a in paired else None)
+                out[a.name][row] = stats.difference(sides[1][0][0], sides[0][0][0], alpha, paired)
     return rows, alpha, out
 
 
-def bpb_table(ablations: list[Ablation]) -> str:
-    """The second table (bits per byte, differences, verdicts); "" when no ablation has an evaluation."""
-    scored = [a for a in ablations if a.bpb]
+def by_seed(own: list[int], values: list[float], seeds: list[int]) -> tuple[list[float], list[int]]:
+    """Values, one per seed of `own`, for `seeds`, in that order (and the seeds)."""
+    value = dict(zip(own, values))
+    return [value[s] for s in seeds], seeds
+
+
+def sizes(ablation: Ablation) -> dict[str, list[str]]:
+    """{row: [documents, bytes, tokens]} of the evaluation set, from the training run's `eval.size.*` metrics."""
+    run = ablation.stages.get("train")
+    metrics = run.data.metrics if run is not None else {}
+    out: dict[str, list[str]] = {}
+    for i, what in enumerate(("documents", "bytes", "tokens")):
+        for key, value in metrics.items():
+            if key == f"eval.size.{what}" or key.startswith(f"eval.size.{what}."):
+                row = key[len(f"eval.size.{what}") + 1:]
+                out.setdefault(row, ["-", "-", "-"])[i] = f"{value:,.0f}"
+    return out
+
+
+def score_table(ablations: list[Ablation], measure: Measure = BPB) -> str:
+    """A table of scores per seed (bits per byte, or downstream accuracy): each ablation's mean ± its interval, and
+    each other's difference from the first with its verdict; "" when no ablation has such scores."""
+    scored = [with_macro(a) if measure is BPB else a for a in ablations if measure.values(a)]
     if not scored:
         return ""
     base, others = scored[0], scored[1:]
-    rows, alpha, found = verdicts(scored)
-    header = ["bits per byte", *(a.name for a in scored)]
+    rows, alpha, found = verdicts(scored, measure)
+    size = sizes(base) if measure is BPB else {}
+    size_header = ["documents", "bytes", "tokens"] if size else []
+    header = [measure.title, *size_header, *(a.name for a in scored)]
     for a in others:
         header += [f"vs {base.name}: {a.name}", "verdict"]
+    digits = measure.digits
     body = []
     for row in rows:
-        cells = [row or "all"]
+        cells = [row or "all"] + ((size.get(row, ["-"] * 3) if row != MACRO else ["-"] * 3) if size else [])
         for a in scored:
-            values = a.bpb.get(row)
+            values = measure.values(a).get(row)
             half = stats.mean_interval(values, ALPHA) if values else float("nan")
-            cells.append("-" if not values else f"{np.mean(values):.4f}" + (f"±{half:.4f}" if np.isfinite(half) else ""))
+            cells.append("-" if not values else f"{np.mean(values):.{digits}f}" + (f"±{half:.{digits}f}" if np.isfinite(half) else ""))
         for a in others:
             d = found[a.name].get(row)
-            shown = "-" if d is None or not np.isfinite(d.delta) else f"{d.delta:+.4f}" + (f"±{d.half:.4f}" if np.isfinite(d.half) else "")
-            cells += ["-", "-"] if d is None else [shown, verdict(d)]
+            shown = "-" if d is None or not np.isfinite(d.delta) else f"{d.delta:+.{digits}f}" + (f"±{d.half:.{digits}f}" if np.isfinite(d.half) else "")
+            cells += ["-", "-"] if d is None else [shown, measure.verdict(d)]
         body.append(cells)
     widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
     lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in [header, *body]]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    seeds = "; ".join(f"{a.name}: seeds {','.join(map(str, a.seeds))}" for a in scored)
-    lines += ["", f"evaluation set eval.fingerprint={base.fingerprint}; {seeds}.",
+    seeds = "; ".join(f"{a.name}: seeds {','.join(map(str, measure.seeds(a)))}" for a in scored)
+    what = (f"evaluation set eval.fingerprint={base.fingerprint}" if measure is BPB
+            else f"tasks: {', '.join(r for r in rows)}")
+    lines += ["", f"{what}; {seeds}.",
               f"Each column: the mean over its seeds ± its 95% interval. vs {base.name}: the difference ± its interval at a "
-              f"{ALPHA:.0%} family-wise error rate for each ablation (Bonferroni over its {len(rows)} rows: {alpha:.2g} each); "
-              "paired t over the seeds, the noise pooled over the ablations that ran the same seeds (Welch's t for one that "
-              "did not); worse or better: the interval excludes 0."]
+              f"{ALPHA:.0%} family-wise error rate for the table (Bonferroni over its {len(rows)} rows x {len(others)} "
+              f"ablation(s): {alpha:.2g} each); paired t over the seeds shared with {base.name}, each ablation by its own "
+              f"noise (Welch's t for one that shares fewer than {stats.MIN_SEEDS}); worse or better: the interval excludes 0"
+              + (f"; {MACRO}: the mean over the domains, each source or subset weighing the same" if MACRO in rows else "")
+              + "."]
     return "\n".join(lines)
+
+
+def bpb_table(ablations: list[Ablation]) -> str:
+    return score_table(ablations, BPB)
 
 
 def rows(ablations: list[Ablation]) -> list[tuple[str, list[str]]]:
@@ -182,29 +263,34 @@ def table(ablations: list[Ablation]) -> str:
 
 
 def plot(ablations: list[Ablation], path: Path) -> Path | None:
-    """Bits per byte per row, each ablation's mean with its 95% interval over seeds; and the training losses."""
+    """Bits per byte per row and downstream accuracy per task, each ablation's mean with its 95% interval over
+    seeds; and the training losses."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     curves = [a for a in ablations if a.loss]
-    scored = [a for a in ablations if a.bpb]
-    if not curves and not scored:
+    panels = [(m, [with_macro(a) if m is BPB else a for a in ablations if m.values(a)]) for m in (BPB, DOWNSTREAM)]
+    panels = [(m, scored) for m, scored in panels if scored]
+    if not curves and not panels:
         return None
-    fig, (bars, losses) = plt.subplots(1, 2, figsize=(14, 5), gridspec_kw={"width_ratios": [3, 2]})
-    rows = bpb_rows(scored)
-    for k, a in enumerate(scored):
-        x = np.arange(len(rows)) + (k - (len(scored) - 1) / 2) * 0.8 / max(1, len(scored))
-        means = [np.mean(a.bpb[r]) if r in a.bpb else np.nan for r in rows]
-        halves = [stats.mean_interval(a.bpb[r], ALPHA) if r in a.bpb else np.nan for r in rows]
-        bars.errorbar(x, means, yerr=np.nan_to_num(halves), fmt="o", capsize=3, label=f"{a.name} ({len(a.seeds)} seeds)")
-    bars.set_xticks(np.arange(len(rows)), [r or "all" for r in rows], rotation=60, ha="right", fontsize=8)
-    bars.set_ylabel("bits per byte (held-out set)")
-    bars.set_title("evaluation: mean and 95% interval over seeds")
-    bars.grid(alpha=0.3, axis="y")
-    if scored:
+    widths = [3] * len(panels) + [2]
+    fig, axes = plt.subplots(1, len(widths), figsize=(5 * len(widths), 5), gridspec_kw={"width_ratios": widths})
+    for (measure, scored), bars in zip(panels, axes):
+        rows = score_rows(scored, measure)
+        for k, a in enumerate(scored):
+            values = measure.values(a)
+            x = np.arange(len(rows)) + (k - (len(scored) - 1) / 2) * 0.8 / max(1, len(scored))
+            means = [np.mean(values[r]) if r in values else np.nan for r in rows]
+            halves = [stats.mean_interval(values[r], ALPHA) if r in values else np.nan for r in rows]
+            bars.errorbar(x, means, yerr=np.nan_to_num(halves), fmt="o", capsize=3, label=f"{a.name} ({len(measure.seeds(a))} seeds)")
+        bars.set_xticks(np.arange(len(rows)), [r or "all" for r in rows], rotation=60, ha="right", fontsize=8)
+        bars.set_ylabel(measure.title + (" (held-out set)" if measure is BPB else ""))
+        bars.set_title(f"{measure.title}: mean and 95% interval over seeds")
+        bars.grid(alpha=0.3, axis="y")
         bars.legend(fontsize=8)
+    losses = axes[-1]
     for a in curves:
         steps, values = zip(*a.loss)
         losses.plot(steps, values, label=a.name, linewidth=1.2)
@@ -238,8 +324,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     print(table(ablations))
-    scores = bpb_table(ablations)
+    scores = score_table(ablations, BPB)
     print("\n" + (scores or "no evaluation on the held-out set to compare (train stage not run)"))
+    downstream = score_table(ablations, DOWNSTREAM)
+    print("\n" + (downstream or "no downstream tasks to compare (downstream stage not run, or eval.downstream.tasks empty)"))
     chart = plot(ablations, Path(args.out))
     print(f"\nchart: {chart}" if chart else "\nno training runs to plot")
     return 0

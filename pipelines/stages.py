@@ -1,4 +1,4 @@
-"""The pipeline's six stages, declared once, in DAG order (design.md's table)."""
+"""The pipeline's seven stages, declared once, in DAG order (design.md's table)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from corpus.config import TOKENIZER_FILES, TokenizerConfig, source_files
 from pipelines.config import PipelineConfig
 from core.dag import Stage
 from train import stage as train_stage
+from train.downstream import stage as downstream_stage
 
 
 def raw_files_identity(config: PipelineConfig) -> list[list]:
@@ -35,7 +36,7 @@ STAGES: tuple[Stage, ...] = (
     # Each stage's code is its run function's module and every module of ours that it imports (core/imports.py).
     Stage("ingest", (), ("ingest", "sources"), run=ingest.run, external=raw_files_identity),
     Stage("normalize", ("ingest",), ("normalize", "eval"), run=normalize.run),
-    Stage("dedup", ("normalize",), "dedup", run=dedup_stage.run),
+    Stage("dedup", ("normalize",), ("dedup", "eval"), run=dedup_stage.run),  # eval.decontaminate: its first phase
     Stage("screen", ("dedup",), "screen", run=screen_stage.run,
           external=lambda config: tokenizer_files_identity(config.screen.tokenizer)),
     # normalize's output too: a trained tokenizer is sampled from it, before dedup and the screen, so that their
@@ -43,4 +44,10 @@ STAGES: tuple[Stage, ...] = (
     Stage("tokenize", ("screen", "normalize"), "tokenize", run=tokenize.run,
           external=lambda config: tokenizer_files_identity(config.tokenize.tokenizer)),
     Stage("train", ("tokenize",), "train", run=train_stage.run, resumable=True),
+    # Each seed's exported model through lm-evaluation-harness: a stage of its own, so that a new task list reruns it
+    # and not training (train/downstream/stage.py); normalize's output for the evaluation set its own task is made
+    # from. The harness runs by name in a process of its own (code); lm-eval's version and our task files are its
+    # external. Its section, eval.downstream, is keyed apart from the `eval` that normalize and dedup key on.
+    Stage("downstream", ("train", "normalize"), "eval.downstream", run=downstream_stage.run,
+          code=("train.downstream.harness",), external=downstream_stage.identity),
 )

@@ -115,12 +115,12 @@ SAMPLE_TOKENIZE_TRAIN = """
 tokenize: {seq_len: 64, tokenizer: {kind: train, vocab_size: 1024}}
 train: {model: tiny, num_workers: 2, cpus_per_worker: 0.5, zero_stage: 2, precision: fp32, micro_batch_size: 4,
         global_batch_tokens: 1024, lr: 3.0e-3, warmup_tokens: 5120, total_tokens: 100000, max_steps: 30,
-        checkpoint_every: 10, eval_every: 10, seeds: 2}
+        checkpoint_every: 10, eval_every: 10, seeds: 3}
 """
 
 
 SPIKY = "HackerNews"  # the subset the default sample plants spiky (configs/local.yaml)
-STAGES = ("ingest", "normalize", "dedup", "screen", "tokenize", "train")
+STAGES = ("ingest", "normalize", "dedup", "screen", "tokenize", "train", "downstream")
 
 
 def manifest(workdir: Path, stage: str) -> dict:

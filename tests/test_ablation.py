@@ -21,7 +21,8 @@ def test_a_screen_ablation_reruns_the_screen_and_downstream_only(sample_run, tmp
 
     _, _, wd = sample_run
     cfg = str(wd.parent / "sample.yaml")
-    base = {stage: manifest(wd, stage) for stage in ("ingest", "normalize", "dedup", "screen", "tokenize", "train")}
+    base = {stage: manifest(wd, stage) for stage in ("ingest", "normalize", "dedup", "screen", "tokenize", "train",
+                                                     "downstream")}
     capsys.readouterr()
     try:
         assert main(["--config", cfg, "--set", "screen.enabled=false", "--ablation", "no-screen"]) == 0
@@ -29,7 +30,7 @@ def test_a_screen_ablation_reruns_the_screen_and_downstream_only(sample_run, tmp
         status = {line.split()[0]: line.split()[1] for line in out.split("finished; workdir")[1].splitlines()[1:]
                   if line.startswith("  ") and len(line.split()) > 1 and line.split()[0] in base}
         assert status == {"ingest": "cached", "normalize": "cached", "dedup": "cached", "screen": "ran", "tokenize": "ran",
-                          "train": "ran"}
+                          "train": "ran", "downstream": "ran"}
         off = {stage: manifest(wd, stage) for stage in base}
         assert off["dedup"]["fingerprint"] == base["dedup"]["fingerprint"]
         # One tokenizer for both (trained on normalize's output, which the screen does not change): a loss per token
@@ -74,13 +75,17 @@ def test_a_screen_ablation_reruns_the_screen_and_downstream_only(sample_run, tmp
         assert cells[compare.TRAIN_LOSS_ROW] == [f"{m['final_loss']:.4f}" for m in (base["train"], off["train"])]
         assert "tokens ccnews" in cells and "eval loss per token (whole set)" in cells and "grad-norm spikes" in cells
         assert "no-screen: screen.enabled: True -> False" in table
-        # Bits per byte per row with intervals over the two seeds, and a verdict per row against base.
-        bpb = {r[0]: r[1:] for r in (re.split(r"\s{2,}", line.strip()) for line in scores.splitlines()[2:]) if len(r) == 5}
-        assert {"all", "pile", "pile.HackerNews", "reddit", "ccnews"} <= set(bpb)
+        # Bits per byte per row, its size, the means with intervals over the three seeds, and a verdict per row.
+        bpb = {r[0]: r[1:] for r in (re.split(r"\s{2,}", line.strip()) for line in scores.split("\ndownstream")[0].splitlines()[2:])
+               if len(r) == 8}
+        assert {"all", compare.MACRO, "pile", "pile.HackerNews", "reddit", "ccnews"} <= set(bpb)
         assert all(verdict in ("worse", "better", "within noise") for *_, verdict in bpb.values())
         metrics = [client.get_run(m["train"]["mlflow_run_id"]).data.metrics for m in (base, off)]
-        means = [np.mean([m[f"seed{s}/eval.bpb.pile.HackerNews"] for s in (0, 1)]) for m in metrics]
-        assert [float(c.split("±")[0]) for c in bpb["pile.HackerNews"][:2]] == pytest.approx(means, abs=1e-4)
+        means = [np.mean([m[f"seed{s}/eval.bpb.pile.HackerNews"] for s in (0, 1, 2)]) for m in metrics]
+        assert [float(c.split("±")[0]) for c in bpb["pile.HackerNews"][3:5]] == pytest.approx(means, abs=1e-4)
+        # each row's size: documents, bytes and tokens scored, the sources' adding up to the whole set's
+        sizes = {row: [int(c.replace(",", "")) for c in bpb[row][:3]] for row in bpb if row != compare.MACRO}
+        assert sizes["all"][0] == sum(sizes[s][0] for s in ("bookcorpus", "ccnews", "pile", "reddit", "stories") if s in sizes)
         assert f"eval.fingerprint={fingerprint}" in scores and "5% family-wise error rate" in scores
         assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert compare.main(["--config", cfg, "--out", str(chart), "nope"]) == 2
@@ -88,5 +93,13 @@ def test_a_screen_ablation_reruns_the_screen_and_downstream_only(sample_run, tmp
     finally:
         assert main(["--config", cfg]) == 0  # back to base: every stage a cache hit
     assert all(manifest(wd, s)["fingerprint"] == m["fingerprint"] for s, m in base.items())
+    # The cache hit's train run carries the tags and every metric of the run it reuses (its workers' step metrics
+    # included, as they ended): a user filtering runs by eval.fingerprint finds it too.
+    hit = client.search_runs([client.get_run(base["train"]["mlflow_run_id"]).info.experiment_id],
+                             "tags.stage = 'train' and tags.cache_hit = 'true'", order_by=["attributes.start_time DESC"])[0]
+    reused = client.get_run(base["train"]["mlflow_run_id"]).data
+    assert hit.data.tags["cached_from_run"] == base["train"]["mlflow_run_id"]
+    assert all(hit.data.tags[k] == reused.tags[k] for k in ("eval.fingerprint", "eval.seeds", "data.fingerprint"))
+    assert set(hit.data.metrics) >= set(reused.metrics) and hit.data.metrics["eval.bpb"] == reused.metrics["eval.bpb"]
     assert "running" not in capsys.readouterr().out
     assert Path(manifest(wd, "train")["output"]).is_dir()

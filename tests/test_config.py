@@ -63,6 +63,7 @@ def test_defaults_and_resolved_paths(cfg, tmp_path, monkeypatch):
     assert config.sources[0].paths == [str(tmp_path / "raw" / "*.jsonl")]
     assert config.mlflow.tracking_uri == f"sqlite:///{tmp_path}/work/mlflow.db"
     assert config.dedup.threshold == 0.95
+    assert (config.eval.decontaminate.ngram, config.eval.decontaminate.threshold) == (13, 0.5)
     check_inputs_exist(config)
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://10.0.0.5:5000")  # set on a cluster's head node
     assert load_config(cfg()).mlflow.tracking_uri == "http://10.0.0.5:5000"
@@ -85,6 +86,11 @@ def test_defaults_and_resolved_paths(cfg, tmp_path, monkeypatch):
     ("tokenize: {tokenizer: {fairseq_dict: d.txt}}\n", "tokenize.tokenizer.fairseq_dict", "only read when kind is 'gpt2'"),
     ("tokenize: {tokenizer: {train_bytes: 0}}\n", "tokenize.tokenizer.train_bytes", "expected a value >= 1"),
     ("eval: {fraction: 1}\n", "eval.fraction", "expected a fraction in [0, 1)"),
+    ("eval: {decontaminate: {ngram: 0}}\n", "eval.decontaminate.ngram", "expected a value >= 1, got 0"),
+    ("eval: {decontaminate: {threshold: 0}}\n", "eval.decontaminate.threshold", "expected a fraction of n-grams in (0, 1], got 0"),
+    ("eval: {decontaminate: {threshold: 1.5}}\n", "eval.decontaminate.threshold", "expected a fraction of n-grams in (0, 1]"),
+    ("eval: {decontaminate: {treshold: 0.5}}\n", "eval.decontaminate.treshold", "unknown key; expected one of: ngram, threshold"),
+    ("eval: {decontaminate: 13}\n", "eval.decontaminate", "expected a mapping"),
     ("train: {seeds: 0}\n", "train.seeds", "expected a value >= 1"),
     ("colour: blue\n", "colour", "unknown key"),
     ("sample_spiky_subset: Enron Emails\n", "sample_spiky_subset", "expected one of OPT's Pile subsets (the ones the "
@@ -199,6 +205,8 @@ def test_set_overrides_are_typed_by_their_field(cfg):
 @pytest.mark.parametrize("item, message", [
     ("dedup.treshold=0.9", "config key 'dedup.treshold': unknown key"),
     ("dedup.threshold=abc", "config key 'dedup.threshold': expected a number, got 'abc' (str)"),
+    ("eval.decontaminate.ngrams=13", "config key 'eval.decontaminate.ngrams': unknown key"),
+    ("eval.decontaminate.ngram=five", "config key 'eval.decontaminate.ngram': expected an integer"),
     ("dedup.threshold", "--set expects dotted.key=value, got 'dedup.threshold'"),
     ("sources.5.name=x", "config key 'sources.5': expected a list index below 1"),
     ("dedup.threshold.x=1", "config key 'dedup.threshold.x': cannot set a key inside a value of type a number"),

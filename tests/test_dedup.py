@@ -43,9 +43,10 @@ def corpus(tmp_path_factory):
     chain_a = base[3]
     chain_b = edit(chain_a, list(range(100, 2000, 250)), 1)  # 8 words changed
     chain_c = edit(chain_b, list(range(225, 2000, 250)), 2)  # 8 others
+    chain_x = edit(chain_b, list(range(30, 2000, 50)), 3)  # 40 others: Jaccard ~0.8 to b, ~0.75 to c
     docs = {
         "news": {"n-exact": base[0], "n-space": base[1], "n-oneword": base[2], "n-edited": base[4], "n-chain-a": chain_a,
-                 "n-unique": base[5]},
+                 "n-unique": base[5], "n-chain-x": chain_x},
         "web": {"w-exact": base[0], "w-space": base[1].replace(" ", "  \t ", 40),
                 "w-oneword": edit(base[2], [1000], 3), "w-edited": edit(base[4], list(range(0, 2000, 7)), 4),
                 "w-chain-b": chain_b, "w-chain-c": chain_c,
@@ -60,7 +61,7 @@ sources:
   - {{name: news, format: jsonl, id_field: id, paths: ["{root}/news.jsonl"]}}
   - {{name: web,  format: jsonl, id_field: id, paths: ["{root}/web.jsonl"]}}
 """)
-    return root, cfg, docs, (chain_a, chain_b, chain_c)
+    return root, cfg, docs, (chain_a, chain_b, chain_c, chain_x)
 
 
 @pytest.fixture(scope="module")
@@ -72,11 +73,19 @@ def deduped(corpus, ray_session):
 
 
 def test_the_cases_are_what_they_say(corpus):
-    _, _, docs, (a, b, c) = corpus
+    from corpus.config import DecontaminateConfig
+    from dedup.decontaminate import distinct, ngrams
+
+    _, _, docs, (a, b, c, x) = corpus
     n, w = docs["news"], docs["web"]
     assert jaccard(n["n-oneword"], w["w-oneword"]) > 0.99
     assert jaccard(n["n-edited"], w["w-edited"]) < 0.5  # 15% of the words changed
     assert jaccard(a, b) >= 0.95 and jaccard(b, c) >= 0.95 and jaccard(a, c) < 0.95
+    assert 0.7 < jaccard(x, c) < jaccard(x, b) < 0.9  # a near-duplicate at dedup.threshold 0.7, not at 0.95
+    # ... which shares more than half its 13-grams with c (eval.decontaminate's default), as a and b do.
+    docs_of, grams = distinct(*ngrams([a, b, c, x], DecontaminateConfig().ngram))
+    sets = [set(grams[docs_of == i].tolist()) for i in range(4)]
+    assert all(0.5 < len(sets[i] & sets[2]) / min(len(sets[i]), len(sets[2])) < 0.99 for i in (0, 1, 3))
 
 
 def test_merges_exactly_the_pairs_at_or_above_the_threshold(deduped):
@@ -84,8 +93,8 @@ def test_merges_exactly_the_pairs_at_or_above_the_threshold(deduped):
     dups = {r["id"]: r for r in rows(folder / "duplicates")}
     assert set(dups) == {"w-exact", "w-space", "w-oneword", "w-chain-b", "w-chain-c", "w-self2"}
     kept = {r["id"] for r in rows(folder / "output")}
-    assert {"n-exact", "n-space", "n-oneword", "n-edited", "w-edited", "n-chain-a", "n-unique", "w-self1"} == kept
-    assert manifest["counts"] == {"rows_in": 14, "rows_out": 8, "duplicate": 6, "near_eval": 0}
+    assert {"n-exact", "n-space", "n-oneword", "n-edited", "w-edited", "n-chain-a", "n-unique", "w-self1", "n-chain-x"} == kept
+    assert manifest["counts"] == {"rows_in": 15, "rows_out": 9, "duplicate": 6, "near_eval": 0}
     # The source listed first is kept; a chain a~b~c (a and c below the threshold) keeps only a.
     assert dups["w-exact"]["kept_id"] == "n-exact" and dups["w-exact"]["jaccard"] == 1.0
     assert dups["w-chain-c"]["kept_id"] == "n-chain-a" and dups["w-chain-c"]["via"] == "w-chain-b"
@@ -100,37 +109,49 @@ def test_merges_exactly_the_pairs_at_or_above_the_threshold(deduped):
     assert json.loads((folder / "cluster_sizes.json").read_text()) == {"2": 4, "3": 1}
 
 
-def test_a_near_duplicate_of_an_evaluation_document_never_trains(corpus, deduped):
-    """The evaluation set is kept over any source's copy, never removed, and what dedup finds to be a copy of
-    one of its documents (exactly, at the threshold, or through a chain) leaves training as `near_eval`."""
+def test_a_copy_of_an_evaluation_document_never_trains_whatever_the_dedup_threshold(corpus, deduped):
+    """Decontamination, dedup's first phase with eval.decontaminate's settings, removes every training document that
+    shares more than half its 13-grams with an evaluation document (`near_eval`, that document as `kept_id`), before
+    dedup's own phases, which never see it. So a dedup ablation removes exactly the same documents: 0.95 (base) and
+    0.7, where n-chain-x (Jaccard ~0.8 to w-chain-b) would have joined the evaluation document's component (and at
+    0.99 the chain a~b~c would have left it).
+    The evaluation set is never removed, and its fingerprint does not change with dedup.*."""
     from corpus.evalset import drawn
 
     root, cfg, docs, _ = corpus
     names = [(s, i) for s, texts in docs.items() for i in texts]
     wanted = {("web", "w-exact"), ("web", "w-chain-c")}  # the copy of a kept news document; the far end of a chain
     seed = next(s for s in range(100_000) if {n for n, d in zip(names, drawn(*map(list, zip(*names)), 0.2, s)) if d} == wanted)
-    assert main(["--config", str(cfg), "--only", "normalize,dedup", "--set", "eval.fraction=0.2", "--set", f"eval.seed={seed}"]) == 0
+    held_out = ["--set", "eval.fraction=0.2", "--set", f"eval.seed={seed}"]
+    assert main(["--config", str(cfg), "--only", "normalize,dedup", *held_out]) == 0
     normalize = json.loads((root / "work" / "normalize" / "manifest.json").read_text())
     assert normalize["counts"]["eval"] == 2 and len(normalize["eval"]["fingerprint"]) == 16
     assert {r["id"] for r in rows(Path(normalize["output"]).parent / "eval")} == {"w-exact", "w-chain-c"}
     manifest = json.loads((root / "work" / "dedup" / "manifest.json").read_text())
     folder = Path(manifest["output"]).parent
     near = {r["id"]: r for r in rows(folder / "near_eval")}
-    assert set(near) == {"n-exact", "n-chain-a", "w-chain-b"}  # n-chain-a through w-chain-b: J(a, c) < 0.95
-    assert near["n-exact"]["kept_id"] == "w-exact" and near["n-exact"]["jaccard"] == 1.0
-    assert near["n-chain-a"]["kept_id"] == near["w-chain-b"]["kept_id"] == "w-chain-c"
+    assert set(near) == {"n-exact", "n-chain-a", "w-chain-b", "n-chain-x"}
+    assert near["n-exact"]["kept_id"] == "w-exact" and near["n-exact"]["kept_source"] == "web" and near["n-exact"]["overlap"] == 1.0
+    assert near["n-chain-a"]["kept_id"] == near["w-chain-b"]["kept_id"] == near["n-chain-x"]["kept_id"] == "w-chain-c"
+    assert 0.5 < near["n-chain-x"]["overlap"] < near["n-chain-a"]["overlap"] < near["w-chain-b"]["overlap"] < 1
     assert {r["id"] for r in rows(folder / "duplicates")} == {"w-space", "w-oneword", "w-self2"}
     assert {r["id"] for r in rows(folder / "output")} == {"n-space", "n-oneword", "n-edited", "w-edited", "n-unique", "w-self1"}
-    assert manifest["counts"] == {"rows_in": 12, "rows_out": 6, "duplicate": 3, "near_eval": 3}
-    assert manifest["metrics"]["near_eval.news"] == 2 and manifest["metrics"]["near_eval.web"] == 1
+    assert manifest["counts"] == {"rows_in": 13, "rows_out": 6, "duplicate": 3, "near_eval": 4}
+    assert manifest["metrics"]["near_eval.news"] == 3 and manifest["metrics"]["near_eval.web"] == 1
+    assert manifest["metrics"]["decontaminate.eval_ngrams"] > 3000 and manifest["metrics"]["decontaminate.seconds"] > 0
     assert manifest["eval"] == normalize["eval"]  # passed on to the screen, which tags its proxy runs with it
-    # A dedup ablation leaves the evaluation set as it was: normalize is a cache hit, the same set and fingerprint.
-    assert main(["--config", str(cfg), "--only", "normalize,dedup", "--set", "eval.fraction=0.2", "--set", f"eval.seed={seed}",
-                 "--set", "dedup.threshold=0.99"]) == 0
-    loose = json.loads((root / "work" / "dedup" / "manifest.json").read_text())
-    assert loose["fingerprint"] != manifest["fingerprint"] and loose["eval"] == normalize["eval"]
+    # A dedup ablation: normalize is a cache hit (the same set and fingerprint); the same documents leave as near_eval.
+    assert main(["--config", str(cfg), "--only", "normalize,dedup", *held_out, "--set", "dedup.threshold=0.7"]) == 0
+    ablation = json.loads((root / "work" / "dedup" / "manifest.json").read_text())
+    assert ablation["fingerprint"] != manifest["fingerprint"] and ablation["eval"] == normalize["eval"]
     assert json.loads((root / "work" / "normalize" / "manifest.json").read_text())["fingerprint"] == normalize["fingerprint"]
-    assert {r["id"] for r in rows(Path(loose["output"]).parent / "near_eval")} == {"n-exact"}  # the chain is below 0.99
+    assert rows(Path(ablation["output"]).parent / "near_eval") == rows(folder / "near_eval")
+    assert ablation["counts"]["near_eval"] == 4
+    # eval.decontaminate's settings are the evaluation set's too: another fingerprint, so compare.py keeps the runs apart.
+    assert main(["--config", str(cfg), "--only", "normalize", *held_out, "--set", "eval.decontaminate.threshold=0.9"]) == 0
+    stricter = json.loads((root / "work" / "normalize" / "manifest.json").read_text())
+    assert stricter["eval"]["fingerprint"] != normalize["eval"]["fingerprint"]
+    assert stricter["eval"]["decontaminate"] == {"ngram": 13, "threshold": 0.9} and stricter["counts"] == normalize["counts"]
 
 
 def test_mlflow_has_the_counts_and_the_histogram(corpus, deduped):
@@ -139,7 +160,7 @@ def test_mlflow_has_the_counts_and_the_histogram(corpus, deduped):
     client = MlflowClient(f"sqlite:///{root}/work/mlflow.db")
     run = client.get_run(manifest["mlflow_run_id"])
     assert run.data.metrics["duplicate"] == 6 and run.data.metrics["verified_pairs"] >= 5
-    assert run.data.params["threshold"] == "0.95"
+    assert run.data.params["dedup.threshold"] == "0.95" and run.data.params["eval.decontaminate.ngram"] == "13"
     assert "cluster_sizes.png" in [a.path for a in client.list_artifacts(run.info.run_id)]
 
 

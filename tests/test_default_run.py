@@ -53,7 +53,7 @@ def test_the_console_has_a_line_per_stage_and_the_problems_but_none_of_rays_outp
     logs = {s: (Path(made[s]["output"]).parent / "stage.log").read_text() for s in STAGES}
     assert "Started a local Ray instance" in logs["ingest"] and "Execution plan of Dataset" in logs["dedup"]
     run_dir = Path(made["train"]["run_dir"])
-    assert re.search(r"step 200/200 loss", (run_dir / "train.log").read_text())  # rank 0's log, in the run folder
+    assert re.search(r"step 100/100 loss", (run_dir / "train.log").read_text())  # rank 0's log, in the run folder
 
 
 def test_mlflow_opens_on_training_runs_and_the_parent_run_has_the_summary(default_run, tmp_path):

@@ -50,7 +50,7 @@ def shards(tmp_path_factory):
         windows = evalset.windows(docs, 2, 1, SEQ + 1).astype(np.uint16)
         write_rows(folder / "eval" / f"{k:05d}.arrow", windows)
         units.append({"source": source, "subset": subset, "documents": len(docs), "bytes": n_bytes,
-                      "tokens": sum(map(len, docs)), "sequences": len(windows),
+                      "tokens": sum(len(d) - 1 for d in docs), "sequences": len(windows),  # scored: not </s>
                       "shards": [{"file": f"eval/{k:05d}.arrow", "sequences": len(windows)}]})
     index = {"format": FORMAT, "seq_len": SEQ, "block": SEQ + 1, "dtype": "uint16", "vocab_size": 512, "eos_id": 2,
              "pad_id": 1, "sequences": 64, "train": {"sequences": 64, "shards": [{"file": "train/00000.arrow", "sequences": 64}]},
@@ -252,10 +252,11 @@ def test_metrics_are_rank_0s_a_line_per_step_validation_and_a_summary(shards, tm
     assert list((tmp_path / "other").iterdir()) == []
 
 
-def test_bits_per_byte_is_the_hand_computed_sum_over_every_token_of_every_document(shards, tmp_path):
+def test_bits_per_byte_is_the_hand_computed_sum_over_every_token_of_every_document_but_its_eos(shards, tmp_path):
     """The evaluation (windows in micro-batches of 2, padded) against the model's log-likelihood of each unit's
     stream computed by hand, a forward per stretch of SEQ + 1 tokens that starts where the last one ended, summed
-    in bits over the units' bytes, per source, subset and all."""
+    over the targets that are not </s> (each </s> is context only), in bits over the units' bytes, per source,
+    subset and all."""
     from corpus import evalset
     from model.configs import get
     from model.opt import OPT
@@ -263,7 +264,7 @@ def test_bits_per_byte_is_the_hand_computed_sum_over_every_token_of_every_docume
 
     model = OPT(get("tiny").replace(vocab_size=512, dropout=0.0), seed=3)
     got = evalset.metrics(json.loads((shards / INDEX).read_text())["eval"]["units"],
-                          unit_nll(model, str(shards), len(EVAL_UNITS), 2, 1, context(tmp_path)))
+                          unit_nll(model, str(shards), len(EVAL_UNITS), 2, 1, 2, context(tmp_path)))
     nats = {}
     with torch.no_grad():
         for source, subset, docs, _ in EVAL_UNITS:
@@ -272,7 +273,8 @@ def test_bits_per_byte_is_the_hand_computed_sum_over_every_token_of_every_docume
             for start in range(0, len(stream) - 1, SEQ):
                 piece = stream[start:start + SEQ + 1][None]
                 logp = torch.log_softmax(model(piece[:, :-1]), dim=-1)
-                total -= logp[0, torch.arange(piece.size(1) - 1), piece[0, 1:]].sum().item()
+                nll = -logp[0, torch.arange(piece.size(1) - 1), piece[0, 1:]]
+                total += nll[piece[0, 1:] != 2].sum().item()  # the closing </s>s: not scored
             nats[source, subset] = total
     assert len(torch.tensor([2] + [t for d in EVAL_UNITS[1][2] for t in d])) > 3 * SEQ + 1  # 4 windows, the last padded
     bits = {k: v / np.log(2) for k, v in nats.items()}
@@ -282,20 +284,110 @@ def test_bits_per_byte_is_the_hand_computed_sum_over_every_token_of_every_docume
     assert got["eval.bpb.web.wiki"] == pytest.approx(bits[wiki] / 6, rel=1e-5)
     assert got["eval.bpb.web"] == pytest.approx((bits[forum] + bits[wiki]) / 176, rel=1e-5)
     assert got["eval.bpb"] == pytest.approx(sum(bits.values()) / 185, rel=1e-5)
-    assert got["eval.loss.news"] == pytest.approx(nats[news] / 6, rel=1e-5)  # per token scored: 4 + 2
+    assert got["eval.loss.news"] == pytest.approx(nats[news] / 4, rel=1e-5)  # per token scored: 3 + 1, no </s>
     assert set(got) == {f"eval.{m}{r}" for m in ("bpb", "loss") for r in ("", ".news", ".web", ".web.forum", ".web.wiki")}
 
 
-def test_evaluation_windows_score_every_token_once():
+def test_evaluation_windows_score_every_token_once_and_no_eos():
     from corpus import evalset
 
     docs = [[5, 6, 7, 2], [8, 2], list(range(10, 30)) + [2]]
     rows = evalset.windows(docs, eos=2, pad=1, block=8)
-    assert rows.shape == (4, 8) and (rows[1:, 0] == rows[:-1, -1]).all()  # 28 tokens: 27 scored, 7 a window
-    targets = evalset.targets(rows, pad=1)
+    assert rows.shape == (4, 8) and (rows[1:, 0] == rows[:-1, -1]).all()  # 28 tokens: 27 predicted, 7 a window
+    targets = evalset.targets(rows, pad=1, eos=2)
     scored = targets[targets != evalset.IGNORE]
-    assert scored.tolist() == [t for d in docs for t in d]  # each document token and </s> once, in order
+    assert scored.tolist() == [t for d in docs for t in d[:-1]]  # each document token once, in order; no </s>
+    assert (rows[:, 1:] == 2).sum() == 3  # the closing </s>s are still there, as context
     assert rows[-1, -1] == 1 and rows[0, 0] == 2
+    same = evalset.targets(evalset.windows(docs, eos=2, pad=2, block=8), pad=2, eos=2)  # <pad> and </s> one id
+    assert same[same != evalset.IGNORE].tolist() == scored.tolist()
+
+
+# A hand-built evaluation set: (source, subset, its documents' texts, their token ids, each ending with </s> (2)).
+HAND_UNITS = [("news", "", ["héllo", "wörld!"], [[10, 20, 2], [30, 2]]),
+              ("web", "forum", ["€"], [[40, 2]]),
+              ("web", "wiki", ["ab", "c", "d"], [[50, 60, 2], [70, 2], [80, 2]])]
+
+
+class FixedLoss:
+    """A model whose loss for a target t is t / 10 nats, whatever the context, and 100 nats for </s>: were a </s>
+    scored, every number below would be far off. Called as the engine is: (inputs, targets) -> the mean loss over
+    the targets scored."""
+
+    def eval(self):
+        pass
+
+    def train(self):
+        pass
+
+    def __call__(self, x, y):
+        from corpus import evalset
+
+        y = y.reshape(-1)
+        y = y[y != evalset.IGNORE].double()
+        return torch.where(y == 2, torch.full_like(y, 100.0), y / 10).mean()
+
+
+def hand_units(folder) -> list[dict]:
+    """HAND_UNITS as the tokenize stage writes them (windows of 4 tokens, index.json's units), into `folder`."""
+    from corpus import evalset
+
+    units = []
+    for k, (source, subset, texts, docs) in enumerate(HAND_UNITS):
+        windows = evalset.windows(docs, 2, 1, 4)
+        write_rows(folder / "eval" / f"{k:05d}.arrow", windows.astype(np.uint16))
+        units.append({"source": source, "subset": subset, "documents": len(docs),
+                      "bytes": sum(len(t.encode()) for t in texts),
+                      "tokens": int((evalset.targets(windows, 1, 2) != evalset.IGNORE).sum()),
+                      "sequences": len(windows), "shards": [{"file": f"eval/{k:05d}.arrow", "sequences": len(windows)}]})
+    (folder / INDEX).write_text(json.dumps({"format": FORMAT, "block": 4, "dtype": "uint16", "eos_id": 2, "pad_id": 1,
+                                            "eval": {"units": units}}))
+    return units
+
+
+def test_bits_per_byte_leaves_out_each_documents_eos_as_computed_by_hand(tmp_path):
+    """Bits per byte and the loss per token of a hand-built set under a fixed loss per token: the nats of the
+    documents' own tokens (not their </s>) over their UTF-8 bytes; and the rows' sizes, which add up."""
+    from corpus import evalset
+    from train.loop.evaluation import unit_nll
+
+    units = hand_units(tmp_path)
+    assert [u["sequences"] for u in units] == [2, 1, 3]  # [2 10 20 2] [2 30 2 <pad>]; [2 40 2 <pad>]; ...
+    got = evalset.metrics(units, unit_nll(FixedLoss(), str(tmp_path), 3, 2, 1, 2, context(tmp_path)))
+    # By hand: news 1 + 2 + 3 nats over 6 + 7 bytes ("é", "ö": 2 bytes each), 3 tokens; forum 4 nats over 3 bytes
+    # ("€"), 1 token; wiki 5 + 6 + 7 + 8 nats over 4 bytes, 4 tokens.
+    assert [len(t.encode()) for _, _, texts, _ in HAND_UNITS for t in texts] == [6, 7, 3, 2, 1, 1]
+    ln2 = np.log(2)
+    expected = {"eval.bpb.news": 6 / ln2 / 13, "eval.bpb.web.forum": 4 / ln2 / 3, "eval.bpb.web.wiki": 26 / ln2 / 4,
+                "eval.bpb.web": 30 / ln2 / 7, "eval.bpb": 36 / ln2 / 20,
+                "eval.loss.news": 2.0, "eval.loss.web.forum": 4.0, "eval.loss.web.wiki": 6.5, "eval.loss.web": 6.0,
+                "eval.loss": 4.5}
+    assert got == pytest.approx(expected, rel=1e-12)
+    sizes = evalset.sizes(units)
+    assert sizes == {f"eval.size.{k}{r}": v for r, counts in [("", (6, 20, 8)), (".news", (2, 13, 3)), (".web", (4, 7, 5)),
+                                                              (".web.forum", (1, 3, 1)), (".web.wiki", (3, 4, 4))]
+                     for k, v in zip(("documents", "bytes", "tokens"), counts)}
+    for key in ("documents", "bytes", "tokens"):  # subsets sum to their source, sources to the whole set
+        assert sizes[f"eval.size.{key}.web"] == sizes[f"eval.size.{key}.web.forum"] + sizes[f"eval.size.{key}.web.wiki"]
+        assert sizes[f"eval.size.{key}"] == sizes[f"eval.size.{key}.news"] + sizes[f"eval.size.{key}.web"]
+
+
+def test_the_train_stage_reports_the_sets_sizes_once_and_each_seeds_evaluation(tmp_path):
+    from types import SimpleNamespace
+
+    from corpus import evalset
+    from train.stage import track_seeds
+
+    units = hand_units(tmp_path)
+    folders = {0: tmp_path / "seed-0", 1: tmp_path / "seed-1"}
+    for seed, folder in folders.items():
+        folder.mkdir()
+        (folder / "metrics.jsonl").write_text(json.dumps({"step": 3, "eval.bpb": 1.5 + seed, "eval.loss": 2.0}) + "\n")
+    out, tags = track_seeds(SimpleNamespace(seed=0), {"eval": {"units": units, "fingerprint": "f"}, "data_fingerprint": "d"},
+                            folders)
+    assert out == {**evalset.sizes(units), "eval.bpb": 1.5, "eval.loss": 2.0, "seed0/eval.bpb": 1.5,
+                   "seed0/eval.loss": 2.0, "seed1/eval.bpb": 2.5, "seed1/eval.loss": 2.0}
+    assert out["eval.size.tokens.web.wiki"] == 4 and tags == {"eval.seeds": "0,1", "eval.fingerprint": "f", "data.fingerprint": "d"}
 
 
 def test_injected_faults_fire_once_even_across_restarts(tmp_path):

@@ -100,7 +100,8 @@ def test_token_counts_per_source_and_subset(tokenized):
 
 def test_the_evaluation_set_is_normalizes_held_out_documents_every_token_scored_once(tokenized):
     """Each (source, subset) of normalize's evaluation set, in id order, as windows whose scored targets are its
-    documents' tokens; the subset the screen dropped is there too; the bytes and the fingerprint travel."""
+    documents' tokens (each closing </s> in the stream, not scored); the subset the screen dropped is there too;
+    the bytes and the fingerprint travel."""
     from corpus import evalset
 
     wd, out, index, encoded, _ = tokenized
@@ -115,10 +116,11 @@ def test_the_evaluation_set_is_normalizes_held_out_documents_every_token_scored_
     assert ("pile", SPIKY) in {(u["source"], u["subset"]) for u in units}
     for k, unit in enumerate(units):
         docs = sorted((d for d in held_out if (d["source"], d["subset"]) == (unit["source"], unit["subset"])), key=lambda d: d["id"])
-        expected = [t for d in docs for t in tok.encode(d["text"].rstrip(), add_special_tokens=False).ids + [EOS]]
+        expected = [t for d in docs for t in tok.encode(d["text"].rstrip(), add_special_tokens=False).ids]
         windows = packed(out, f"eval/{k}").reshape(-1, index["block"]).astype(np.int64)
-        targets = evalset.targets(windows, index["pad_id"])
+        targets = evalset.targets(windows, index["pad_id"], index["eos_id"])
         assert targets[targets != evalset.IGNORE].tolist() == expected and unit["tokens"] == len(expected)
+        assert (windows[:, 1:] == EOS).sum() == len(docs)  # each document's </s>, as context
         assert unit["bytes"] == sum(len(d["text"].rstrip().encode()) for d in docs) and unit["documents"] == len(docs)
 
 

@@ -63,14 +63,23 @@ def fit(cfg: TrainConfig, config, folder: Path, loop=None):
     return trainer.fit()
 
 
-def seed_runs(cfg: TrainConfig, shards: str, folder: Path) -> dict[int, LoopConfig]:
+def export_dir(output: Path, seed: int, first: int) -> Path:
+    """Where a seed's Hugging Face export is in the stage's output: `model/` for the first seed (the run's own),
+    `seed-<s>/model/` for each other one (what the downstream stage evaluates, a model per seed)."""
+    return output / "model" if seed == first else output / f"seed-{seed}" / "model"
+
+
+def seed_runs(cfg: TrainConfig, shards: str, folder: Path, output: Path) -> dict[int, LoopConfig]:
     """{seed: its run's config} for the seeds after the first: the same data and settings, no faults injected,
-    no export, metrics in their own folder only."""
+    metrics in their own folder only, the model exported into the stage's `output` (export_dir). An export per
+    seed costs little at the laptop's size and is what lets downstream tasks see the noise between seeds; at
+    175B one trains one seed (`train.seeds: 1`), and so exports one model."""
     out = {}
     for seed in range(cfg.seed + 1, cfg.seed + cfg.seeds):
         (folder / f"seed-{seed}").mkdir(exist_ok=True)
         out[seed] = loop_config(dataclasses.replace(cfg, seed=seed, seeds=1, inject=[]), shards, folder / f"seed-{seed}",
-                                export_dir=None, tracking_uri=None, mlflow_run_id=None)
+                                export_dir=str(export_dir(output, seed, cfg.seed)), tracking_uri=None,
+                                mlflow_run_id=None)
     return out
 
 
@@ -79,10 +88,10 @@ def run(ctx: StageContext) -> StageResult:
     folder = run_dir(ctx)
     folder.mkdir(parents=True, exist_ok=True)
     shards = str(ctx.input_output("tokenize"))
-    config = loop_config(cfg, shards, folder, export_dir=str(ctx.output / "model"),
+    config = loop_config(cfg, shards, folder, export_dir=str(export_dir(ctx.output, cfg.seed, cfg.seed)),
                          tracking_uri=ctx.config.mlflow.tracking_uri, mlflow_run_id=ctx.mlflow_run_id)
     config.write(folder / "loop_config.json")
-    others = seed_runs(cfg, shards, folder)
+    others = seed_runs(cfg, shards, folder, ctx.output)
     ctx.log.info("run folder %s: %d steps of %d sequences x %d tokens on %d workers", folder, config.max_steps,
                  config.global_batch, config.seq_len, cfg.num_workers)
     goodput.mark(folder, "launch")
@@ -109,7 +118,7 @@ def run(ctx: StageContext) -> StageResult:
     if summary.get("stopped"):
         raise RuntimeError(f"{summary['stopped']} (logbook: {folder / 'LOGBOOK.md'})")
     index = read_index(config.shards)
-    evaluations = track_seeds(ctx, cfg, index, {cfg.seed: folder, **{s: Path(c.run_dir) for s, c in others.items()}})
+    evaluations, tags = track_seeds(cfg, index, {cfg.seed: folder, **{s: Path(c.run_dir) for s, c in others.items()}})
     sequences = summary["steps"] * config.global_batch
     incidents = (folder / "incidents.jsonl").read_text().splitlines() if (folder / "incidents.jsonl").exists() else []
     metrics = {"steps": summary["steps"], "final_loss": summary["final_loss"], "sequences_trained": sequences,
@@ -117,7 +126,7 @@ def run(ctx: StageContext) -> StageResult:
                "interventions": len(interventions(logbook)), "stragglers": len(goodput.read_jsonl(folder / "stragglers.jsonl")), **curve_summary(folder / "metrics.jsonl"),
                **{f"goodput.{k}": v for k, v in time_spent.items() if k != "spans"}, **checkpoint_times(folder / "metrics.jsonl"),
                **evaluations}
-    return StageResult(index["sequences"], index["sequences"], {}, metrics,
+    return StageResult(index["sequences"], index["sequences"], {}, metrics, tags=tags,
                        fields={"steps": summary["steps"], "final_loss": summary["final_loss"], "run_dir": str(folder),
                                "eval_fingerprint": index["eval"].get("fingerprint"), "seeds": list(range(cfg.seed, cfg.seed + cfg.seeds)),
                                "interventions": [{k: e[k] for k in ("step", "kind", "actions")} for e in interventions(logbook)]})
@@ -139,23 +148,22 @@ def last_evaluation(metrics_file: Path) -> dict[str, float]:
     return {k: v for k, v in rows[-1].items() if k.startswith("eval.")} if rows else {}
 
 
-def track_seeds(ctx: StageContext, cfg: TrainConfig, index: dict, folders: dict[int, Path]) -> dict[str, float]:
-    """Each seed's final evaluation as `seed<s>/eval.*` metrics of the stage's run, with the tags `eval.seeds` and
-    `eval.fingerprint`; returns the first seed's `eval.*` (the run's own, which MLflow has step by step) and the
-    others' as metrics for the manifest."""
-    from core.tracking import StageRun
+def track_seeds(cfg: TrainConfig, index: dict, folders: dict[int, Path]) -> tuple[dict[str, float], dict[str, str]]:
+    """(metrics, tags) of the stage's run: each seed's final evaluation as `seed<s>/eval.*`, the first seed's `eval.*`
+    (the run's own, which MLflow has step by step), and the set's sizes once, not per seed (`eval.size.*`: each
+    row's documents, bytes and tokens scored, corpus/evalset.py); the tags `eval.seeds`, `eval.fingerprint` and
+    `data.fingerprint` (the training shards by content: pipelines/ablations.py pools seeds of one data)."""
+    from corpus import evalset
 
-    stage_run = StageRun(ctx.config.mlflow.tracking_uri, ctx.mlflow_run_id)
-    out: dict[str, float] = {}
+    out: dict[str, float] = {**evalset.sizes(index["eval"].get("units", []))}
     for seed, folder in folders.items():
         found = last_evaluation(folder / "metrics.jsonl")
         if seed == cfg.seed:
             out.update(found)
         out.update({f"seed{seed}/{k}": v for k, v in found.items()})
-    stage_run.set_tag("eval.seeds", ",".join(map(str, folders)))
-    if index["eval"].get("fingerprint"):
-        stage_run.set_tag("eval.fingerprint", index["eval"]["fingerprint"])
-    return out
+    tags = {"eval.seeds": ",".join(map(str, folders)), "eval.fingerprint": index["eval"].get("fingerprint"),
+            "data.fingerprint": index.get("data_fingerprint")}
+    return out, {k: v for k, v in tags.items() if v}
 
 
 def checks_health(cfg: TrainConfig) -> bool:
