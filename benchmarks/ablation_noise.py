@@ -123,9 +123,10 @@ def judge(tables: list) -> dict:
     from pipelines import compare
     from pipelines.ablations import Ablation
 
+    macro = getattr(compare, "with_macro", lambda a: a)  # the macro average's row, as compare's table has it
     rows_judged = rows_wrong = tables_wrong = math_worse = 0
     for table in tables:
-        ablations = [Ablation(name, "", seeds=seeds, bpb=bpb) for name, seeds, bpb in table]
+        ablations = [macro(Ablation(name, "", seeds=seeds, bpb=bpb)) for name, seeds, bpb in table]
         _, _, found = compare.verdicts(ablations)
         said = {(name, row): compare.verdict(d) for name, by_row in found.items() for row, d in by_row.items()}
         if "drop-math" in found:
@@ -165,9 +166,6 @@ def tree_of(commit: str, out: Path) -> Path:
 
 
 def calibrate(args) -> None:
-    import provenance  # benchmarks/provenance.py: a script's folder is on sys.path
-
-    print(provenance.header(), flush=True)
     data = read_pool(args.workdir)
     pool_json = Path(args.workdir) / "pool.json"
     pool_json.write_text(json.dumps(data))
@@ -220,15 +218,30 @@ def main() -> None:
     c.add_argument("--baseline", default="4722f6b", help="the commit whose rule is measured beside this one's")
     c.add_argument("--tables", type=int, default=2000)
     c.add_argument("--synthetic", type=int, default=10000)
-    m = sub.add_parser("measure")  # inside one tree: calibrate runs it twice
+    args = p.parse_args()
+    print(provenance.header(), flush=True)
+    {"pool": pool, "calibrate": calibrate}[args.command](args)
+
+
+def measure_main() -> None:
+    """`measure`, inside the tree whose rule is measured: calibrate runs it twice. It imports nothing of this
+    tree's before the measured tree is first on sys.path (provenance would bring this tree's `core`)."""
+    m = argparse.ArgumentParser(prog="ablation_noise.py measure")
+    m.add_argument("command")
     m.add_argument("--root", required=True)
     m.add_argument("--pool-json", required=True)
     m.add_argument("--tables", type=int, required=True)
     m.add_argument("--synthetic", type=int, required=True)
-    args = p.parse_args()
-    sys.path.insert(0, str(Path(args.root) if args.command == "measure" else ROOT))
-    {"pool": pool, "calibrate": calibrate, "measure": measure}[args.command](args)
+    args = m.parse_args()
+    sys.path.insert(0, args.root)
+    measure(args)
 
 
 if __name__ == "__main__":
-    main()
+    if sys.argv[1:2] == ["measure"]:
+        measure_main()
+    else:
+        sys.path.insert(0, str(ROOT))
+        import provenance  # noqa: E402  (benchmarks/provenance.py: a script's folder is on sys.path)
+
+        main()

@@ -11,10 +11,11 @@ from the newest checkpoint that verifies, until the same checkpoint has been res
 (train/failures.py: each failure is recorded, with its node, rank, step and class, in failures.jsonl).
 
 With `train.seeds: K`, K - 1 more runs of the same data and settings, seeds seed + 1 ..., follow the run on
-the same workers (`seeds_loop`), each in `seed-<s>/` of the run folder, without an export or MLflow
-metrics of their own. Every run's final evaluation goes to the stage's MLflow run as `seed<s>/eval.*`, the
-seeds as the tag `eval.seeds`, and the evaluation set's fingerprint as `eval.fingerprint`: what
-pipelines/compare.py reads to tell a difference between ablations from the noise between seeds.
+the same workers (`seeds_loop`), each in `seed-<s>/` of the run folder, with an export of its own (for the
+downstream stage) but no MLflow metrics of their own. Every run's final evaluation goes to the stage's MLflow run
+as `seed<s>/eval.*`, the seeds as the tag `eval.seeds`, the evaluation set's fingerprint as `eval.fingerprint`
+and the training shards' as `data.fingerprint`: what pipelines/compare.py reads to tell a difference between
+ablations from the noise between seeds.
 """
 
 from __future__ import annotations
