@@ -60,14 +60,15 @@ def test_loss_falls_and_the_curves_reach_mlflow(baseline):
     lr = {r["step"]: r["lr"] for r in rows if "lr" in r}
     assert lr[1] == pytest.approx(3e-3 / 5) and lr[5] == pytest.approx(3e-3) and lr[30] < lr[6] < 3e-3  # warmup, decay
     assert sorted(r["step"] for r in rows if "eval.bpb" in r) == [10, 20, 30]
-    # The second seed (train.seeds: 2): the same run with seed 1 on the same workers, evaluated only; both seeds'
-    # final evaluations on the stage's run, tagged with the seeds and the evaluation set's fingerprint.
-    assert run.data.tags["eval.seeds"] == "0,1"
+    # The other seeds (train.seeds: 3): the same run with seeds 1 and 2 on the same workers, each exported for the
+    # downstream stage; every seed's final evaluation on the stage's run, tagged with the seeds and the evaluation
+    # set's fingerprint.
+    assert run.data.tags["eval.seeds"] == "0,1,2"
     assert run.data.tags["eval.fingerprint"] == manifest(wd, "normalize")["eval"]["fingerprint"] == train["eval_fingerprint"]
     assert run.data.metrics["seed0/eval.bpb"] == run.data.metrics["eval.bpb"] == [r for r in rows if "eval.bpb" in r][-1]["eval.bpb"]
     other = [json.loads(line) for line in (Path(train["run_dir"]) / "seed-1" / "metrics.jsonl").read_text().splitlines()]
     other = [r for r in other if "eval.bpb" in r]
-    assert [r["step"] for r in other] == [10, 20, 30] and not (Path(train["run_dir"]) / "seed-1" / "model").exists()
+    assert [r["step"] for r in other] == [10, 20, 30] and (Path(train["output"]) / "seed-1" / "model" / "config.json").exists()
     assert run.data.metrics["seed1/eval.bpb"] == other[-1]["eval.bpb"] != run.data.metrics["eval.bpb"]
     assert abs(run.data.metrics["seed1/eval.bpb"] - run.data.metrics["eval.bpb"]) < 0.05 * run.data.metrics["eval.bpb"]
     # Each of the two ranks hashed the files it wrote: its ZeRO-2 optimizer shard and its RNG states.
