@@ -223,7 +223,7 @@ def rows(ablations: list[Ablation]) -> list[tuple[str, list[str]]]:
                     seen.append(key)
         return seen
 
-    for stage in (s.name for s in STAGES if s.name != "train"):
+    for stage in (s.name for s in STAGES if s.name not in ("train", "downstream")):  # rows of documents, not models
         counts = keys(stage, lambda run, key: key in run.data.tags.get("counts", "").split(","))
         for key in sorted(counts, key=lambda k: (k != "rows_in", k != "rows_out", k)):
             add(f"{stage} {key}", stage, key)
