@@ -2,8 +2,8 @@
 
 A stage of its own after train, not a step of training: its fingerprint is the train stage's output, the evaluation
 set (normalize's, for `heldout_continuation`), its config, lm-eval's version and our task files, so a new task list
-or limit (or a new lm-eval) reruns it, in seconds on the laptop, and never retrains a model. (Reruns it alone once
-its config section is keyed apart from the rest of `eval`, which normalize and dedup key on: pipelines/stages.py.)
+or limit (or a new lm-eval) reruns it alone, in seconds on the laptop, and never retrains a model (its section,
+`eval.downstream`, is keyed apart from the `eval` that normalize and dedup key on: core/config.py KEYED_APART).
 Its failure (a dataset that cannot be downloaded, say) leaves the trained models committed and cached. And it runs
 where its config puts it (`eval.downstream.gpus`), not on the training workers.
 
