@@ -94,10 +94,10 @@ def difference(base: list[float], other: list[float], alpha: float, paired: bool
             return Difference(0.0, 0.0, WITHIN)  # the same runs, bit for bit
         if len(diffs) < MIN_SEEDS:
             return Difference(delta, float("nan"), not_enough_seeds(len(diffs)))
-        sd = float(np.std(diffs, ddof=1))
-        if sd == 0:
+        ss, df = pooled_spread([diffs])  # the differences' own spread: n - 1 degrees of freedom
+        if ss == 0:
             return Difference(delta, float("nan"), ZERO_SPREAD)
-        half = t_quantile(1 - alpha / 2, len(diffs) - 1) * sd / math.sqrt(len(diffs))
+        half = half_width(ss, df, len(diffs), alpha / 2)
     else:
         if min(len(base), len(other)) < MIN_SEEDS:
             return Difference(delta, float("nan"), not_enough_seeds(min(len(base), len(other))))

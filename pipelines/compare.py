@@ -29,7 +29,8 @@ one without a training run, runs evaluated on different sets (their `eval.finger
 ablation's runs on different data (`data.fingerprint`) are refused (exit 2). The statistics are core/stats.py's,
 the screen's too.
 
-The PNG: bits per byte per row with the intervals, and each ablation's training loss against the step.
+The PNG: bits per byte per row and downstream accuracy per task with the intervals, and each ablation's training
+loss against the step.
 
 MLflow's own UI shows the same runs: every run carries the `ablation` tag (Group by: ablation).
 """
