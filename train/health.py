@@ -49,7 +49,8 @@ MEMORY_CHUNK = 1 << 30  # bytes compared at a time (a comparison's own buffer st
 # The bf16 rate a healthy GPU reaches in this probe (4096 x 4096 matmuls, warm), in TFLOP/s: what
 # `min_fraction` is a fraction of. Measured, not the datasheet's peak (docs/benchmarks.md, "The GPU check on an
 # H100": one H100 80GB HBM3 gave 610-642 warm, 408-451 cold, against a 989 peak).
-REFERENCE_TFLOPS = {"NVIDIA H100 80GB HBM3": 620.0}
+REFERENCE_TFLOPS = {"NVIDIA H100 80GB HBM3": 620.0,  # docs/benchmarks.md, "The GPU check on an H100"
+                    "NVIDIA H200": 630.0}  # "The GPU check on an H200": 612-639 in four calls
 # A GPU not measured here: its bf16 peak (train/plan/hardware.py) times the H100's measured share of its own.
 MEASURED_SHARE_OF_PEAK = 620.0 / 989.0
 
