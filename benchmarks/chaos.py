@@ -11,18 +11,23 @@ then the same run (same shards, seed and schedule) with the faults.
 SPEC is a comma-separated list of kind@step[:node], node 1 or 2 (default 1):
 - crash: the worker on the node dies (a lost GPU, an ECC error);
 - hang: its step stalls until its watchdog ends it (train.hang_seconds is 15 here);
-- slow: from that step on, its every step takes 0.3 s longer (a straggler);
+- slow: from that step on, its every step's compute takes twice as long (a straggler: relative to the
+  machine's own speed, so the drill means the same on any CPU); with `--set train.stragglers.exclude=true`
+  its node must also be drained at the next checkpoint and the run restarted from it on a replacement;
 - unhealthy: from that step on, the node fails its health check (its next check: the run checks a node
-  after its second failure);
+  after its second failure; at step 0, the check before the first start);
 - error: a deterministic exception on every attempt: the run must stop, naming it.
-The default schedule has one of each.
+The default schedule has one of each. Each is a `train.inject` fault of the run, the node named by its id.
+A schedule that marks both nodes unhealthy at step 0 must stop the run before it starts, draining neither
+(the cause looks systemic): the drill then exits 1 with `"stopped"` saying so.
 
 Prints a table of each fault and what the run did, the last step's loss against the clean run's at the same
 step, and the goodput breakdown; `--json` prints one object instead:
 {"faults": [{"kind", "step", "node", "handled", "action"}...], "final_loss", "clean_loss", "ettr",
 "excluded_nodes", "stragglers", "probed_nodes", "head_node", "drains_refused", "stopped"}. The head has no
 CPU, as cluster.yaml's: it can host no training worker, so it must never be probed nor drained. `--set`
-passes a config override (full.py's syntax) to both runs. Exits 0 when every fault was handled.
+passes a config override (full.py's syntax) to both runs. Exits 0 when every fault was handled, the last
+step's loss equals the clean run's, and nothing but an injected error stopped the run.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import provenance  # noqa: E402  (benchmarks/provenance.py: a script's folder is on sys.path)
 
 DEFAULT = "crash@4:1,slow@2:2,hang@9:2,unhealthy@10:1,crash@12:1,error@20:2"
+SLOW = 2.0  # a straggler's compute, as a factor of its own
 SEQ, BATCH = 64, 8
 
 
@@ -95,10 +101,11 @@ class Cluster:
         raise RuntimeError(f"the replacement node ({resource}) did not join")
 
     def replace_drained(self, run_dir: Path) -> None:
-        """Each node the run excluded (health.jsonl), replaced once: a fresh node joins, the drained one leaves."""
-        path = run_dir / "health.jsonl"
-        rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-        failed = {r["node"] for r in rows if r.get("drained", r["failed"])}  # a drain the guard refused: not replaced
+        """Each node the run drained (health.jsonl: a failed check; stragglers.jsonl: a straggler's, at a
+        checkpoint), replaced once: a fresh node joins, the drained one leaves. A drain refused: not replaced."""
+        rows = [json.loads(line) for name in ("health.jsonl", "stragglers.jsonl") if (run_dir / name).exists()
+                for line in (run_dir / name).read_text().splitlines() if line.strip()]
+        failed = {r["node"] for r in rows if r.get("drained")}
         for k, node_id in list(self.ids.items()):
             if node_id in failed and node_id not in self.replaced:
                 self.replaced[node_id] = self.start_node(f"chaos_node_{k}_replacement")
@@ -128,28 +135,17 @@ def overrides(steps: int, inject: list[dict]) -> list[str]:
 
 
 def to_inject(faults: list[dict], cluster: Cluster) -> list[dict]:
-    kinds = {"crash": "kill", "hang": "hang", "slow": "slow", "error": "error"}
+    kinds = {"crash": "kill", "hang": "hang", "slow": "slow", "error": "error", "unhealthy": "unhealthy"}
     return [{"kind": kinds[f["kind"]], "step": f["step"], "node": cluster.node_id(f["node"]),
-             **({"seconds": 0.3} if f["kind"] == "slow" else {})} for f in faults if f["kind"] in kinds]
+             **({"factor": SLOW} if f["kind"] == "slow" else {})} for f in faults]
 
 
-def watch(faults: list[dict], cluster: Cluster, runs: Path, done: threading.Event) -> None:
-    """Mark nodes unhealthy when the run reaches their step; replace the nodes the run drains."""
-    pending = [f for f in faults if f["kind"] == "unhealthy"]
+def watch(cluster: Cluster, runs: Path, done: threading.Event) -> None:
+    """Play the autoscaler: replace the nodes the run drains."""
     while not done.wait(0.5):
         found = list(runs.glob("*-faults*"))
-        if not found:
-            continue  # the stage has not made its run folder yet
-        run_dir = found[0]
-        metrics = run_dir / "metrics.jsonl"
-        lines = metrics.read_text().splitlines()[:-1] if metrics.exists() else []  # the last may be half written
-        reached = max((json.loads(line)["step"] for line in lines), default=0)
-        for f in [f for f in pending if reached >= f["step"]]:
-            f["marked"] = cluster.node_id(f["node"])
-            (run_dir / "inject").mkdir(exist_ok=True)
-            (run_dir / "inject" / f"unhealthy-{f['marked']}").touch()
-            pending.remove(f)
-        cluster.replace_drained(run_dir)
+        if found:  # else the stage has not made its run folder yet
+            cluster.replace_drained(found[0])
 
 
 def run(out: Path, label: str, shards: Path, extra: list[str]) -> tuple[Path, str | None]:
@@ -162,7 +158,9 @@ def run(out: Path, label: str, shards: Path, extra: list[str]) -> tuple[Path, st
         return out / label / "stage" / "output", str(error)
 
 
-def judge(faults: list[dict], run_dir: Path, stopped: str | None, cluster: Cluster) -> list[dict]:
+def judge(faults: list[dict], run_dir: Path, stopped: str | None, cluster: Cluster, exclude: bool) -> list[dict]:
+    """Each fault, handled or not, and what the run did about it (`exclude`: train.stragglers.exclude was set, so a
+    straggler's node must also have been drained at a checkpoint and replaced)."""
     def rows(name: str) -> list[dict]:
         path = run_dir / name
         return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
@@ -170,19 +168,26 @@ def judge(faults: list[dict], run_dir: Path, stopped: str | None, cluster: Clust
     failed, stragglers, probes = rows("failures.jsonl"), rows("stragglers.jsonl"), rows("health.jsonl")
     out = []
     for f in faults:
-        node = f.get("marked") or f.get("node_id")
+        node = f["node_id"]
         if f["kind"] in ("crash", "hang"):
             kind = "hardware" if f["kind"] == "crash" else "hang"
             seen = [x for x in failed if x["primary"] and x["kind"] == kind and x["step"] == f["step"] and x["node"] == node]
             handled, action = bool(seen), (f"recorded as {kind} on rank {seen[0]['rank']}, restarted" if seen else "not seen")
         elif f["kind"] == "slow":
-            seen = [s for s in stragglers if s["node"] == node]
-            handled = bool(seen)
+            seen = [s for s in stragglers if s["node"] == node and "drained" not in s]
+            left = [s for s in stragglers if s["node"] == node and s.get("drained")]
+            handled = bool(seen) and (not exclude or (bool(left) and node in cluster.replaced))
             action = f"rank {seen[0]['rank']} named a straggler at step {seen[0]['step']}" if seen else "not named"
+            if exclude:
+                action += f"; its node drained at the checkpoint of step {left[0]['step']}, replaced" if left else \
+                    "; its node NOT drained"
         elif f["kind"] == "unhealthy":
             seen = [p for p in probes if p["node"] == node and p["failed"]]
-            handled = bool(seen) and node in cluster.replaced
-            action = f"failed its health check ({seen[0]['failed']}), drained, replaced" if handled else "not excluded"
+            refused = [p for p in seen if not p.get("drained")]
+            handled = bool(seen) and (node in cluster.replaced or bool(refused and stopped))
+            action = (f"failed its health check ({seen[0]['failed']}), "
+                      f"{'not drained: the run stopped, the cause looked systemic' if refused else 'drained, replaced'}"
+                      if handled else "not excluded")
         else:
             handled = bool(stopped) and f"injected error at step {f['step']}" in stopped
             action = "stopped: " + stopped.splitlines()[0][:90] if handled else "not stopped"
@@ -224,13 +229,13 @@ def main() -> int:
         for f in faults:
             f["node_id"] = cluster.node_id(f["node"])
         done = threading.Event()
-        thread = threading.Thread(target=watch, args=(faults, cluster, out / "work" / "train" / "runs", done), daemon=True)
+        thread = threading.Thread(target=watch, args=(cluster, out / "work" / "train" / "runs", done), daemon=True)
         thread.start()
         _, stopped = run(out, "faults", shards, [*overrides(args.steps, to_inject(faults, cluster)), *args.set])
         done.set()
         thread.join(timeout=10)
         (run_dir,) = (out / "work" / "train" / "runs").glob("*-faults*")
-        results = judge(faults, run_dir, stopped, cluster)
+        results = judge(faults, run_dir, stopped, cluster, "train.stragglers.exclude=true" in args.set)
         excluded = sorted(cluster.replaced)
         head = cluster.head
     finally:
@@ -244,11 +249,14 @@ def main() -> int:
         print(json.dumps(report))
     else:
         print_table(report)
-    return 0 if all(f["handled"] for f in results) and report["loss_matches"] else 1
+    expected_stop = any(f["kind"] == "error" for f in results)
+    return 0 if all(f["handled"] for f in results) and report["loss_matches"] and bool(stopped) == expected_stop else 1
 
 
 def losses(run_dir: Path) -> dict[int, float]:
-    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    """Each step's loss; none when the run stopped before its first step."""
+    path = run_dir / "metrics.jsonl"
+    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
     return {r["step"]: r["loss"] for r in rows if "loss" in r}
 
 
@@ -256,14 +264,17 @@ def summarize(results: list[dict], clean_dir: Path, run_dir: Path, excluded: lis
     from train import goodput
 
     clean, faulty = losses(clean_dir), losses(run_dir)
-    last = max(faulty)
+    last = max(faulty, default=None)
     account = goodput.account(run_dir)
     stragglers = [json.loads(line) for line in (run_dir / "stragglers.jsonl").read_text().splitlines()] \
         if (run_dir / "stragglers.jsonl").exists() else []
-    return {"faults": results, "final_step": last, "final_loss": faulty[last], "clean_loss": clean[last],
-            "loss_matches": abs(faulty[last] - clean[last]) <= 1e-6 * abs(clean[last]), "ettr": account["ettr"],
+    return {"faults": results, "final_step": last, "final_loss": faulty.get(last), "clean_loss": clean.get(last),
+            "loss_matches": last is not None and abs(faulty[last] - clean[last]) <= 1e-6 * abs(clean[last]),
+            "ettr": account["ettr"],
             "goodput": {k: v for k, v in account.items() if k.endswith("_seconds")}, "excluded_nodes": excluded,
-            "stragglers": [{"rank": s["rank"], "node": s["node"], "step": s["step"]} for s in stragglers],
+            "stragglers": [{"rank": s["rank"], "node": s["node"], "step": s["step"], **({"drained": s["drained"]}
+                                                                                     if "drained" in s else {})}
+                           for s in stragglers],
             "stopped": stopped.splitlines()[0] if stopped else None}
 
 
@@ -271,8 +282,11 @@ def print_table(report: dict) -> None:
     print("| fault | step | node | handled | what the run did |\n|---|---:|---:|---|---|")
     for f in report["faults"]:
         print(f"| {f['kind']} | {f['step']} | {f['node']} | {'yes' if f['handled'] else 'NO'} | {f['action']} |")
-    print(f"\nloss at step {report['final_step']}: {report['final_loss']:.6f} with the faults, "
-          f"{report['clean_loss']:.6f} clean ({'equal' if report['loss_matches'] else 'DIFFERENT'})")
+    if report["final_step"] is None:
+        print("\nno step ran with the faults")
+    else:
+        print(f"\nloss at step {report['final_step']}: {report['final_loss']:.6f} with the faults, "
+              f"{report['clean_loss']:.6f} clean ({'equal' if report['loss_matches'] else 'DIFFERENT'})")
     named = ", ".join(f"rank {s['rank']} at step {s['step']}" for s in report["stragglers"])
     print(f"excluded nodes: {', '.join(report['excluded_nodes']) or 'none'}; stragglers: {named or 'none'}")
     head = "PROBED" if report["head_node"] in report["probed_nodes"] else "never probed"

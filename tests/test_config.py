@@ -106,6 +106,8 @@ def test_defaults_and_resolved_paths(cfg, tmp_path, monkeypatch):
      "6144 tokens are 3 sequences of tokenize.seq_len=2048: not a multiple of micro_batch_size x num_workers / (parallel.tensor x parallel.pipeline) = 4"),
     ("train: {inject: [{kind: explode, step: 3}]}\n", "train.inject[0].kind", "expected one of 'kill', 'hang'"),
     ("train: {inject: [{kind: kill, step: 3, rank: 2}]}\n", "train.inject[0].rank", "expected a rank below num_workers=2"),
+    ("train: {inject: [{kind: unhealthy, step: 0}]}\n", "train.inject[0].node", "an unhealthy fault names its node"),
+    ("train: {inject: [{kind: slow, step: 1, factor: 0.5}]}\n", "train.inject[0].factor", "expected a number over 1"),
     ("train: {parallel: {tensor: 0}}\n", "train.parallel.tensor", "expected a value >= 1"),
     ("train: {num_workers: 3, parallel: {tensor: 2}}\n", "train.parallel.tensor", "2 does not divide num_workers=3"),
     ("train: {num_workers: 3, parallel: {tensor: 3}}\n", "train.parallel.tensor", "does not divide the tiny model's n_head (4)"),

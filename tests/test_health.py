@@ -6,6 +6,7 @@ The probe itself on a real two-node cluster, and the drain: tests/test_job_submi
 from __future__ import annotations
 
 import json
+import time
 
 from train.health import Probe, drains_allowed, verdicts
 
@@ -70,3 +71,22 @@ def test_past_the_guard_no_node_is_drained_and_each_refusal_is_written_down(ray_
     assert "not drained" in (tmp_path / "incidents.jsonl").read_text()
     assert json.loads((tmp_path / "logbook.jsonl").read_text())["kind"] == "drain-refused"
     assert ray_session.get(ray_session.remote(lambda: 1).remote(), timeout=60) == 1  # still takes tasks
+
+
+def test_a_planned_restart_implicates_no_node_and_a_stragglers_drain_counts_against_the_limit(tmp_path):
+    """A straggler's node drained at a checkpoint ends the attempt on purpose (PlannedRestart): no failure of its
+    node's to probe. Its drain counts in the one limit on the run's drains, beside the health checks'."""
+    from train.failures import Failure, classify, implicated
+    from train.health import drained
+
+    assert classify("PlannedRestart", "straggler rank 1's node n2 drained") == "planned"
+    failures = [Failure(attempt=1, rank=r, kind=kind, type="T", message="m", step=10, node="n1")
+                for r, kind in ((0, "planned"), (1, "planned"), (0, "software"), (0, "hardware"))]
+    assert implicated(failures[:3], 1, 3600.0, {}) == [] and implicated(failures, 1, 3600.0, {}) == ["n1"]
+    # Counted within health.window_seconds: over a run of weeks the autoscaler replaces nodes one by one.
+    now = time.time()
+    (tmp_path / "health.jsonl").write_text(f'{{"node": "n1", "drained": true, "time": {now - 7200}}}\n'
+                                           f'{{"node": "n3", "drained": false, "time": {now}}}\n')
+    (tmp_path / "stragglers.jsonl").write_text(f'{{"node": "n2", "rank": 1, "step": 8, "time": {now}}}\n'
+                                               f'{{"node": "n2", "rank": 1, "step": 10, "drained": true, "time": {now}}}\n')
+    assert drained(tmp_path) == 2 and drained(tmp_path, within=3600.0) == 1

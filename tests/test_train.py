@@ -165,9 +165,11 @@ def test_autopilot_rolls_back_skips_escalates_and_survives_a_kill_during_recover
     cfg, wd, _, curve = baseline
     capsys.readouterr()
     faults = ("train.inject=[{kind: spike, step: 14, factor: 300}, {kind: kill, step: 17}, {kind: spike, step: 24, factor: 300}, "
-              "{kind: spike, step: 34, factor: 300}, {kind: slow, step: 1, rank: 1, seconds: 0.05}]")
+              "{kind: spike, step: 34, factor: 300}, {kind: slow, step: 1, rank: 1, factor: 4}]")
     assert main(["--config", str(cfg), "--only", "train", "--set", faults, "--set", "train.max_steps=40", "--set", "train.seeds=1",
                  "--set", "train.stragglers.window=4",
+                 "--set", "train.health.enabled=true", "--set", "train.health.failures=1",
+                 "--set", "train.health.collective=false",
                  "--set", "train.autopilot.warmup=5", "--set", "train.autopilot.window=10",
                  "--set", "train.autopilot.grad_ratio=100",  # loss spikes only: 10 steps of history is little
                  "--set", "train.autopilot.rollback_steps=0"]) == 0
@@ -175,7 +177,7 @@ def test_autopilot_rolls_back_skips_escalates_and_survives_a_kill_during_recover
     out = Path(train["output"])
     logged = [json.loads(line) for line in (out / "logbook.jsonl").read_text().splitlines()]
     book = [e for e in logged if e["kind"] != "straggler"]
-    # Rank 1, 0.05 s slower every step (ten times its forward), is named after two windows of 4 steps in a row
+    # Rank 1, its compute four times as long every step, is named after two windows of 4 steps in a row
     # (step 8, or 12 when the first window's warm-up hides it), once per attempt: again after the kill's restart
     # from step 10. Its node is named; the MLflow run is tagged with it.
     stragglers = [json.loads(line) for line in (out / "stragglers.jsonl").read_text().splitlines()]
@@ -202,6 +204,17 @@ def test_autopilot_rolls_back_skips_escalates_and_survives_a_kill_during_recover
     failed = history(Path(train["run_dir"]))
     assert [(f.attempt, f.rank, f.kind, f.step) for f in failed if f.primary] == [(1, 1, "hardware", 17)]
     assert all(f.node for f in failed) and all(not f.primary for f in failed if f.rank == 0)
+    # The kill implicated this node (health.failures=1): probed before the first start, and again at the restart
+    # once the failed group was torn down: every worker of attempt 1, rank 0 included, had ended before the probe
+    # began. (Probed where Ray Train reports the failure, rank 0 would still hold the node.)
+    import ray
+
+    probes = [json.loads(line) for line in (out / "health.jsonl").read_text().splitlines()]
+    assert [(p["node"], p["failed"], p["drained"]) for p in probes] == [(failed[0].node, None, False)] * 2
+    workers = [a for a in ray._private.state.actors().values() if a["ActorClassName"] == "RayTrainWorker"]
+    first = [a for a in workers if probes[0]["time"] < a["StartTime"] / 1e3 < failed[0].time]  # attempt 1's
+    assert len(first) == 2 and all(a["EndTime"] for a in first)
+    assert probes[1]["began"] > max(a["EndTime"] for a in first) / 1e3 > failed[0].time
     # A person at the terminal saw each intervention and the restart as they happened (train/follow.py).
     err = capsys.readouterr().err
     for e in book:

@@ -94,13 +94,20 @@ def taking_writes(engine, copy: bool) -> Iterator[list[tuple[object, Path]]]:
     written later by `Write`. DeepSpeed writes every data file through its checkpoint engine's `save` (each
     rank its own shards); only the small `latest` and `zero_to_fp32.py` are written past it, by rank 0, at
     once. With `copy`, each state is copied to host memory first (`host_copy`): training may change the
-    tensors as soon as this returns."""
+    tensors as soon as this returns. That copy is the only one: DeepSpeed clones every state to the CPU before
+    it hands it to a checkpoint engine that `preserves_storage_sharing` (engine.py `_save_checkpoint`,
+    pipe/module.py `save_state_dict`), so that torch.save writes a view's elements and not its whole storage;
+    `host_copy` makes each tensor its own storage already, and a second copy would double what a save blocks
+    on (on the ranks that write a pipeline stage's layers, the slowest at the engine's barrier)."""
     taken: list[tuple[object, Path]] = []
 
     def save(state_dict, path, *args, **kwargs):
         taken.append((host_copy(state_dict, {}) if copy else state_dict, Path(path)))
 
-    with _replaced(engine.checkpoint_engine, "save", save):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(_replaced(engine.checkpoint_engine, "save", save))
+        if copy:
+            stack.enter_context(_replaced(engine.checkpoint_engine, "preserves_storage_sharing", lambda: False))
         yield taken
 
 
@@ -280,14 +287,15 @@ def verify(path: Path, rank: int = 0, world: int = 1) -> str | None:
     return None
 
 
-def safe_load(path, map_location=None):
+def safe_load(path, map_location=None, mmap: bool = False):
     """What DeepSpeed's checkpoint engine reads, read without pickle's code: `weights_only=True`, with the few
     DeepSpeed types its files hold allowed by name (`deepspeed_types`). DeepSpeed's own engine loads with
     `weights_only=False` (runtime/checkpoint_engine/torch_checkpoint_engine.py), so a file planted in a shared
-    folder would run code on every rank that resumes; here it stops the load, naming the file."""
+    folder would run code on every rank that resumes; here it stops the load, naming the file. `mmap`: the
+    tensors' bytes are read only when used."""
     with torch.serialization.safe_globals(deepspeed_types()):
         try:
-            return torch.load(path, map_location=map_location, weights_only=True)
+            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
         except pickle.UnpicklingError as exc:
             first = str(exc).split("WeightsUnpickler error: ")[-1].splitlines()[0][:160]
             raise RuntimeError(f"checkpoint file {path} holds more than tensors and DeepSpeed's known types ({first}):"
@@ -312,11 +320,26 @@ def reading_once(engine, data_group):
     only and broadcast to the others (collectives.read_once); each rank's own files (its ZeRO partition)
     are read where they are. At 175B that is one read of the model per restart where each of the 31
     replicas read it: 0.35 TB from storage instead of 10.9 TB (docs/scale.md, "Restarts")."""
+    from deepspeed.runtime.state_dict_factory import SDLoaderBase
+
     def load(path, map_location=None, *args, **kwargs):
         return read_once(lambda: safe_load(path, map_location), str(path), data_group)
 
-    with _replaced(engine.checkpoint_engine, "load", load):
+    with _replaced(engine.checkpoint_engine, "load", load), _replaced(SDLoaderBase, "check_ckpt_list", _check_ckpt_list):
         yield
+
+
+def _check_ckpt_list(self) -> None:
+    """DeepSpeed's `SDLoaderBase.check_ckpt_list` (runtime/state_dict_factory.py), with tensor rank 0's file mapped
+    rather than read. DeepSpeed's loads that whole file on every tensor rank, for each layer of a pipeline, only to
+    compare its `mp_world_size` key with the number of files: through `reading_once`, each tensor rank's data group
+    would then read and broadcast tensor rank 0's weights beside its own (at 175B, 11 GB more per rank per
+    restart). Mapped, the load reads the pickle's few pages and no tensor's bytes, on the rank itself."""
+    assert len(self.ckpt_list) > 0
+    sd = safe_load(self.ckpt_list[0], "cpu", mmap=True)
+    if "mp_world_size" in sd:
+        assert len(self.ckpt_list) == sd["mp_world_size"], \
+            f"checkpoint count {len(self.ckpt_list)} is different from saved mp_world_size {sd['mp_world_size']}"
 
 
 def load_latest(engine, root: Path, on_skip=None, accept=None, data_group=None) -> dict | None:

@@ -123,6 +123,10 @@ class StragglerConfig:
     window: int = 50  # steps per comparison (0: off); one small all_gather each
     margin: float = 0.5  # slower than the others' median by more than this fraction ...
     patience: int = 2  # ... in this many windows in a row: named, once
+    # Named, its node drained at the next checkpoint and the run restarted from it on the other nodes and the
+    # ones the autoscaler brings (a planned restart: the same global batch, an exact resume). Within the same
+    # limit as the health check's drains (health.max_excluded_fraction, over the run).
+    exclude: bool = False
 
     def validate(self, key: str) -> None:
         at_least(self, key, 0, "window")
@@ -162,24 +166,33 @@ class HealthConfig:
 class InjectConfig:
     """A fault to inject, for tests and demos; each fires once, even across restarts."""
 
-    kind: Literal["kill", "hang", "error", "slow", "spike", "nan", "overflow"]
+    kind: Literal["kill", "hang", "error", "slow", "spike", "nan", "overflow", "unhealthy"]
     # kill: a worker process dies; hang: a step stalls until the watchdog ends it; error: the worker raises
     # an exception, on every attempt (a bug) (kill, hang and error at step 0: during start-up, before the
-    # checkpoint load); slow: from `step` on, the worker's every step takes `seconds` longer (a straggler);
-    # spike: the LR is multiplied by `factor` for that step; nan: that step's gradients are NaN;
-    # overflow: `count` steps from `step` overflow (fp16's scaler skips them; on fp32/bf16 a simulated scaler)
+    # checkpoint load); slow: from `step` on, the worker's every step's compute takes `factor` times as long
+    # (a straggler: a GPU at 1 / factor of its speed, whatever the device); spike: the LR is multiplied by
+    # `factor` for that step; nan: that step's gradients are NaN; overflow: `count` steps from `step` overflow
+    # (fp16's scaler skips them; on fp32/bf16 a simulated scaler); unhealthy: `node` fails every health check
+    # from `step` on (0: the check before the first start), as a node with a bad GPU would
     step: int
     rank: int | None = None  # kill, hang, error, slow: the worker it happens on (None: the last rank) ...
-    node: str | None = None  # ... or every worker on this Ray node (its id; benchmarks/chaos.py)
-    factor: float = 50.0  # spike
+    node: str | None = None  # ... or every worker on this Ray node (its id; benchmarks/chaos.py); unhealthy: required
+    factor: float | None = None  # spike (default 50) and slow (default 2)
     count: int = 1  # overflow
-    seconds: float = 0.5  # slow
 
     def validate(self, key: str) -> None:
-        at_least(self, key, 0 if self.kind in ("kill", "hang", "error") else 1, "step")
+        at_least(self, key, 0 if self.kind in ("kill", "hang", "error", "unhealthy") else 1, "step")
         at_least(self, key, 1, "count")
         at_least(self, key, 0, "rank")
-        positive(self, key, "seconds")
+        if self.factor is not None and not self.factor > (1.0 if self.kind == "slow" else 0.0):
+            raise ConfigError(f"{key}.factor", f"expected a number over {1 if self.kind == 'slow' else 0}, got {self.factor}")
+        if self.kind == "unhealthy" and not self.node:
+            raise ConfigError(f"{key}.node", "an unhealthy fault names its node (a Ray node id)")
+
+    @property
+    def times(self) -> float:
+        """`factor`, or the kind's default (spike: the LR x 50; slow: compute x 2)."""
+        return self.factor if self.factor is not None else {"spike": 50.0, "slow": 2.0}.get(self.kind, 1.0)
 
 
 @dataclass

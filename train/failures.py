@@ -10,7 +10,7 @@ Here:
   (`describe_exception`); a worker its own watchdog ends says so in `exits/rank-R.json` first;
 - `FailureRecorder`, a Ray Train callback on the controller, turns each failed attempt's exceptions into
   `Failure` rows in `failures.jsonl` (attempt, rank, node, step, phase, class, the exception), before Ray
-  Train restarts the group;
+  Train restarts the group; `RestartHealthCheck` probes the nodes they implicate once that group is gone;
 - at start-up every rank reads that history (`repeated_error`): the same software exception at the same
   step (or in start-up) on two attempts in a row stops the run with that traceback, instead of a third try.
 """
@@ -26,6 +26,7 @@ import traceback
 from pathlib import Path
 
 from ray.train import UserCallback
+from ray.train.v2._internal.execution.callback import WorkerGroupCallback
 
 FAILURES = "failures.jsonl"
 
@@ -43,7 +44,7 @@ PROCESS_LOST = ("ActorDiedError", "RayActorError", "NodeDiedError", "WorkerCrash
 class Failure:
     attempt: int  # 1 for the run's first failed attempt; every attempt but the last running one ends in one
     rank: int
-    kind: str  # hardware, software, oom, preemption, hang
+    kind: str  # hardware, software, oom, preemption, hang, planned (the run restarts itself: train.stragglers.exclude)
     type: str  # the exception's class ("ActorDiedError": the process died without one)
     message: str
     step: int | None = None  # the step under way; None: during start-up
@@ -64,7 +65,13 @@ class Failure:
         return f"rank {self.rank} on {self.host or self.node or 'an unknown node'}, {at}: {self.kind}: {self.type}: {self.message}"
 
 
+class PlannedRestart(RuntimeError):
+    """Every rank ends its attempt at a checkpoint so that Ray Train restarts the group without a drained node."""
+
+
 def classify(type_name: str, message: str) -> str:
+    if "PlannedRestart" in type_name:
+        return "planned"
     if "Preemption" in type_name:
         return "preemption"
     if OOM.search(type_name) or OOM.search(message):
@@ -144,10 +151,8 @@ class FailureRecorder(UserCallback):
     """On Ray Train's controller: each failed attempt's failures into failures.jsonl and incidents.jsonl,
     before the controller decides to restart."""
 
-    def __init__(self, run_dir: str, health=None, worker: tuple[float, float] = (1.0, 0.0)):
+    def __init__(self, run_dir: str):
         self.run_dir = run_dir
-        self.health = health  # a HealthConfig when nodes are checked and excluded (train/health.py)
-        self.worker = worker  # (CPUs, GPUs) of a training worker: which nodes training can use
 
     def after_exception(self, run_context, worker_exceptions: dict[int, Exception]) -> None:
         run_dir = Path(self.run_dir)
@@ -163,15 +168,34 @@ class FailureRecorder(UserCallback):
             for failure in failures:
                 f.write(json.dumps({"time": failure.time, "step": failure.step or 0, "rank": failure.rank,
                                     "what": f"attempt {attempt} failed: {failure.line()}"}) + "\n")
-        if self.health is not None:
-            from train import health
 
-            suspects = implicated(history(run_dir), self.health.failures, self.health.window_seconds,
-                                  health.last_checked(run_dir))
-            if suspects:  # the guard holds here too: past it, the restart goes on with every node (written down)
-                health.check(run_dir, suspects, self.health.min_fraction, self.health.collective,
-                             population=len(health.trainable_nodes(*self.worker)),
-                             max_fraction=self.health.max_excluded_fraction)
+
+class RestartHealthCheck(WorkerGroupCallback):
+    """On Ray Train's controller, as the next attempt starts: the nodes implicated in failures probed, the ones
+    that fail drained (within the guard: past it the restart goes on with every node, written down).
+
+    Not in `after_exception`: Ray Train reports a failed attempt while the group's surviving ranks still hold
+    their node's GPUs, and the probe would measure a GPU shared with them. The controller tears the old group
+    down before it starts the next (controller.py `_shutdown_worker_group`, then `_start_worker_group`), and
+    the new group calls `before_worker_group_start` before its placement group is made
+    (worker_group.py `_start`). A Ray Train internal hook: RunConfig passes callbacks that are not a
+    `UserCallback` to the controller as they are (data_parallel_trainer.py `_create_default_callbacks`)."""
+
+    def __init__(self, run_dir: str, health, worker: tuple[float, float] = (1.0, 0.0)):
+        self.run_dir = run_dir
+        self.health = health  # a HealthConfig (train/health.py)
+        self.worker = worker  # (CPUs, GPUs) of a training worker: which nodes training can use
+
+    def before_worker_group_start(self, worker_group_context) -> None:
+        from train import health
+
+        run_dir = Path(self.run_dir)
+        suspects = implicated(history(run_dir), self.health.failures, self.health.window_seconds,
+                              health.last_checked(run_dir))
+        if suspects:
+            health.check(run_dir, suspects, self.health.min_fraction, self.health.collective,
+                         population=len(health.trainable_nodes(*self.worker)),
+                         max_fraction=self.health.max_excluded_fraction, window_seconds=self.health.window_seconds)
 
 
 def implicated(failures: list[Failure], count: int, window_seconds: float, checked: dict[str, float]) -> list[str]:
@@ -180,7 +204,7 @@ def implicated(failures: list[Failure], count: int, window_seconds: float, check
     now = time.time()
     by_node: dict[str, int] = {}
     for f in failures:
-        if f.primary and f.kind != "software" and f.node and now - f.time <= window_seconds \
+        if f.primary and f.kind not in ("software", "planned") and f.node and now - f.time <= window_seconds \
                 and f.time > checked.get(f.node, 0.0):
             by_node[f.node] = by_node.get(f.node, 0) + 1
     return sorted(node for node, n in by_node.items() if n >= count)

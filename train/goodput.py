@@ -7,7 +7,8 @@ above 90%; OPT-175B, by hand, did not say. The run's records give every term:
   first start or between attempts, train/health.py); rank 0's `start` (the worker's first line), `built`
   (model and DeepSpeed engine), `ready` (checkpoint loaded: the first step starts), `export`, `seed_runs`
   (the evaluation-only runs of other seeds, `train.seeds`, after the run on the same workers); a watchdog's
-  `hang` (with how long the step had stalled);
+  `hang` (with how long the step had stalled); rank 0's `planned` (the run ends its attempt at a checkpoint
+  to leave a straggler's drained node: the gap to the next start is `planned_restart`, not `restart`);
 - `metrics.jsonl`: each step's end time and seconds, each validation's seconds, each checkpoint's
   blocked seconds.
 
@@ -24,8 +25,8 @@ import time
 from pathlib import Path
 
 TIMELINE = "timeline.jsonl"
-PARTS = ("kept", "lost", "scheduling", "health_check", "startup_build", "startup_load", "restart", "hang", "checkpoint_blocked",
-         "evaluation", "export", "seed_runs", "other")
+PARTS = ("kept", "lost", "scheduling", "health_check", "startup_build", "startup_load", "restart", "planned_restart", "hang",
+         "checkpoint_blocked", "evaluation", "export", "seed_runs", "other")
 
 
 def mark(run_dir: Path | str, event: str, **fields) -> None:
@@ -67,24 +68,28 @@ def account(run_dir: Path | str) -> dict:
 
 def _walk(events: list[dict], rows: list[dict], seconds: dict, spans: list) -> float:
     """The timeline's events in order: start-ups, the gaps between attempts, hangs, exports; the wall time."""
-    wall, launched, last, started, built, hang_until, checking = 0.0, None, None, None, None, 0.0, 0.0
+    wall, launched, last, started, built, hang_until, checking, planned = 0.0, None, None, None, None, 0.0, 0.0, False
+    latest = None  # the launch's last record, health checks included (a run stopped by its first check ends there)
     times = sorted([(e["time"], e) for e in events] + [(r["time"], {"event": "row"}) for r in rows if "time" in r],
                    key=lambda pair: pair[0])
     for t, e in times:
         kind = e["event"]
         if kind == "launch":
-            if launched is not None and last is not None:  # the previous driver died: count up to its last record
-                wall += last - launched
-            launched, last, started, checking = t, t, None, 0.0
+            if launched is not None:  # the previous driver died: count up to its last record
+                wall += latest - launched
+            launched, last, latest, started, checking = t, t, t, None, 0.0
             continue
         if launched is None:
             continue
+        latest = t
         if kind == "start":  # the gap before it: scheduling (the launch's first) or restart, less health checks
-            gap = "scheduling" if started is None else "restart"
+            gap = "scheduling" if started is None else "planned_restart" if planned else "restart"
             seconds[gap] += t - last - checking
             spans.append((gap, last, t))
             started = built = t
-            checking = 0.0
+            checking, planned = 0.0, False
+        elif kind == "planned":  # the run ends its attempt itself (a straggler's node drained): the restart is planned
+            planned = True
         elif kind == "built" and started is not None:
             seconds["startup_build"] += t - started
             spans.append(("startup_build", started, t))
@@ -109,13 +114,13 @@ def _walk(events: list[dict], rows: list[dict], seconds: dict, spans: list) -> f
         if kind == "finish":
             wall += t - launched
             launched = None
-    if launched is not None and last is not None:
-        wall += last - launched
+    if launched is not None:
+        wall += latest - launched
     return wall
 
 
 COLORS = {"kept": "tab:green", "lost": "tab:red", "scheduling": "tab:gray", "health_check": "tab:pink", "startup_build": "tab:blue",
-          "startup_load": "tab:cyan", "restart": "tab:orange", "hang": "tab:purple", "checkpoint_blocked": "black",
+          "startup_load": "tab:cyan", "restart": "tab:orange", "planned_restart": "gold", "hang": "tab:purple", "checkpoint_blocked": "black",
           "evaluation": "tab:olive", "export": "tab:brown",
           "seed_runs": "tab:cyan"}
 

@@ -69,6 +69,7 @@ class Probe:
     nvml: str | None = None  # what NVML's counters report wrong (None: nothing, or no NVML)
     injected: bool = False  # a drill marked the node unhealthy (run_dir/inject/unhealthy-<node>)
     error: str | None = None  # the probe itself failed on the node (it raised, or its task was lost)
+    began: float = 0.0  # when the probe started on the node (its tests ran from then to `time`)
     time: float = dataclasses.field(default_factory=time.time)
 
 
@@ -181,6 +182,7 @@ def probe_here(run_dir: str, memory_mb: int, collective: bool) -> dict:
     import ray
     import torch
 
+    began = time.time()
     node = ray.get_runtime_context().get_node_id()
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     devices = [torch.device("cuda", i) for i in range(gpus)] or [torch.device("cpu")]
@@ -190,8 +192,18 @@ def probe_here(run_dir: str, memory_mb: int, collective: bool) -> dict:
                    matmul_tflops=min(rates), memory_ok=not bad, device_tflops=rates, bad_devices=bad,
                    allreduce_gbps=_allreduce_gbps(gpus >= 2, gpus if gpus >= 2 else 2) if collective else 0.0,
                    nvml=_nvml_problems() if gpus else None,
-                   injected=(Path(run_dir) / "inject" / f"unhealthy-{node}").exists())
+                   injected=marker(run_dir, node).exists(), began=began)
     return dataclasses.asdict(result)
+
+
+def marker(run_dir, node: str) -> Path:
+    """The file that makes `node` fail its health checks in this run: a drill's `unhealthy` fault (train.inject)."""
+    return Path(run_dir) / "inject" / f"unhealthy-{node}"
+
+
+def mark_unhealthy(run_dir, node: str) -> None:
+    marker(run_dir, node).parent.mkdir(exist_ok=True)
+    marker(run_dir, node).touch()
 
 
 def probe(nodes: list[str], run_dir: Path, memory_mb: int = 256, collective: bool = True) -> list[Probe]:
@@ -311,14 +323,14 @@ def drains_allowed(population: int, max_fraction: float) -> int:
     return max(1, int(max_fraction * population))
 
 
-def exclude(node: str, why: str) -> bool:
+def exclude(node: str, why: str, by: str = "health check") -> bool:
     """Drain `node`: Ray schedules nothing new on it, the autoscaler may replace it. Whether the GCS accepted."""
     import ray
     from ray.core.generated import autoscaler_pb2
 
     gcs = ray._raylet.GcsClient(address=ray.get_runtime_context().gcs_address)
     accepted, _ = gcs.drain_node(node, autoscaler_pb2.DrainNodeReason.Value("DRAIN_NODE_REASON_PREEMPTION"),
-                                 f"excluded by the training run's health check: {why}", 0)
+                                 f"excluded by the training run's {by}: {why}", 0)
     return bool(accepted)
 
 
@@ -348,16 +360,17 @@ class Checked:
 
 
 def check(run_dir: Path, nodes: list[str], min_fraction: float, collective: bool = True, population: int | None = None,
-          max_fraction: float = 1.0) -> Checked:
+          max_fraction: float = 1.0, window_seconds: float | None = None) -> Checked:
     """Probe `nodes`, record every result; then, every verdict known, drain the ones that fail unless the run
     would then have drained more than `max_fraction` of the `population` of nodes training can use (default:
-    the nodes probed): then none is, each refusal is written down, and the cause is called systemic."""
+    the nodes probed) within `window_seconds` (None: over the run): then none is, each refusal is written down,
+    and the cause is called systemic."""
     from train import goodput
 
     run_dir, began = Path(run_dir), time.monotonic()
     rows_before = goodput.read_jsonl(run_dir / "health.jsonl")  # read once: the earlier probes, and the drains
     earlier = [_probe(row) for row in rows_before]
-    drained_before = sum(1 for r in rows_before if r.get("drained"))
+    drained_before = drained(run_dir, window_seconds)
     probes = probe(nodes, run_dir, collective=collective)
     if collective:  # between nodes: the ring of the nodes probed now (one node after its failures: none)
         pairs = pair_bandwidths([p.node for p in probes if p.error is None])
@@ -387,6 +400,19 @@ def check(run_dir: Path, nodes: list[str], min_fraction: float, collective: bool
             _write_down(run_dir, p, found[p.node], False, refused=systemic)
     goodput.mark(run_dir, "health", seconds=time.monotonic() - began, nodes=len(nodes), excluded=len(result.excluded))
     return result
+
+
+def drained(run_dir: Path, within: float | None = None) -> int:
+    """The nodes this run has drained, in the last `within` seconds (None: ever): those that failed a health
+    check (health.jsonl), and stragglers' (stragglers.jsonl, train.stragglers.exclude). One limit holds for both.
+    A window, not the whole run: the autoscaler replaces a drained node, and over a run of weeks hardware fails
+    node by node (Llama 3: about 8 interruptions a day on 2,000 nodes), so a limit over the whole run would
+    stop draining a bad node long before anything systemic happened."""
+    from train.goodput import read_jsonl
+
+    now = time.time()
+    return sum(1 for name in ("health.jsonl", "stragglers.jsonl") for r in read_jsonl(Path(run_dir) / name)
+               if r.get("drained") and (within is None or now - r.get("time", now) <= within))
 
 
 def last_checked(run_dir: Path) -> dict[str, float]:

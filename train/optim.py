@@ -78,6 +78,11 @@ def deepspeed_config(*, micro_batch: int, accumulation: int, world_size: int, ze
         # the first micro-batch they saw (pipe/engine.py: pipe_partition_input_meta_cache), and gather validation's
         # larger micro-batches wrong; the layout planner prices unpartitioned sends.
         config["pipeline"] = {"pipe_partitioned": False, "grad_partitioned": False}
+        # A stage's layer files written by all its data-parallel replicas, each its share of the layers
+        # (pipe/module.py `save_state_dict`), not all by the first: at 175B (31 replicas) the 32 ranks of the first
+        # replica wrote 11 GB of weights each beside their 2.1 GB of optimizer state, and every rank waited for
+        # them at the engine's barrier; now each writes about 0.35 GB of weights (docs/scale.md, "Checkpoints").
+        config["checkpoint"] = {"parallel_write": {"pipeline_stage": True}}
     if precision == "bf16":
         config["bf16"] = {"enabled": True}
         if zero_stage >= 1:

@@ -46,7 +46,7 @@ def fit(cfg: TrainConfig, config, folder: Path, loop=None):
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig, TorchTrainer
 
-    from train.failures import FailureRecorder
+    from train.failures import FailureRecorder, RestartHealthCheck
     from train.loop import train_loop
 
     resources = {"CPU": cfg.cpus_per_worker}
@@ -58,8 +58,10 @@ def fit(cfg: TrainConfig, config, folder: Path, loop=None):
         scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.gpus_per_worker > 0,
                                      resources_per_worker=resources),
         run_config=RunConfig(name="ray", storage_path=str(folder), failure_config=FailureConfig(max_failures=cfg.max_failures),
-                             callbacks=[FailureRecorder(str(folder), cfg.health if checks_health(cfg) else None,
-                                                        worker=(cfg.cpus_per_worker, cfg.gpus_per_worker))]),
+                             callbacks=[FailureRecorder(str(folder)),
+                                        *([RestartHealthCheck(str(folder), cfg.health, worker=(cfg.cpus_per_worker,
+                                                                                              cfg.gpus_per_worker))]
+                                          if checks_health(cfg) else [])]),
     )
     return trainer.fit()
 
@@ -96,6 +98,9 @@ def run(ctx: StageContext) -> StageResult:
     ctx.log.info("run folder %s: %d steps of %d sequences x %d tokens on %d workers", folder, config.max_steps,
                  config.global_batch, config.seq_len, cfg.num_workers)
     goodput.mark(folder, "launch")
+    for fault in cfg.inject:
+        if fault.kind == "unhealthy" and fault.step == 0:  # a drill's node that fails the check before the first start
+            health.mark_unhealthy(folder, fault.node)
     if checks_health(cfg):
         check_nodes(ctx, cfg, folder)
     from train.loop import seeds_loop
@@ -180,7 +185,7 @@ def check_nodes(ctx: StageContext, cfg: TrainConfig, folder: Path) -> None:
     unless so many fail that the cause looks systemic: then none is, and the run stops here saying so."""
     nodes = health.trainable_nodes(cfg.cpus_per_worker, cfg.gpus_per_worker)
     checked = health.check(folder, nodes, cfg.health.min_fraction, cfg.health.collective, population=len(nodes),
-                           max_fraction=cfg.health.max_excluded_fraction)
+                           max_fraction=cfg.health.max_excluded_fraction, window_seconds=cfg.health.window_seconds)
     ctx.log.info("health check: %d nodes probed, %d excluded", len(nodes), len(checked.excluded))
     if checked.systemic:
         raise RuntimeError(f"health check: {checked.systemic}\n{checked.table()}\n(see {folder / 'health.jsonl'})")

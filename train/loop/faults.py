@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import sys
 import threading
@@ -17,6 +18,7 @@ import time
 from train.config import InjectConfig
 from train import goodput
 from train.failures import write_exit
+from train.health import mark_unhealthy
 from train.loop.context import Context, incident
 from train.parallel.collectives import barrier
 
@@ -112,7 +114,7 @@ class Effects:
     lr_factor: float = 1.0
     nan: bool = False
     overflow: bool = False
-    delay: float = 0.0  # seconds added to this rank's compute (an injected straggler)
+    slow: float = 1.0  # this rank's compute stretched by this factor (an injected straggler)
 
     @property
     def poison(self) -> float:
@@ -125,7 +127,7 @@ class Faults:
 
     def __init__(self, faults: list[InjectConfig], ctx: Context):
         self.ctx, self.path = ctx, ctx.run_dir / "injected.json"
-        self.faults = [dict(dataclasses.asdict(f), index=i) for i, f in enumerate(faults)]
+        self.faults = [dict(dataclasses.asdict(f), factor=f.times, index=i) for i, f in enumerate(faults)]
         self.overflow_until = 0  # the last step of an overflow burst under way
 
     @property
@@ -146,10 +148,11 @@ class Faults:
 
     def before_step(self, step: int, hang_seconds: float) -> Effects:
         """Fire this step's faults (step 0: start-up, before the checkpoint load); returns their effects on the step."""
-        delay = sum(f["seconds"] for f in self.faults if f["kind"] == "slow" and step >= f["step"] and self._here(f))
-        due = [f for f in self.faults if f["step"] == step and f["kind"] != "slow"]
+        slow = math.prod(f["factor"] for f in self.faults if f["kind"] == "slow" and step >= f["step"] and self._here(f))
+        # (an unhealthy node at step 0 was marked by the stage, before the check that precedes the first start)
+        due = [f for f in self.faults if f["step"] == step and f["kind"] != "slow" and (f["kind"], step) != ("unhealthy", 0)]
         if not due:
-            return Effects(overflow=step <= self.overflow_until, delay=delay)
+            return Effects(overflow=step <= self.overflow_until, slow=slow)
         fired = self._fired()
         barrier()  # every rank has read the same record before rank 0 adds to it
         effects = Effects()
@@ -158,6 +161,12 @@ class Faults:
                 continue
             if fault["kind"] in ("spike", "nan", "overflow"):  # on every rank alike
                 self._on_every_rank(fault, step, effects)
+                continue
+            if fault["kind"] == "unhealthy":  # the node's next health check fails (train/health.py reads the mark)
+                if self.ctx.leader:
+                    self._record(fault["index"])
+                    mark_unhealthy(self.ctx.run_dir, fault["node"])
+                    incident(self.ctx, step, f"injected unhealthy: node {fault['node']}")
                 continue
             if not self._here(fault):
                 continue
@@ -172,7 +181,7 @@ class Faults:
             if fault["kind"] == "hang":
                 time.sleep(10 * hang_seconds)  # stalls until the watchdog ends the process
         barrier()
-        effects.delay = delay
+        effects.slow = slow
         return effects
 
     def _here(self, fault: dict) -> bool:

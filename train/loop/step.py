@@ -100,9 +100,10 @@ class TrainStep:
     def __init__(self, engine, model: torch.nn.Module, feed: Feed, ctx: Context, own_grad_norm: bool):
         self.engine, self.model, self.feed, self.ctx, self.own_grad_norm = engine, model, feed, ctx, own_grad_norm
 
-    def __call__(self, lr: float, poison: float = 1.0, delay: float = 0.0) -> StepResult:
+    def __call__(self, lr: float, poison: float = 1.0, slow: float = 1.0) -> StepResult:
         """The next batch at `lr`. `poison` scales the gradients only (an injected nan or overflow); the loss
-        reported is the true one; `delay` seconds are added to this rank's compute (an injected straggler).
+        reported is the true one; `slow` stretches this rank's compute by that factor (an injected straggler:
+        relative, as a GPU at half speed is, so that the drill means the same on any device).
         The seconds include reading the batch."""
         t0 = time.perf_counter()
         batch, micro_batches = self.feed.next()
@@ -110,14 +111,17 @@ class TrainStep:
         set_lr(engine, lr)
         skipped_before = engine.skipped_steps
         timer = ComputeTimer(self.ctx.device)
-        if delay:
-            with timer:
-                time.sleep(delay)
         if self.ctx.pipelined:
             with timer:  # compute and the stages' waits, inseparable inside DeepSpeed's schedule
                 losses, activations, grad_norm = self._pipelined(micro_batches, poison)
         else:
             losses, activations, grad_norm = self._whole(micro_batches, poison, timer)
+        if slow > 1.0:
+            if timer.cuda:
+                torch.cuda.synchronize(self.ctx.device)  # the events' times are read once they have run
+            spent = timer.total()
+            with timer:
+                time.sleep((slow - 1.0) * spent)
         if not self.own_grad_norm:
             grad_norm = engine.get_global_grad_norm()
             grad_norm = None if grad_norm is None else float(grad_norm)

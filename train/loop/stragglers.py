@@ -10,6 +10,10 @@ there the whole step is timed and a slow stage cannot be told from the ones that
 Every `window` steps the ranks all-gather their mean, and rank 0 compares each with the median of the
 others'. A rank over it by `margin` in `patience` windows in a row is named, once per attempt: an
 incident, a logbook entry with its node, and `stragglers.jsonl` (the stage tags the MLflow run with it).
+With `train.stragglers.exclude`, its node is drained at the next checkpoint, once that is published, and every
+rank ends the attempt (`PlannedRestart`): Ray Train starts the group again on the other nodes and the ones the
+autoscaler brings, and the run resumes from that checkpoint, exactly (`replace`; a row with `drained` in
+stragglers.jsonl, the logbook, and goodput's `planned_restart`).
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import time
 
 from train.autopilot_policy import Logbook
 from train.loop.context import Context, incident
-from train.parallel.collectives import all_gather_float
+from train.parallel.collectives import all_gather_float, all_ok
 
 
 class Stragglers:
@@ -69,6 +73,43 @@ class Stragglers:
             f.write(json.dumps(record) + "\n")
         Logbook(self.ctx.run_dir).append({"time": record["time"], "step": step, "kind": "straggler", "detail": what,
                                           "actions": ["named"], "why": "one slow rank sets the pace of all"})
+
+    def replace(self, step: int, ranks: set[int], limits, worker: tuple[float, float]) -> str | None:
+        """At a published checkpoint, with `train.stragglers.exclude`: the named ranks' nodes drained, within the
+        run's limit on drains (`limits`, the HealthConfig: max_excluded_fraction of the nodes training can use
+        within window_seconds, health checks' drains included); past it, a drain refused and written down. On
+        every rank: why the attempt ends here (a planned restart from this checkpoint), or None to train on."""
+        from train import goodput, health
+
+        why = None
+        if self.ctx.leader:
+            nodes = {self._node_of(r)["node"]: r for r in sorted(ranks)}
+            allowed = health.drains_allowed(len(health.trainable_nodes(*worker)), limits.max_excluded_fraction)
+            for node, rank in nodes.items():
+                done = health.drained(self.ctx.run_dir, limits.window_seconds)
+                refused = ("its node is not known" if not node else None if done < allowed else
+                           f"the run has drained {done} of the {allowed} nodes it may within "
+                           f"health.window_seconds ({limits.window_seconds:g})")
+                accepted = refused is None and health.exclude(node, f"rank {rank} a straggler", by="straggler check")
+                record = {"time": time.time(), "step": step, "rank": rank, **self._node_of(rank), "drained": accepted,
+                          "refused": refused}
+                with open(self.ctx.run_dir / "stragglers.jsonl", "a") as f:
+                    f.write(json.dumps(record) + "\n")
+                what = (f"straggler rank {rank}'s node {node} drained at the checkpoint of step {step}: "
+                        "a planned restart from it" if accepted else
+                        f"straggler rank {rank}'s node {node} not drained: {refused or 'Ray refused the drain'}")
+                incident(self.ctx, step, what)
+                Logbook(self.ctx.run_dir).append({"time": record["time"], "step": step, "kind": "straggler_replaced"
+                                                  if accepted else "straggler_kept", "detail": what,
+                                                  "actions": ["drain", "restart"] if accepted else ["none"],
+                                                  "why": "one slow rank sets the pace of all; the checkpoint makes the "
+                                                         "restart exact"})
+                if accepted:
+                    why = what
+            if why:
+                goodput.mark(self.ctx.run_dir, "planned")
+        restart = not all_ok(why is None)
+        return (why or "a straggler's node was drained") if restart else None
 
     def _node_of(self, rank: int) -> dict:
         path = self.ctx.run_dir / "ranks" / f"rank-{rank}.json"

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from model.configs import flops_per_token
 from train import goodput
+from train.failures import PlannedRestart
 from train.loader import Loader
 from train.loop.checkpointer import Checkpointer
 from train.loop.config import LoopConfig
@@ -85,6 +86,7 @@ class Trainer:
                               built.own_grad_norm)
         self.evaluation = Evaluation(self.engine, cfg, ctx)
         self.stragglers = Stragglers(ctx, t.stragglers.window, t.stragglers.margin, t.stragglers.patience)
+        self.replacing: set[int] = set()  # ranks named stragglers, their nodes to leave at the next checkpoint
         self.progress = Progress(step=resumed["step"] if resumed else 0)
         self.progress.stopped = restarts_without_progress(ctx, self.progress.step if resumed else None,
                                                           t.max_stalled_restarts)
@@ -98,10 +100,12 @@ class Trainer:
         while run.stopped is None and run.step < cfg.max_steps:
             run.phase = "step"
             effects = self.faults.before_step(run.step + 1, cfg.train.hang_seconds)
-            result = self.step(self.schedule.lr(run.step + 1) * effects.lr_factor, effects.poison, effects.delay)
+            result = self.step(self.schedule.lr(run.step + 1) * effects.lr_factor, effects.poison, effects.slow)
             run.step, run.loss = run.step + 1, result.loss
             self.watchdog.beat(run.step)
-            self.stragglers.observe(run.step, result.compute_seconds)
+            named = self.stragglers.observe(run.step, result.compute_seconds)
+            if cfg.train.stragglers.exclude:
+                self.replacing.update(named)
             self.metrics.step(run.step, result, self.pilot.after_step(result.overflow), self.engine.skipped_steps)
             decision = self.pilot.observe(run.step, result)
             if decision is not None and decision.stop:
@@ -121,6 +125,8 @@ class Trainer:
                 run.phase = "checkpoint"
                 self.save(healthy=self.pilot.healthy(run.step), report=True)
                 self.watchdog.beat(run.step)
+                if self.replacing:
+                    self.leave_stragglers(run.step)
         run.phase = "checkpoint"
         self.checkpointer.flush()  # the last save, written and published
         self.watchdog.stop()
@@ -130,6 +136,16 @@ class Trainer:
             self.mark("export", seconds=time.monotonic() - began)
         self.metrics.close(run.step, run.loss, run.stopped)
         return run
+
+    def leave_stragglers(self, step: int) -> None:
+        """The straggling ranks' nodes drained and this attempt ended, once this step's checkpoint is published:
+        Ray Train restarts the group without them, and the run resumes from here."""
+        t = self.cfg.train
+        self.checkpointer.flush()
+        why = self.stragglers.replace(step, self.replacing, t.health, (t.cpus_per_worker, t.gpus_per_worker))
+        self.replacing = set()
+        if why is not None:
+            raise PlannedRestart(why)
 
     def mark(self, event: str, **fields) -> None:
         """An event on the run's timeline (rank 0), for the goodput account (train/goodput.py)."""
