@@ -129,7 +129,7 @@ def run(ctx: StageContext) -> StageResult:
     incidents = (folder / "incidents.jsonl").read_text().splitlines() if (folder / "incidents.jsonl").exists() else []
     metrics = {"steps": summary["steps"], "final_loss": summary["final_loss"], "sequences_trained": sequences,
                "tokens_trained": sequences * config.seq_len, "incidents": len(incidents),
-               "interventions": len(interventions(logbook)), "stragglers": len(goodput.read_jsonl(folder / "stragglers.jsonl")), **curve_summary(folder / "metrics.jsonl"),
+               "interventions": len(interventions(logbook)), "stragglers": sum("drained" not in r for r in goodput.read_jsonl(folder / "stragglers.jsonl")), **curve_summary(folder / "metrics.jsonl"),
                **{f"goodput.{k}": v for k, v in time_spent.items() if k != "spans"}, **checkpoint_times(folder / "metrics.jsonl"),
                **evaluations}
     return StageResult(index["sequences"], index["sequences"], {}, metrics, tags=tags,
@@ -194,8 +194,9 @@ def check_nodes(ctx: StageContext, cfg: TrainConfig, folder: Path) -> None:
 
 
 def interventions(logbook: list[dict]) -> list[dict]:
-    """The logbook's entries that changed the run (a straggler named is in the logbook, but changed nothing)."""
-    return [e for e in logbook if e["kind"] != "straggler"]
+    """The logbook's entries that changed the run (a straggler named, or its drain refused, is in the logbook, but
+    changed nothing; a straggler's node drained and the run restarted did)."""
+    return [e for e in logbook if e["kind"] not in ("straggler", "straggler_kept")]
 
 
 def checkpoint_times(metrics_file: Path) -> dict[str, float]:
@@ -214,9 +215,13 @@ def track_logbook(ctx: StageContext, logbook: list[dict], files: list[Path]) -> 
     probes = goodput.read_jsonl(ctx.output / "health.jsonl")
     if probes:  # the health checks as a table in MLflow's artifact view, a row per node probed
         stage_run.log_table({k: [p.get(k) for p in probes] for k in probes[0]}, "health_checks.json")
-    for straggler in goodput.read_jsonl(ctx.output / "stragglers.jsonl"):
-        stage_run.set_tag(f"straggler.rank{straggler['rank']}",
-                          f"step {straggler['step']}: {straggler['host']} (node {straggler['node']})")
+    for straggler in goodput.read_jsonl(ctx.output / "stragglers.jsonl"):  # named, then (stragglers.exclude) drained
+        if "drained" in straggler:
+            stage_run.set_tag(f"straggler.rank{straggler['rank']}.drain", f"step {straggler['step']}: " + (
+                "drained" if straggler["drained"] else f"not drained: {straggler['refused'] or 'Ray refused'}"))
+        else:
+            stage_run.set_tag(f"straggler.rank{straggler['rank']}",
+                              f"step {straggler['step']}: {straggler['host']} (node {straggler['node']})")
     logbook = interventions(logbook)
     stage_run.set_tag("autopilot.interventions", str(len(logbook)))
     for i, entry in enumerate(logbook, 1):
