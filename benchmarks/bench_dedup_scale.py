@@ -4,6 +4,7 @@
                                            [--baseline cb30c0f]
     python benchmarks/bench_dedup_scale.py --groupby
     python benchmarks/bench_dedup_scale.py --references
+    python benchmarks/bench_dedup_scale.py --small
 
 For each size: bench_dedup's generator (10% planted near-duplicates, a tenth of them exact), plus a hot cluster
 (one text and `--hot` one-word edits of it: a band bucket of all of them, and one component), through ingest
@@ -21,6 +22,8 @@ assembly task held. The driver's growth is reported per document between the sma
 repartitioned to blocks of SORT_BLOCK_BYTES first (core/ray_session.py: groupby).
 --references: the hash shuffle's cost on the driver, alone: the references it holds for M map tasks and P
 partitions, with the shards in the object store and on disk (`ray.disk_shuffle`).
+--small: a small groupby's seconds on each path of core/ray_session.py's groupby (sort; hash on the object store;
+hash on disk), alternating in one Ray session: whether the sort path still earns its place for small inputs.
 """
 
 from __future__ import annotations
@@ -172,6 +175,40 @@ def hash_references(rows: int = 2_000_000, blocks: int = 40, partitions: int = 5
         print(f"| {'disk' if disk else 'object store'} | {blocks} x {partitions} | {peak:,} | {seconds:.1f} |")
 
 
+def small_groupby(rows: int = 60_000, blocks: int = 8, repeats: int = 4) -> None:
+    """A small groupby (about 1.5 MB, as the sample's dedup runs), through `core.ray_session.groupby` on each of its
+    paths: the sort shuffle (below `ray.small_shuffle_mb`), and the hash shuffle (SHUFFLE_V2) with its shards in the
+    object store and on disk. The paths alternate, `repeats` rounds, in one Ray session: each path's first call
+    (what a stage pays once) and its median."""
+    import statistics
+    import time
+
+    import numpy as np
+    import pyarrow as pa
+    import ray
+    import ray.data
+
+    from core.ray_session import RayConfig, groupby
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    table = pa.table({"part": np.arange(rows) % 97, "key": np.arange(rows, dtype=np.int64), "h": np.arange(rows, dtype=np.int64)})
+    paths = {"sort": RayConfig(small_shuffle_mb=256), "hash, object store": RayConfig(small_shuffle_mb=0, disk_shuffle=False),
+             "hash, disk": RayConfig(small_shuffle_mb=0, disk_shuffle=True)}
+    seconds: dict[str, list[float]] = {name: [] for name in paths}
+    nbytes = 0
+    for _ in range(repeats):
+        for name, cfg in paths.items():
+            ds = ray.data.from_arrow(table).repartition(blocks).materialize()
+            nbytes = ds.size_bytes()
+            start = time.perf_counter()
+            groupby(ds, "part", nbytes, cfg).map_groups(lambda g: g.slice(0, 1), batch_format="pyarrow").materialize()
+            seconds[name].append(time.perf_counter() - start)
+    print(f"| path ({rows:,} rows, {nbytes / 1e6:.1f} MB, {blocks} blocks) | first s | median s of {repeats} |\n|---|---|---|")
+    for name, xs in seconds.items():
+        print(f"| {name} | {xs[0]:.2f} | {statistics.median(xs):.2f} |")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--docs", type=int, nargs="+", default=[400_000, 1_200_000, 3_600_000])
@@ -183,12 +220,16 @@ def main() -> None:
                                                                 "in SORT_BLOCK_BYTES blocks")
     parser.add_argument("--references", action="store_true", help="only the hash shuffle's driver references, on the "
                                                                    "object store and on disk")
+    parser.add_argument("--small", action="store_true", help="only a small groupby's seconds on each of its paths: "
+                                                              "sort, hash on the object store, hash on disk")
     args = parser.parse_args()
     print(provenance.header(), flush=True)
     if args.groupby:
         return groupby_memory()
     if args.references:
         return hash_references()
+    if args.small:
+        return small_groupby()
     root = Path(args.out)
     probe = root / "probe"
     probe.mkdir(parents=True, exist_ok=True)

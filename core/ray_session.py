@@ -91,14 +91,15 @@ def start_ray(config: RayConfig, verbose: bool = False) -> bool:
 def groupby(ds, key: str, nbytes: int, ray_config: RayConfig, num_partitions: int | None = None):
     """`ds.groupby(key)` with a shuffle sized for the `nbytes` it moves.
 
-    Ray Data's default shuffle hashes rows to 200 partitions held by aggregator actors, which is
-    what a corpus spread over a cluster needs; but every groupby then starts actor processes of its
-    own (3-6 s each on a 2-core laptop, whatever the data), and the sample's dedup spent 20 of its
-    27 s in three of them. Below `ray.small_shuffle_mb` the same groupby runs as Ray Data's
-    task-based sort shuffle instead (tasks on the warm worker pool, no actor), on blocks of
+    Ray Data's hash shuffle (Ray 2.60's SHUFFLE_V2: map and reduce operators, its shards in the object
+    store or, with `ray.disk_shuffle`, in files) is what a corpus spread over a cluster needs; but
+    each groupby through it has a fixed cost of seconds, whatever the data: a 1.4 MB groupby took
+    3.3-3.6 s on the object store and 4.7-5.3 s on disk, against 0.7-0.8 s on the sort shuffle
+    (2 cores; `benchmarks/bench_dedup_scale.py --small`, docs/benchmarks.md). Below
+    `ray.small_shuffle_mb` the same groupby runs as Ray Data's sort shuffle instead, on blocks of
     SORT_BLOCK_BYTES. Above it, the hash shuffle, with `num_partitions` (default: one per
-    PARTITION_BYTES). The groups, and so every
-    result, are the same either way (tests/test_dedup.py runs both)."""
+    PARTITION_BYTES). The groups, and so every result, are the same either way (tests/test_dedup.py
+    runs both)."""
     from ray.data.context import ShuffleStrategy
 
     if nbytes < ray_config.small_shuffle_mb << 20:
