@@ -103,9 +103,9 @@ class Cluster:
     def replace_drained(self, run_dir: Path) -> None:
         """Each node the run drained (health.jsonl: a failed check; stragglers.jsonl: a straggler's, at a
         checkpoint), replaced once: a fresh node joins, the drained one leaves. A drain refused: not replaced."""
-        rows = [json.loads(line) for name in ("health.jsonl", "stragglers.jsonl") if (run_dir / name).exists()
-                for line in (run_dir / name).read_text().splitlines() if line.strip()]
-        failed = {r["node"] for r in rows if r.get("drained")}
+        from train.health import drained_nodes
+
+        failed = set(drained_nodes(run_dir))
         for k, node_id in list(self.ids.items()):
             if node_id in failed and node_id not in self.replaced:
                 self.replaced[node_id] = self.start_node(f"chaos_node_{k}_replacement")

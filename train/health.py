@@ -368,8 +368,7 @@ def check(run_dir: Path, nodes: list[str], min_fraction: float, collective: bool
     from train import goodput
 
     run_dir, began = Path(run_dir), time.monotonic()
-    rows_before = goodput.read_jsonl(run_dir / "health.jsonl")  # read once: the earlier probes, and the drains
-    earlier = [_probe(row) for row in rows_before]
+    earlier = _probes(run_dir / "health.jsonl")
     drained_before = drained(run_dir, window_seconds)
     probes = probe(nodes, run_dir, collective=collective)
     if collective:  # between nodes: the ring of the nodes probed now (one node after its failures: none)
@@ -403,6 +402,11 @@ def check(run_dir: Path, nodes: list[str], min_fraction: float, collective: bool
 
 
 def drained(run_dir: Path, within: float | None = None) -> int:
+    """How many nodes this run has drained in the last `within` seconds (None: ever): `drained_nodes`."""
+    return len(drained_nodes(run_dir, within))
+
+
+def drained_nodes(run_dir: Path, within: float | None = None) -> list[str]:
     """The nodes this run has drained, in the last `within` seconds (None: ever): those that failed a health
     check (health.jsonl), and stragglers' (stragglers.jsonl, train.stragglers.exclude). One limit holds for both.
     A window, not the whole run: the autoscaler replaces a drained node, and over a run of weeks hardware fails
@@ -411,8 +415,8 @@ def drained(run_dir: Path, within: float | None = None) -> int:
     from train.goodput import read_jsonl
 
     now = time.time()
-    return sum(1 for name in ("health.jsonl", "stragglers.jsonl") for r in read_jsonl(Path(run_dir) / name)
-               if r.get("drained") and (within is None or now - r.get("time", now) <= within))
+    return [r["node"] for name in ("health.jsonl", "stragglers.jsonl") for r in read_jsonl(Path(run_dir) / name)
+            if r.get("drained") and (within is None or now - r.get("time", now) <= within)]
 
 
 def last_checked(run_dir: Path) -> dict[str, float]:
