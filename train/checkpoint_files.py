@@ -94,11 +94,12 @@ def taking_writes(engine, copy: bool) -> Iterator[list[tuple[object, Path]]]:
     written later by `Write`. DeepSpeed writes every data file through its checkpoint engine's `save` (each
     rank its own shards); only the small `latest` and `zero_to_fp32.py` are written past it, by rank 0, at
     once. With `copy`, each state is copied to host memory first (`host_copy`): training may change the
-    tensors as soon as this returns. That copy is the only one: DeepSpeed clones every state to the CPU before
-    it hands it to a checkpoint engine that `preserves_storage_sharing` (engine.py `_save_checkpoint`,
-    pipe/module.py `save_state_dict`), so that torch.save writes a view's elements and not its whole storage;
-    `host_copy` makes each tensor its own storage already, and a second copy would double what a save blocks
-    on (on the ranks that write a pipeline stage's layers, the slowest at the engine's barrier)."""
+    tensors as soon as this returns. That copy is the only one: DeepSpeed 0.19 clones a pipeline stage's layer
+    states (and a mixture of experts' states) to the CPU before it hands them to a checkpoint engine that
+    `preserves_storage_sharing` (pipe/module.py `save_state_dict`; engine.py `_save_moe_checkpoint`), so that
+    torch.save writes a view's elements and not its whole storage; `host_copy` makes each tensor its own storage
+    already, and a second copy would double what a save blocks on, on the ranks that write a stage's layers, the
+    slowest at the engine's barrier. (The engine's own model and ZeRO files are handed over uncloned.)"""
     taken: list[tuple[object, Path]] = []
 
     def save(state_dict, path, *args, **kwargs):
