@@ -389,7 +389,7 @@ def components(sizes: list[int]) -> None:
         watcher = threading.Thread(target=watch)
         watcher.start()
         t = time.perf_counter()
-        labels, rounds = components_on_ray(ds, nbytes, RayConfig())  # partitions sized from the bytes, as in the stage
+        labels, rounds, _ = components_on_ray(ds, nbytes, RayConfig())  # partitions sized from the bytes, as in the stage
         got = pa.concat_tables(labels.iter_batches(batch_format="pyarrow"))
         ray_s = time.perf_counter() - t
         done.set()

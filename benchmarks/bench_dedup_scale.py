@@ -16,7 +16,8 @@ Recorded per run: the dedup stage's seconds per document; the driver's peak RSS 
 memory store (`get_local_memory_store_bytes_used`, the counter Ray Data warns on), both sampled inside the
 driver every 0.2 s by a sitecustomize on the driver's path; the largest Ray worker's RSS (object-store pages it
 maps included) sampled from outside; and, from our code's metrics, the most documents one verification and one
-assembly task held. The driver's growth is reported per document between the smallest and the largest size.
+assembly task held, and the most rows of one key (a text, a band bucket, a node) one task of the exact,
+candidates and components phases grouped (`-`: the phase grouped none on that path). The driver's growth is reported per document between the smallest and the largest size.
 
 --groupby: the cause of the driver's growth, alone: one sort-path groupby of 96 MB in 60 blocks, against the same
 repartitioned to blocks of SORT_BLOCK_BYTES first (core/ray_session.py: groupby).
@@ -99,6 +100,7 @@ def one_run(folder: Path, data: Path, name: str, tree: Path, probe: Path) -> dic
     return {"seconds": m["seconds"], "rows": manifest["counts"]["rows_in"], "driver": driver["rss"] / 2**20,
             "store": driver["memory_store"] / 2**20, "worker": peak["worker"],
             "verify": m.get("largest_task_documents.verification"), "assembly": m.get("largest_task_documents.assembly"),
+            "keys": [m.get(f"largest_key_rows.{phase}") for phase in ("exact", "candidates", "components")],
             "removed": manifest["counts"]["duplicate"] + manifest["counts"].get("near_eval", 0)}
 
 
@@ -241,8 +243,9 @@ def main() -> None:
         runs.append((n, h))
     print(f"commit {provenance.commit()} against {args.baseline}; 10% planted duplicates and a hot cluster\n")
     print("| documents | hot cluster | code | s per 1k docs | driver peak RSS MB | driver Ray memory store peak MB "
-          "| largest worker RSS MB | most documents in one task: verification / assembly | removed (duplicate + near_eval) |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "| largest worker RSS MB | most documents in one task: verification / assembly "
+          "| most rows of one key grouped: exact / candidates / components | removed (duplicate + near_eval) |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     results: dict = {}
     for n, hot in runs:
         folder = root / f"n{n}-hot{hot}"
@@ -252,10 +255,12 @@ def main() -> None:
             run_pipeline(folder / name, data, code, "ingest,normalize", folder / f"work-{name}")
             r = results[(n, hot, name)] = one_run(folder, data, name, code, probe)
             tasks = f"{r['verify']:,} / {r['assembly']:,}" if r["verify"] is not None else "- (not measured)"
+            keys = " / ".join("-" if k is None else f"{k:,}" for k in r["keys"]) if r["keys"][1] is not None \
+                else "- (not measured)"
             print(f"| {r['rows']:,} | {hot:,} | {name} | {1000 * r['seconds'] / r['rows']:.2f} | {r['driver']:,.0f} "
-                  f"| {r['store']:,.1f} | {r['worker']:,.0f} | {tasks} | {r['removed']:,} |", flush=True)
+                  f"| {r['store']:,.1f} | {r['worker']:,.0f} | {tasks} | {keys} | {r['removed']:,} |", flush=True)
     small, large = min(args.docs), max(args.docs)
-    for name in (args.baseline, "now"):
+    for name in (args.baseline, "now") if small < large else ():
         a, b = results[(small, args.hot, name)], results[(large, args.hot, name)]
         per_doc = (b["driver"] - a["driver"]) * 2**20 / (b["rows"] - a["rows"])
         print(f"\n{name}: the driver grew {b['driver'] - a['driver']:+,.0f} MB from {a['rows']:,} to {b['rows']:,} documents "

@@ -28,6 +28,7 @@ import pyarrow.parquet as pq
 
 from corpus.parts import Parts, parquet_files, rows_in_folder
 from dedup.components import components_in_one_task, components_on_ray
+from dedup.heavy import firsts
 from dedup.keys import ROW_BITS, Inputs, Shuffles, keys_by_part, part_of, partitions_for, write_by_part
 
 SMALL_GRAPH_EDGES = 1 << 20  # checked pairs and exact copies up to this many: their components in one task
@@ -72,11 +73,6 @@ def copy_edges(batch: pa.Table) -> pa.Table:
 def _undirected(batch: pa.Table) -> pa.Table:
     return pa.table({"u": pc.max_element_wise(batch["a_key"], batch["b_key"]),
                      "v": pc.min_element_wise(batch["a_key"], batch["b_key"])})
-
-
-def firsts(values: np.ndarray) -> np.ndarray:
-    """The index of the first of each run of equal values (sorted input)."""
-    return np.flatnonzero(np.concatenate([[True], values[1:] != values[:-1]])) if len(values) else np.zeros(0, np.int64)
 
 
 def _rank(sources: pa.Array, priority: dict[str, int]) -> pa.Array:
@@ -312,7 +308,8 @@ def assemble(inputs: Inputs, candidates: Path, exact: Path, threshold: float, ta
     if found["verified_pairs"]:
         undirected = graph.map_batches(_undirected, batch_format="pyarrow").materialize()
         shuffles.moved["components"] = undirected.size_bytes()
-        labels, found["rounds"] = components_on_ray(undirected, undirected.size_bytes(), shuffles.ray)
+        labels, found["rounds"], found["largest_key_rows.components"] = components_on_ray(
+            undirected, undirected.size_bytes(), shuffles.ray, bound=task_documents)
         found["tallies"], found["largest_task_documents.assembly"] = assemble_on_ray(
             graph, labels, shuffles, priority, task_documents, folder, removed)
     return found, removed

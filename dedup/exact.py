@@ -1,7 +1,9 @@
 """Phase 1, exact duplicates: one task per part hashes every text (128-bit BLAKE2b) but those decontamination
 removed, and writes an index of key, hash, id and source; a groupby on the hash collapses identical texts to their
-kept copy (source order in the config, then the smallest id). Every phase after this one sees one document per
-text: the copies get no MinHash bands, and join the components' graph linked to their text's kept copy."""
+kept copy (source order in the config, then the smallest id). A text of more than `dedup.task_documents` copies
+(a cookie notice, a licence footer) is not grouped: its kept copy is reduced per block and then on the driver,
+and sent to every block (dedup/heavy.py). Every phase after this one sees one document per text: the copies get no
+MinHash bands, and join the components' graph linked to their text's kept copy."""
 
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from corpus.parts import parquet_files, run_tasks
+from dedup.heavy import collect, heavy_keys, is_heavy, run_lengths
 from dedup.keys import Inputs, PartTask, Shuffles, keys_by_part, keys_of, kept_rows, write_by_part
 
 
@@ -42,30 +45,78 @@ def index_task(task: IndexTask) -> dict:
     return {"rows": n, "bytes": out.nbytes}
 
 
-def exact_groups(group: pa.Table) -> pa.Table:
-    """Index rows of one partition of text hashes -> one row per copy that is not its text's kept copy."""
-    order = pc.sort_indices(group, [("h1", "ascending"), ("h2", "ascending"), ("prio", "ascending"), ("id", "ascending")])
-    g = group.take(order)
+TEXT = [("h1", "ascending"), ("h2", "ascending")]
+KEPT_FIRST = [*TEXT, ("prio", "ascending"), ("id", "ascending"), ("key", "ascending")]
+
+
+def _new_text(g: pa.Table) -> np.ndarray:
+    """Sorted index rows -> a mask of each text's first row."""
     h1, h2 = g["h1"].to_numpy(), g["h2"].to_numpy()
-    new_text = np.concatenate([[True], (h1[1:] != h1[:-1]) | (h2[1:] != h2[:-1])]) if len(h1) else np.zeros(0, bool)
-    first = np.maximum.accumulate(np.where(new_text, np.arange(len(h1)), 0))  # each row's text's first (kept) row
+    return np.concatenate([[True], (h1[1:] != h1[:-1]) | (h2[1:] != h2[:-1])]) if len(h1) else np.zeros(0, bool)
+
+
+def exact_groups(group: pa.Table) -> pa.Table:
+    """Index rows of one partition of text hashes -> one row per copy that is not its text's kept copy; `held`:
+    the most rows of one text in this task."""
+    g = group.take(pc.sort_indices(group, KEPT_FIRST))
+    new_text = _new_text(g)
+    first = np.maximum.accumulate(np.where(new_text, np.arange(len(new_text)), 0))  # each row's text's first (kept) row
     copies = np.flatnonzero(~new_text)
     keep = first[copies]
     return pa.table({"key": g["key"].take(copies), "id": g["id"].take(copies), "source": g["source"].take(copies),
-                     "kept_key": g["key"].take(keep), "kept_id": g["id"].take(keep), "kept_source": g["source"].take(keep)})
+                     "kept_key": g["key"].take(keep), "kept_id": g["id"].take(keep), "kept_source": g["source"].take(keep),
+                     "held": pa.array(np.full(len(copies), run_lengths(new_text).max(initial=0), np.int64))})
 
 
-def find_exact(inputs: Inputs, priority: dict[str, int], shuffles: Shuffles) -> tuple[Path, Path]:
+def text_of(block: pa.Table) -> tuple[np.ndarray, np.ndarray]:
+    """Index rows -> (their texts' first hash, their keys): what `heavy_keys` tallies."""
+    return block["h1"].to_numpy(), block["key"].to_numpy()
+
+
+def heavy_rows(batch: pa.Table, heavy: np.ndarray, keep: bool) -> pa.Table:
+    """The index rows of heavy texts (`keep`), or of the others."""
+    mask = is_heavy(batch["h1"].to_numpy(), heavy)
+    return batch.filter(pa.array(mask if keep else ~mask))
+
+
+def kept_copies(rows: pa.Table) -> pa.Table:
+    """Index rows -> each text's most preferred row. Reduces its own output again: per block, then on the driver."""
+    g = rows.take(pc.sort_indices(rows, KEPT_FIRST))
+    return g.filter(pa.array(_new_text(g))).select(["h1", "h2", "prio", "key", "id", "source"])
+
+
+def heavy_copies(batch: pa.Table, kept: pa.Table) -> pa.Table:
+    """Index rows of heavy texts, and each heavy text's kept copy -> a row per copy that is not it (as
+    `exact_groups`' rows; `held` 0: no text is grouped here)."""
+    kept = kept.select(["h1", "h2", "key", "id", "source"]).rename_columns(["h1", "h2", "kept_key", "kept_id", "kept_source"])
+    rows = batch.select(["h1", "h2", "key", "id", "source"]).join(kept, ["h1", "h2"])
+    rows = rows.filter(pc.not_equal(rows["key"], rows["kept_key"]))
+    return rows.select(["key", "id", "source", "kept_key", "kept_id", "kept_source"]) \
+        .append_column("held", pa.array(np.zeros(rows.num_rows, np.int64)))
+
+
+def find_exact(inputs: Inputs, priority: dict[str, int], shuffles: Shuffles, bound: int) -> tuple[Path, Path, int]:
     """Writes the exact copies (key, id, source and their kept copy's) and each part's copied rows
-    (`write_by_part`). Returns (the copies' folder, the rows' folder)."""
+    (`write_by_part`). A text of more than `bound` copies is not grouped: its kept copy is found per block and
+    then on the driver, and sent to every block (dedup/heavy.py). Returns (the copies' folder, the rows' folder,
+    the most rows of one text one task grouped)."""
     import ray.data
 
     run_tasks(index_task, inputs.tasks(IndexTask, "index", priority=priority))
     exact, rows = inputs.work / "exact", inputs.work / "exact_rows"
-    shuffles(ray.data.read_parquet(str(inputs.work / "index")), "exact") \
-        .map_groups(exact_groups, batch_format="pyarrow").write_parquet(str(exact))
+    index = ray.data.read_parquet(str(inputs.work / "index")).materialize()
+    heavy, _ = heavy_keys(index, text_of, bound, shuffles, "exact")
+    cold = index.map_batches(heavy_rows, batch_format="pyarrow", fn_kwargs={"heavy": heavy, "keep": False}) if len(heavy) else index
+    copies = shuffles(cold, "exact").map_groups(exact_groups, batch_format="pyarrow")
+    if len(heavy):
+        hot = index.map_batches(heavy_rows, batch_format="pyarrow", fn_kwargs={"heavy": heavy, "keep": True}).materialize()
+        kept = kept_copies(collect(hot.map_batches(kept_copies, batch_format="pyarrow")))
+        copies = copies.union(hot.map_batches(heavy_copies, batch_format="pyarrow", fn_kwargs={"kept": kept}))
+    copies = copies.materialize()
+    held = copies.max("held") or 0
+    copies.drop_columns(["held"]).write_parquet(str(exact))
     rows.mkdir(parents=True)
     if parquet_files(exact):
         keyed = ray.data.read_parquet(str(exact)).map_batches(keys_by_part, batch_format="pyarrow")
         shuffles(keyed, "exact").map_groups(write_by_part, batch_format="pyarrow", fn_kwargs={"folder": str(rows)}).materialize()
-    return exact, rows
+    return exact, rows, held

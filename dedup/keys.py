@@ -34,6 +34,13 @@ def partitions_for(nbytes: int) -> int:
     return max(1, -(-nbytes // PARTITION_BYTES))
 
 
+def unit_of(keys: np.ndarray, task_documents: int) -> np.ndarray:
+    """The unit of each key: its part (high bits, as in the key) and its row // task_documents. A unit is a run of
+    the key order: what a verification task checks (dedup/verify.py), and a heavy bucket's share of one task
+    (dedup/candidates.py)."""
+    return (keys >> ROW_BITS << ROW_BITS) | ((keys & ((1 << ROW_BITS) - 1)) // task_documents)
+
+
 def hasher(config: DedupConfig) -> MinHasher:
     return MinHasher(num_perm=config.num_perm, ngram=config.ngram, seed=config.seed, lowercase=config.lowercase)
 

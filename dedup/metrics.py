@@ -28,7 +28,7 @@ def stage_metrics(found: dict, shuffled: dict[str, int], documents: int, bands: 
                "exact_duplicates": found["exact_duplicates"], "candidate_pairs": found["candidate_pairs"],
                "candidate_documents_fraction": round(found["candidate_documents"] / documents, 6),
                "verified_pairs": found["verified_pairs"], "clusters": sum(sizes.values()), "rounds": found["rounds"],
-               **{k: v for k, v in found.items() if k.startswith("largest_task_documents.")}}
+               **{k: v for k, v in found.items() if k.startswith(("largest_task_documents.", "largest_key_rows."))}}
     metrics.update({f"shuffled_bytes.{phase.replace(' ', '_')}": n for phase, n in shuffled.items()})
     by_source: collections.Counter = collections.Counter()
     for (source, kept), n in removed.items():

@@ -44,15 +44,16 @@ def run(ctx: StageContext) -> StageResult:
     if not inputs.parts:  # normalize kept nothing
         return StageResult(0, 0, {DUPLICATE: 0, evalset.NEAR: 0})
     priority = {s.name: i for i, s in enumerate(ctx.config.sources)}
+    held: dict[str, int] = {}  # the most rows of one key (a text, a bucket) that one task of a phase grouped
     shuffles, folders = Shuffles(ctx.config.ray), {DUPLICATE: str(ctx.aside(FOLDER)), evalset.NEAR: str(ctx.aside(evalset.NEAR))}
     # decontamination; exact; candidates; candidate documents and verification; components; output
     with Bar("dedup", "phases", 7) as bar:
         near = decontaminate(inputs.parts, aside_parts(ctx.inputs, "normalize", evalset.REASON), ctx.config.eval.decontaminate,
                              folders[evalset.NEAR], inputs.decontaminated)
         bar.update()
-        exact, exact_rows = find_exact(inputs, priority, shuffles)
+        exact, exact_rows, held["exact"] = find_exact(inputs, priority, shuffles, cfg.task_documents)
         bar.update()
-        pairs = find_candidates(inputs, cfg, bands, rows, exact_rows, shuffles)
+        pairs, held["candidates"] = find_candidates(inputs, cfg, bands, rows, exact_rows, shuffles)
         bar.update()
         verified = verify_candidates(inputs, pairs, cfg, shuffles, ctx.aside("candidates"))
         bar.update_to(5)
@@ -66,6 +67,7 @@ def run(ctx: StageContext) -> StageResult:
     check_written(ctx.output, counts["rows_out"], "documents kept")
     check_read(counts["rows_in"], ctx.inputs, "normalize")
     shutil.rmtree(inputs.work, ignore_errors=True)
-    metrics = {**stage_metrics({**found, **verified}, shuffles.moved, counts["rows_in"], bands, rows, ctx), **near}
+    found.update({**verified, **{f"largest_key_rows.{k}": n for k, n in held.items()}})
+    metrics = {**stage_metrics(found, shuffles.moved, counts["rows_in"], bands, rows, ctx), **near}
     return StageResult(counts["rows_in"], counts["rows_out"], {DUPLICATE: counts[DUPLICATE], evalset.NEAR: counts[evalset.NEAR]},
                        metrics, fields={"eval": ctx.inputs["normalize"].get("eval")})

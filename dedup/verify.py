@@ -24,7 +24,7 @@ import pyarrow.parquet as pq
 from corpus.parts import parquet_files
 from dedup.candidates import PAIR_SCHEMA
 from dedup.config import DedupConfig
-from dedup.keys import ROW_BITS, Inputs, Shuffles, hasher
+from dedup.keys import ROW_BITS, Inputs, Shuffles, hasher, unit_of
 from dedup.minhash import jaccard_of_sets
 
 CANDIDATE_SCHEMA = pa.schema([("a", pa.string()), ("b", pa.string()), ("a_source", pa.string()),
@@ -36,11 +36,6 @@ VERIFIED_SCHEMA = CANDIDATE_SCHEMA.append(pa.field("held", pa.int64()))  # what 
 # `first` is 1 on one row of each candidate document (so they can be counted).
 JOIN_SCHEMA = pa.schema([("part", pa.int64()), ("kind", pa.string()), *PAIR_SCHEMA, ("id", pa.string()),
                          ("source", pa.string()), ("shingles", pa.binary()), ("first", pa.int64())])
-
-
-def unit_of(keys: np.ndarray, task_documents: int) -> np.ndarray:
-    """The verification unit of each key: its part (high bits, as in the key) and its row // task_documents."""
-    return (keys >> ROW_BITS << ROW_BITS) | ((keys & ((1 << ROW_BITS) - 1)) // task_documents)
 
 
 def candidate_keys(batch: pa.Table, task_documents: int) -> pa.Table:

@@ -188,7 +188,8 @@ def test_rerun_with_one_cpu_and_the_hash_shuffle_keeps_the_same_documents(corpus
 
 def test_components_on_ray_data_are_the_one_task_components(ray_session):
     """Large-star/small-star rounds on Ray Data against min-label propagation in one task: a long chain
-    in shuffled key order (the most rounds), stars, a clique and random sparse edges, on int64 keys."""
+    in shuffled key order (the most rounds), stars, a clique and random sparse edges, on int64 keys. A node of more
+    edges than the bound is starred without grouping its edges (dedup/heavy.py), with the same components."""
     import numpy as np
     import pyarrow as pa
     import ray.data
@@ -206,12 +207,14 @@ def test_components_on_ray_data_are_the_one_task_components(ray_session):
     u, v = np.maximum(a, b), np.minimum(a, b)
     expected = components_in_one_task(u, v)
     ds = ray.data.from_arrow(pa.table({"u": u, "v": v}))
-    labels, rounds = components_on_ray(ds, u.nbytes * 2, RayConfig(), partitions=3)
+    # A bound of 8: the star's centre, the clique's members and the chain's root in its last rounds (its 400 edges)
+    # are starred by blocks, every other node in its group.
+    labels, rounds, held = components_on_ray(ds, u.nbytes * 2, RayConfig(), partitions=3, bound=8)
     rows = labels.take_all()
     assert {r["node"]: r["root"] for r in rows} == expected
     assert len({(r["node"], r["root"]) for r in rows}) == len(expected)  # one root per node
     assert len(set(expected.values())) > 100 and expected[int(names[400])] == int(names[:401].min())
-    assert 3 <= rounds <= 20
+    assert 3 <= rounds <= 20 and 2 <= held <= 8, (rounds, held)
 
 
 @pytest.fixture(scope="module")
@@ -293,6 +296,10 @@ def test_exact_copies_a_hot_bucket_and_chains_merge_as_brute_force_does_with_eit
                         json.loads((folder / "cluster_sizes.json").read_text())))
     (one, dups_one, kept_one, sizes_one), (rounds, dups_ray, kept_ray, sizes_ray) = results
     assert dups_one == dups_ray and kept_one == kept_ray and sizes_one == sizes_ray and sizes_one["120"] == 1
+    # No task grouped more than `task_documents` of one key: the 120 copies' text, the 60 edits' buckets (over
+    # SMALL_BUCKET: 32), the component's root; each was a heavy key, handled by blocks (dedup/heavy.py).
+    assert max(one["largest_key_rows.exact"], rounds["largest_key_rows.exact"], rounds["largest_key_rows.components"]) <= 16
+    assert 1 <= max(one["largest_key_rows.candidates"], rounds["largest_key_rows.candidates"]) <= 32
     assert one["largest_task_documents.assembly"] == 183 + 3  # one task: every document of the 3 components
     assert rounds["largest_task_documents.assembly"] < 120, rounds  # was the whole component (assemble_components)
     assert {dict(r)["id"]: dict(r)["kept_id"] for r in dups_one} == truth
@@ -316,8 +323,8 @@ def test_a_hot_cluster_is_verified_in_bounded_tasks_and_keeps_one_document(tmp_p
     smallest document with every other. Verified in the units of their second documents, 50 rows each
     (`dedup.task_documents`), no task holds more than its unit and their partners in 10 bands (the bucket's
     smallest document, each one's neighbour in key order, the few that share a small bucket: 282 here), where
-    the first document's part (the rule before) held all 2,000 in one task; and the cluster keeps one document,
-    by the same rule as before."""
+    the first document's part (the rule before) held all 2,000 in one task; no task groups a whole bucket (the
+    rule before grouped each of ~1,750); and the cluster keeps one document, by the same rule as before."""
     base, rng = long_doc(500, words=1000), random.Random(11)
     docs = {f"hot-{i:04d}": edit(base, [rng.randrange(1000)], 5000 + i) for i in range(2000)}
     (tmp_path / "web.jsonl").write_text("".join(json.dumps({"id": k, "text": v}) + "\n" for k, v in docs.items()))
@@ -336,3 +343,5 @@ sources:
     assert len(dups) == 1999 and {d["kept_id"] for d in dups} == {"hot-0000"} and min(d["jaccard"] for d in dups) >= 0.95
     held = manifest["metrics"]["largest_task_documents.verification"]
     assert 50 <= held <= 500, held
+    # Its buckets (~1,750 documents each) were never grouped whole: their pairs were made 50 keys a task.
+    assert 2 <= manifest["metrics"]["largest_key_rows.candidates"] <= 50, manifest["metrics"]
