@@ -12,7 +12,8 @@ rows per block before any groupby:
 2. per component (`components_reduced`): its kept document and its size;
 3. the join of each node with its component (`leaving`), where a component of more than `task_documents` nodes
    is met in several tasks: its nodes spread over salts, its row copied to each.
-Up to SMALL_GRAPH_EDGES checked pairs and copies the components and all three run in one task, on whole tables;
+Up to EDGES_PER_TASK_DOCUMENT x `task_documents` checked pairs and copies (1M at the default) the components and
+all three run in one task, on whole tables;
 above, on Ray Data (dedup/components.py for the labels). Each part's removed rows are written (`write_by_part`)
 for the output phase."""
 
@@ -31,7 +32,9 @@ from dedup.components import components_in_one_task, components_on_ray
 from dedup.heavy import firsts
 from dedup.keys import ROW_BITS, Inputs, Shuffles, keys_by_part, part_of, partitions_for, write_by_part
 
-SMALL_GRAPH_EDGES = 1 << 20  # checked pairs and exact copies up to this many: their components in one task
+# Checked pairs and exact copies up to this many per `dedup.task_documents`: their components in one task. A task then
+# holds ~1.1 KB an edge (docs/benchmarks.md), ~1.1 GB at the default: about twice a verification task's bound.
+EDGES_PER_TASK_DOCUMENT = 64
 DUPLICATE_SCHEMA = pa.schema([("id", pa.string()), ("source", pa.string()), ("kept_id", pa.string()),
                               ("kept_source", pa.string()), ("jaccard", pa.float64()), ("via", pa.string())])
 # The components' graph: a verified pair (a, b), or an exact copy b of its text's kept copy a (`copy`).
@@ -298,7 +301,7 @@ def assemble(inputs: Inputs, candidates: Path, exact: Path, threshold: float, ta
     checked, copied = rows_in_folder(candidates), rows_in_folder(exact)  # from the footers
     found = {"candidate_pairs": checked, "exact_duplicates": copied, "rounds": 0, "verified_pairs": 0, "tallies": [],
              "largest_task_documents.assembly": 0}
-    if checked + copied <= SMALL_GRAPH_EDGES:  # at most that many edges: one task
+    if checked + copied <= EDGES_PER_TASK_DOCUMENT * task_documents:  # a small graph: one task
         found["tallies"], found["verified_pairs"], found["largest_task_documents.assembly"] = ray.get(
             ray.remote(assemble_in_one_task).remote(str(candidates), str(exact), threshold, priority, folder, removed))
         return found, removed

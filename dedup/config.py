@@ -20,8 +20,10 @@ class DedupConfig:
     seed: int = 1234
     # A verification task checks the pairs of at most this many consecutive documents of one part, and holds
     # them with their partners (dedup/verify.py); a component of more documents is assembled over several tasks
-    # (dedup/assemble.py): no task grows with the largest duplicate cluster. In a hot cluster a document has
-    # about 5 partners over 10 bands (tests/test_dedup.py): ~80k shingle sets, ~0.5 GB.
+    # (dedup/assemble.py), no groupby gathers more rows of one key (a text, a band bucket, a node: dedup/heavy.py),
+    # and a graph of up to 64 edges per such document is labelled in one task (dedup/assemble.py): no task grows
+    # with the largest duplicate cluster. In a hot cluster a document has about 5 partners over 10 bands
+    # (tests/test_dedup.py): ~80k shingle sets, ~0.5 GB.
     task_documents: int = 1 << 14
 
     def validate(self, key: str) -> None:

@@ -7,10 +7,10 @@ their rows without a groupby: what a heavy key's rows need from each other is a 
 bucket's smallest document, a node's smallest neighbour), which the driver receives as one row per heavy key and
 sends to every task. Only the other rows are grouped.
 
-Finding them costs no task more than a block, or one row per block for each key: each block is tallied (a row per
-distinct key: its count and its smallest), the tallies are grouped and summed, and the keys over the bound come
-back. Most of the time nothing needs grouping: the sum over blocks of each block's largest count bounds every key's
-total, and when it is within the bound no key can be heavy.
+Finding them costs no task more than a block, or one row per block for each key (`heavy_keys`): each block's
+keys are tallied, the tallies of the keys common in a block are grouped and summed, and the few keys that could be
+over the bound are counted exactly. Most of the time nothing needs grouping: the sum over blocks of each block's
+largest count bounds every key's total, and when it is within the bound no key can be heavy.
 """
 
 from __future__ import annotations
@@ -44,49 +44,78 @@ def _tally(values: np.ndarray, counts: np.ndarray, least: np.ndarray) -> tuple[n
     return values[starts], np.add.reduceat(counts, starts) if len(starts) else counts[:0], least[starts]
 
 
-def tally_block(block: pa.Table, rows_of, kw: dict, partitions: int) -> tuple[pa.Table, int]:
-    """One block -> (a row per distinct key of its rows, `rows_of(block, **kw)`: (keys, what to minimise); with
-    its count and smallest, keyed for the groupby; and the block's largest count: 0 for an empty block, which may
-    have no columns)."""
+def tally_block(block: pa.Table, rows_of, kw: dict, partitions: int, floor: int) -> tuple[pa.Table, int]:
+    """One block -> (a row per distinct key of its rows, `rows_of(block, **kw)`: (keys, what to minimise), that has
+    `floor` rows or more in it: the count, keyed for the groupby; and the block's largest count: 0 for an empty
+    block, which may have no columns)."""
     if not block.num_rows:
         return pa.table({}), 0
     values, least = rows_of(block, **kw)
-    v, n, m = _tally(values, np.ones(len(values), np.int64), least)
-    return pa.table({"part": pa.array(part_of(v, partitions)), "value": pa.array(v), "n": pa.array(n),
-                     "least": pa.array(m)}), int(n.max(initial=0))
+    v, n, _ = _tally(values, np.ones(len(values), np.int64), least)
+    keep = n >= floor
+    return pa.table({"part": pa.array(part_of(v[keep], partitions)), "value": pa.array(v[keep]),
+                     "n": pa.array(n[keep])}), int(n.max(initial=0))
 
 
-def heavy_of_group(group: pa.Table, bound: int) -> pa.Table:
-    """Tallies of one partition of keys -> the keys over `bound` rows, with their smallest."""
-    v, n, m = _tally(group["value"].to_numpy(), group["n"].to_numpy(), group["least"].to_numpy())
-    over = n > bound
-    return pa.table({"value": pa.array(v[over]), "least": pa.array(m[over])})
+def over_in_group(group: pa.Table, over: int) -> pa.Table:
+    """Tallies of one partition of keys -> the keys whose counts add up to more than `over`."""
+    v, n, _ = _tally(group["value"].to_numpy(), group["n"].to_numpy(), np.zeros(group.num_rows, np.int64))
+    return pa.table({"value": pa.array(v[n > over])})
+
+
+def count_block(block: pa.Table, rows_of, kw: dict, keys: np.ndarray) -> pa.Table:
+    """One block -> for each of `keys` (sorted) that it has, its rows here and the smallest of what they minimise."""
+    if not block.num_rows:
+        return pa.table({})
+    values, least = rows_of(block, **kw)
+    hit = is_heavy(values, keys)
+    v, n, m = _tally(values[hit], np.ones(int(hit.sum()), np.int64), least[hit])
+    return pa.table({"value": pa.array(v), "n": pa.array(n), "least": pa.array(m)})
 
 
 def heavy_keys(ds, rows_of, bound: int, shuffles: Shuffles, phase: str, **kw) -> tuple[np.ndarray, np.ndarray]:
     """The keys on more than `bound` rows of the materialized dataset `ds` (sorted), and for each the smallest of
-    what its rows minimise: `rows_of(block, **kw)` gives each block's (keys, what to minimise). The blocks are
-    tallied by plain tasks beside Ray Data (the driver holds a reference and an int per block); the tallies'
-    groupby runs only where the blocks' largest counts add up to more than the bound."""
+    what its rows minimise: `rows_of(block, **kw)` gives each block's (keys, what to minimise).
+
+    Plain tasks beside Ray Data, the driver holding a reference and an int per block: each block's keys are
+    tallied, but a count under `floor` in a block is left out, so that what is left out adds up to at most half
+    the bound over all the blocks. A key over the bound still tallies over the other half (a candidate), and
+    only the candidates are counted exactly, in a second pass. Where the blocks' largest counts add up to no more
+    than the bound, nothing is grouped at all."""
     import ray
     import ray.data
 
+    none = (np.zeros(0, np.int64), np.zeros(0, np.int64))
+    refs = ds.to_arrow_refs()
+    floor = 1 + bound // (2 * max(1, len(refs)))
     tally = ray.remote(num_returns=2)(tally_block)
-    tallies = [tally.remote(ref, rows_of, kw, partitions_for(ds.size_bytes())) for ref in ds.to_arrow_refs()]
+    tallies = [tally.remote(ref, rows_of, kw, partitions_for(ds.size_bytes()), floor) for ref in refs]
     tops = ray.get([top for _, top in tallies])
     if sum(tops) <= bound:
-        return np.zeros(0, np.int64), np.zeros(0, np.int64)
-    groups = shuffles(ray.data.from_arrow_refs([t for (t, _), top in zip(tallies, tops) if top]), phase)
-    table = collect(groups.map_groups(heavy_of_group, batch_format="pyarrow", fn_kwargs={"bound": bound}))
-    table = table.sort_by("value") if table.num_rows else table
-    return (table["value"].to_numpy(), table["least"].to_numpy()) if table.num_rows else (np.zeros(0, np.int64),) * 2
+        return none
+    common = [t for (t, _), top in zip(tallies, tops) if top >= floor]
+    if not common:  # every count under the floor: no key adds up to more than half the bound
+        return none
+    groups = shuffles(ray.data.from_arrow_refs(common), phase)
+    candidates = collect(groups.map_groups(over_in_group, batch_format="pyarrow",
+                                           fn_kwargs={"over": bound - (floor - 1) * len(refs)}))
+    if not candidates.num_rows:
+        return none
+    keys = np.sort(candidates["value"].to_numpy())
+    counts = collect_tables(ray.get([ray.remote(count_block).remote(ref, rows_of, kw, keys) for ref in refs]))
+    v, n, m = _tally(counts["value"].to_numpy(), counts["n"].to_numpy(), counts["least"].to_numpy())
+    return v[n > bound], m[n > bound]
 
 
 def collect(ds) -> pa.Table:
     """A small dataset's rows, on the driver, as one table (no columns where it has no rows)."""
     import ray
 
-    tables = [t for t in ray.get(ds.to_arrow_refs()) if t.num_rows]
+    return collect_tables(ray.get(ds.to_arrow_refs()))
+
+
+def collect_tables(tables: list[pa.Table]) -> pa.Table:
+    tables = [t for t in tables if t.num_rows]
     return pa.concat_tables(tables) if tables else pa.table({})
 
 

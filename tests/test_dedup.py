@@ -217,6 +217,29 @@ def test_components_on_ray_data_are_the_one_task_components(ray_session):
     assert 3 <= rounds <= 20 and 2 <= held <= 8, (rounds, held)
 
 
+def test_heavy_keys_are_exactly_the_keys_over_the_bound_however_their_rows_spread(ray_session):
+    """dedup/heavy.py against a count: keys over the bound spread thinly over many blocks (under the tally's floor in
+    each) or packed in one, keys at the bound, and the rest; each heavy key with its smallest value."""
+    import numpy as np
+    import pyarrow as pa
+    import ray.data
+
+    from core.ray_session import RayConfig
+    from dedup.heavy import heavy_keys
+    from dedup.keys import Shuffles
+
+    rng = np.random.default_rng(3)
+    keys = np.concatenate([np.full(40, 7), np.full(40, 9), np.full(41, 11), np.full(60, 13), rng.integers(100, 10**6, 3000)])
+    keys = keys[rng.permutation(len(keys))]  # 7 and 9: at the bound (40); 11 and 13 over it, spread over every block
+    keys = np.concatenate([np.full(45, 5), keys])  # 5: over it, packed in the first block
+    least = rng.integers(0, 10**9, len(keys))
+    ds = ray.data.from_arrow(pa.table({"k": keys, "x": least})).repartition(16).materialize()
+    heavy, smallest = heavy_keys(ds, lambda b: (b["k"].to_numpy(), b["x"].to_numpy()), 40, Shuffles(RayConfig()), "test")
+    values, counts = np.unique(keys, return_counts=True)
+    assert heavy.tolist() == values[counts > 40].tolist() and {5, 11, 13} <= set(heavy.tolist()), heavy
+    assert smallest.tolist() == [int(least[keys == k].min()) for k in heavy]
+
+
 @pytest.fixture(scope="module")
 def crowded(tmp_path_factory):
     """A corpus with a cluster of 120 exact copies over two sources, a hot bucket (60 one-word edits of one
@@ -286,8 +309,8 @@ def test_exact_copies_a_hot_bucket_and_chains_merge_as_brute_force_does_with_eit
 
     root, cfg, truth = crowded
     results = []
-    for one_task_edges in (dedup.assemble.SMALL_GRAPH_EDGES, 0):
-        monkeypatch.setattr(dedup.assemble, "SMALL_GRAPH_EDGES", one_task_edges)
+    for one_task_edges in (dedup.assemble.EDGES_PER_TASK_DOCUMENT, 0):
+        monkeypatch.setattr(dedup.assemble, "EDGES_PER_TASK_DOCUMENT", one_task_edges)
         assert main(["--config", str(cfg), "--only", "ingest,normalize,dedup", "--force"]) == 0
         manifest = json.loads((root / "work" / "dedup" / "manifest.json").read_text())
         folder = Path(manifest["output"]).parent
