@@ -98,16 +98,25 @@ def bucket_of(block: pa.Table) -> tuple[np.ndarray, np.ndarray]:
     return block["band"].to_numpy(), block["key"].to_numpy()
 
 
-def heavy_band_rows(batch: pa.Table, heavy: np.ndarray, keep: bool, task_documents: int, partitions: int) -> pa.Table:
-    """Band rows of heavy buckets (`keep`), keyed by bucket and verification unit (`unit_of`: a run of
-    `task_documents` keys, so a bucket's units are runs of its key order); or the rows of the others."""
+def keyed_band_rows(batch: pa.Table, heavy: np.ndarray, task_documents: int, partitions: int) -> pa.Table:
+    """Band rows, keyed for the candidates' groupby (`part`): by their bucket's partition of `partitions`; or, in a
+    heavy bucket (`heavy` set), by bucket and unit (`unit_of`: a run of `task_documents` keys, so a bucket's units
+    are runs of its key order), in `partitions` more."""
     mask = is_heavy(batch["band"].to_numpy(), heavy)
-    if not keep:
-        return batch.filter(pa.array(~mask))
-    batch = batch.filter(pa.array(mask))
-    unit = unit_of(batch["key"].to_numpy(), task_documents).astype(np.uint64)
-    mixed = batch["band"].to_numpy() ^ (unit * np.uint64(0x9E3779B97F4A7C15))
-    return batch.set_column(batch.schema.get_field_index("part"), "part", pa.array(part_of(mixed, partitions).astype(np.int32)))
+    part = batch["part"].to_numpy().astype(np.int64)
+    if mask.any():
+        unit = unit_of(batch["key"].to_numpy()[mask], task_documents).astype(np.uint64)
+        part[mask] = partitions + part_of(batch["band"].to_numpy()[mask] ^ (unit * np.uint64(0x9E3779B97F4A7C15)), partitions)
+    return batch.set_column(batch.schema.get_field_index("part"), "part", pa.array(part)).append_column("heavy", pa.array(mask))
+
+
+def group_pairs(group: pa.Table, heavy: np.ndarray, smallest: np.ndarray, task_documents: int) -> pa.Table:
+    """One group of the candidates' groupby -> its pairs (`band` null), and, for heavy buckets' units, each unit's
+    ends (`band` set)."""
+    if group.num_rows and group["heavy"][0].as_py():
+        return heavy_unit_pairs(group, heavy, smallest, task_documents)
+    pairs = candidate_pairs(group)
+    return pairs.append_column("band", pa.nulls(pairs.num_rows, pa.uint64()))
 
 
 def heavy_unit_pairs(group: pa.Table, heavy: np.ndarray, smallest: np.ndarray, task_documents: int) -> pa.Table:
@@ -130,7 +139,7 @@ def heavy_unit_pairs(group: pa.Table, heavy: np.ndarray, smallest: np.ndarray, t
 
 
 def unit_rows(batch: pa.Table, ends: bool, partitions: int) -> pa.Table:
-    """`heavy_unit_pairs`' rows -> its pairs; or (`ends`) its units' first and last keys, keyed by bucket."""
+    """`group_pairs`' rows -> the pairs; or (`ends`) heavy buckets' units' first and last keys, keyed by bucket."""
     if not ends:
         return batch.filter(pc.is_null(batch["band"])).drop_columns(["band"])
     batch = batch.filter(pc.is_valid(batch["band"]))
@@ -160,17 +169,14 @@ def find_candidates(inputs: Inputs, config: DedupConfig, bands: int, rows: int, 
     band_rows = ray.data.read_parquet(str(inputs.work / "bands")).materialize()
     bound = max(config.task_documents, SMALL_BUCKET)  # a bucket up to SMALL_BUCKET gives all its pairs
     heavy, smallest = heavy_keys(band_rows, bucket_of, bound, shuffles, "candidates")
-    kw = {"heavy": heavy, "task_documents": config.task_documents, "partitions": inputs.partitions}
-    cold = band_rows.map_batches(heavy_band_rows, batch_format="pyarrow", fn_kwargs={**kw, "keep": False}) \
-        if len(heavy) else band_rows
-    found = shuffles(cold, "candidates").map_groups(candidate_pairs, batch_format="pyarrow")
+    keyed = band_rows.map_batches(keyed_band_rows, batch_format="pyarrow", fn_kwargs={
+        "heavy": heavy, "task_documents": config.task_documents, "partitions": inputs.partitions})
+    out = shuffles(keyed, "candidates", band_rows.size_bytes()).map_groups(group_pairs, batch_format="pyarrow", fn_kwargs={
+        "heavy": heavy, "smallest": smallest, "task_documents": config.task_documents}).materialize()
+    found = out.map_batches(unit_rows, batch_format="pyarrow", fn_kwargs={"ends": False, "partitions": inputs.partitions})
     if len(heavy):
-        hot = band_rows.map_batches(heavy_band_rows, batch_format="pyarrow", fn_kwargs={**kw, "keep": True})
-        units = shuffles(hot, "candidates").map_groups(heavy_unit_pairs, batch_format="pyarrow", fn_kwargs={
-            "heavy": heavy, "smallest": smallest, "task_documents": config.task_documents}).materialize()
-        inside = units.map_batches(unit_rows, batch_format="pyarrow", fn_kwargs={"ends": False, "partitions": inputs.partitions})
-        ends = units.map_batches(unit_rows, batch_format="pyarrow", fn_kwargs={"ends": True, "partitions": inputs.partitions})
-        found = found.union(inside, shuffles(ends, "candidates").map_groups(boundary_pairs, batch_format="pyarrow"))
+        ends = out.map_batches(unit_rows, batch_format="pyarrow", fn_kwargs={"ends": True, "partitions": inputs.partitions})
+        found = found.union(shuffles(ends, "candidates").map_groups(boundary_pairs, batch_format="pyarrow"))
     found = found.materialize()
     held = found.max("held") or 0
     found.drop_columns(["held"]).write_parquet(str(pairs))

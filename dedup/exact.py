@@ -107,7 +107,7 @@ def find_exact(inputs: Inputs, priority: dict[str, int], shuffles: Shuffles, bou
     index = ray.data.read_parquet(str(inputs.work / "index")).materialize()
     heavy, _ = heavy_keys(index, text_of, bound, shuffles, "exact")
     cold = index.map_batches(heavy_rows, batch_format="pyarrow", fn_kwargs={"heavy": heavy, "keep": False}) if len(heavy) else index
-    copies = shuffles(cold, "exact").map_groups(exact_groups, batch_format="pyarrow")
+    copies = shuffles(cold, "exact", index.size_bytes()).map_groups(exact_groups, batch_format="pyarrow")
     if len(heavy):
         hot = index.map_batches(heavy_rows, batch_format="pyarrow", fn_kwargs={"heavy": heavy, "keep": True}).materialize()
         kept = kept_copies(collect(hot.map_batches(kept_copies, batch_format="pyarrow")))

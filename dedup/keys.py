@@ -67,9 +67,12 @@ class Shuffles:
     ray: RayConfig
     moved: dict[str, int] = field(default_factory=dict)
 
-    def __call__(self, ds, phase: str):
-        ds = ds.materialize()
-        size = ds.size_bytes()
+    def __call__(self, ds, phase: str, size: int | None = None):
+        """`size`: the bytes `ds` moves, where the caller knows them (about its materialized input's); else `ds`
+        is materialized to read them."""
+        if size is None:
+            ds = ds.materialize()
+            size = ds.size_bytes()
         self.moved[phase] = self.moved.get(phase, 0) + size
         return groupby(ds, "part", size, self.ray, num_partitions=partitions_for(size))
 
