@@ -50,8 +50,7 @@ def tally_block(block: pa.Table, rows_of, kw: dict, partitions: int, floor: int)
     block, which may have no columns)."""
     if not block.num_rows:
         return pa.table({}), 0
-    values, least = rows_of(block, **kw)
-    v, n, _ = _tally(values, np.ones(len(values), np.int64), least)
+    v, n = np.unique(rows_of(block, **kw)[0], return_counts=True)
     keep = n >= floor
     return pa.table({"part": pa.array(part_of(v[keep], partitions)), "value": pa.array(v[keep]),
                      "n": pa.array(n[keep])}), int(n.max(initial=0))
