@@ -34,7 +34,11 @@ def stage_table(outcomes, workdir: Path) -> str:
 
 
 def documents_by_source(outcomes) -> dict[str, dict[str, int]]:
-    """{stage: {source: documents in its output}} for the document stages of this run."""
+    """{stage: {source: documents in its output}} for the document stages of this run, counted a batch at a
+    time: the driver never holds a column of the corpus (reading the whole `source` column grew the driver
+    ~15 bytes a document, docs/benchmarks.md)."""
+    import collections
+
     import pyarrow.compute as pc
     import pyarrow.dataset as ds
 
@@ -46,8 +50,10 @@ def documents_by_source(outcomes) -> dict[str, dict[str, int]]:
         dataset = ds.dataset(str(folder), format="parquet")
         if "source" not in dataset.schema.names:  # not documents (a test's own stages)
             continue
-        column = dataset.to_table(columns=["source"]).column("source")
-        out[o.stage] = {row["values"]: row["counts"] for row in pc.value_counts(column).to_pylist()}
+        counts: collections.Counter = collections.Counter()
+        for batch in dataset.to_batches(columns=["source"]):
+            counts.update({row["values"]: row["counts"] for row in pc.value_counts(batch.column("source")).to_pylist()})
+        out[o.stage] = dict(counts)
     return out
 
 
