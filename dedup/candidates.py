@@ -68,7 +68,7 @@ def _buckets(band: np.ndarray, key: np.ndarray) -> tuple[np.ndarray, np.ndarray,
     """Band rows -> (band, key) sorted, each document once per bucket, and each bucket's start and end."""
     order = np.lexsort((key, band))
     band, key = band[order], key[order]
-    fresh = np.concatenate([[True], (band[1:] != band[:-1]) | (key[1:] != key[:-1])]) if len(band) else np.zeros(0, bool)
+    fresh = firsts_mask(band, key)
     band, key = band[fresh], key[fresh]  # a document twice in one bucket (two bands alike): once
     starts = firsts(band)
     return band, key, starts, np.append(starts[1:], len(band))
@@ -125,7 +125,7 @@ def heavy_unit_pairs(group: pa.Table, heavy: np.ndarray, smallest: np.ndarray, t
     and each (bucket, unit)'s first and last key (`band` set), whose pairs across units `boundary_pairs` adds."""
     band, key, starts, ends = _buckets(group["band"].to_numpy(), group["key"].to_numpy())
     unit = unit_of(key, task_documents)
-    run = np.concatenate([[True], (band[1:] != band[:-1]) | (unit[1:] != unit[:-1])]) if len(band) else np.zeros(0, bool)
+    run = firsts_mask(band, unit)
     next_in_run = np.flatnonzero(~run[1:])  # key i and key i + 1, same bucket and unit
     least = least_of(band, heavy, smallest)
     star = key != least

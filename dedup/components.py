@@ -11,7 +11,7 @@ import numpy as np
 import pyarrow as pa
 
 from core.ray_session import groupby
-from dedup.heavy import firsts, firsts_mask, heavy_keys, is_heavy, least_of, run_lengths
+from dedup.heavy import firsts, heavy_keys, heavy_rows, least_of
 from dedup.keys import Shuffles, part_of, partitions_for
 
 EDGE_SCHEMA = pa.schema([("part", pa.int64()), ("u", pa.int64()), ("v", pa.int64())])
@@ -46,10 +46,11 @@ def _large_star(group: pa.Table) -> pa.Table:
     order = np.lexsort((v, u))
     u, v = u[order], v[order]
     starts = firsts(u)
+    counts = np.diff(np.append(starts, len(u)))
     m = np.minimum(np.minimum.reduceat(v, starts), u[starts])
-    m_of = np.repeat(m, np.diff(np.append(starts, len(u))))
+    m_of = np.repeat(m, counts)
     out = v > u
-    return _edges(v[out], m_of[out], m_of[out] != u[out], run_lengths(firsts_mask(u)).max(initial=0))
+    return _edges(v[out], m_of[out], m_of[out] != u[out], counts.max(initial=0))
 
 
 def _small_star(group: pa.Table) -> pa.Table:
@@ -109,12 +110,6 @@ def _directed(batch: pa.Table, partitions: int, both: bool) -> pa.Table:
     return pa.table({"part": pa.array(part_of(u, partitions)), "u": pa.array(u), "v": pa.array(v)}, schema=EDGE_SCHEMA)
 
 
-def _rows_of(batch: pa.Table, heavy: np.ndarray, keep: bool) -> pa.Table:
-    """The rows of heavy nodes (`keep`), or of the others."""
-    mask = is_heavy(batch["u"].to_numpy(), heavy)
-    return batch.filter(pa.array(mask if keep else ~mask))
-
-
 def _ends(block: pa.Table, both: bool) -> tuple[np.ndarray, np.ndarray]:
     """Undirected edges (u > v) -> each directed row's node and neighbour, as `_directed` keys them."""
     u, v = block["u"].to_numpy(), block["v"].to_numpy()
@@ -127,11 +122,12 @@ def _star(edges, star, heavy_star, both: bool, nbytes: int, shuffles: Shuffles, 
     kw = {"partitions": partitions or partitions_for(nbytes), "both": both}
     directed = edges.map_batches(_directed, batch_format="pyarrow", fn_kwargs=kw)
     heavy, least = heavy_keys(edges, _ends, bound, shuffles, "components", both=both)
-    cold = directed.map_batches(_rows_of, batch_format="pyarrow", fn_kwargs={"heavy": heavy, "keep": False}) \
+    rows_kw = {"column": "u", "heavy": heavy}
+    cold = directed.map_batches(heavy_rows, batch_format="pyarrow", fn_kwargs={**rows_kw, "keep": False}) \
         if len(heavy) else directed
     out = groupby(cold, "part", nbytes, shuffles.ray, kw["partitions"]).map_groups(star, batch_format="pyarrow")
     if len(heavy):
-        out = out.union(directed.map_batches(_rows_of, batch_format="pyarrow", fn_kwargs={"heavy": heavy, "keep": True})
+        out = out.union(directed.map_batches(heavy_rows, batch_format="pyarrow", fn_kwargs={**rows_kw, "keep": True})
                         .map_batches(heavy_star, batch_format="pyarrow", fn_kwargs={"heavy": heavy, "least": least}))
     return out.materialize()
 

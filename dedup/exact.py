@@ -17,7 +17,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from corpus.parts import parquet_files, run_tasks
-from dedup.heavy import collect, heavy_keys, is_heavy, run_lengths
+from dedup.heavy import collect, firsts_mask, heavy_keys, heavy_rows, run_lengths
 from dedup.keys import Inputs, PartTask, Shuffles, keys_by_part, keys_of, kept_rows, write_by_part
 
 
@@ -51,8 +51,7 @@ KEPT_FIRST = [*TEXT, ("prio", "ascending"), ("id", "ascending"), ("key", "ascend
 
 def _new_text(g: pa.Table) -> np.ndarray:
     """Sorted index rows -> a mask of each text's first row."""
-    h1, h2 = g["h1"].to_numpy(), g["h2"].to_numpy()
-    return np.concatenate([[True], (h1[1:] != h1[:-1]) | (h2[1:] != h2[:-1])]) if len(h1) else np.zeros(0, bool)
+    return firsts_mask(g["h1"].to_numpy(), g["h2"].to_numpy())
 
 
 def exact_groups(group: pa.Table) -> pa.Table:
@@ -71,12 +70,6 @@ def exact_groups(group: pa.Table) -> pa.Table:
 def text_of(block: pa.Table) -> tuple[np.ndarray, np.ndarray]:
     """Index rows -> (their texts' first hash, their keys): what `heavy_keys` tallies."""
     return block["h1"].to_numpy(), block["key"].to_numpy()
-
-
-def heavy_rows(batch: pa.Table, heavy: np.ndarray, keep: bool) -> pa.Table:
-    """The index rows of heavy texts (`keep`), or of the others."""
-    mask = is_heavy(batch["h1"].to_numpy(), heavy)
-    return batch.filter(pa.array(mask if keep else ~mask))
 
 
 def kept_copies(rows: pa.Table) -> pa.Table:
@@ -106,10 +99,11 @@ def find_exact(inputs: Inputs, priority: dict[str, int], shuffles: Shuffles, bou
     exact, rows = inputs.work / "exact", inputs.work / "exact_rows"
     index = ray.data.read_parquet(str(inputs.work / "index")).materialize()
     heavy, _ = heavy_keys(index, text_of, bound, shuffles, "exact")
-    cold = index.map_batches(heavy_rows, batch_format="pyarrow", fn_kwargs={"heavy": heavy, "keep": False}) if len(heavy) else index
+    kw = {"column": "h1", "heavy": heavy}
+    cold = index.map_batches(heavy_rows, batch_format="pyarrow", fn_kwargs={**kw, "keep": False}) if len(heavy) else index
     copies = shuffles(cold, "exact", index.size_bytes()).map_groups(exact_groups, batch_format="pyarrow")
     if len(heavy):
-        hot = index.map_batches(heavy_rows, batch_format="pyarrow", fn_kwargs={"heavy": heavy, "keep": True}).materialize()
+        hot = index.map_batches(heavy_rows, batch_format="pyarrow", fn_kwargs={**kw, "keep": True}).materialize()
         kept = kept_copies(collect(hot.map_batches(kept_copies, batch_format="pyarrow")))
         copies = copies.union(hot.map_batches(heavy_copies, batch_format="pyarrow", fn_kwargs={"kept": kept}))
     copies = copies.materialize()

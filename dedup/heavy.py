@@ -21,9 +21,14 @@ import pyarrow as pa
 from dedup.keys import Shuffles, part_of, partitions_for
 
 
-def firsts_mask(values: np.ndarray) -> np.ndarray:
-    """A mask of the first of each run of equal values (sorted input)."""
-    return np.concatenate([[True], values[1:] != values[:-1]]) if len(values) else np.zeros(0, bool)
+def firsts_mask(*columns: np.ndarray) -> np.ndarray:
+    """A mask of the first row of each run of equal rows, a row being its values in `columns` (sorted input)."""
+    if not len(columns[0]):
+        return np.zeros(0, bool)
+    changed = np.zeros(len(columns[0]) - 1, bool)
+    for values in columns:
+        changed |= values[1:] != values[:-1]
+    return np.concatenate([[True], changed])
 
 
 def firsts(values: np.ndarray) -> np.ndarray:
@@ -87,8 +92,8 @@ def heavy_keys(ds, rows_of, bound: int, shuffles: Shuffles, phase: str, **kw) ->
     none = (np.zeros(0, np.int64), np.zeros(0, np.int64))
     refs = ds.to_arrow_refs()
     floor = 1 + bound // (2 * max(1, len(refs)))
-    tally = ray.remote(num_returns=2)(tally_block)
-    tallies = [tally.remote(ref, rows_of, kw, partitions_for(ds.size_bytes()), floor) for ref in refs]
+    tally, partitions = ray.remote(num_returns=2)(tally_block), partitions_for(ds.size_bytes())
+    tallies = [tally.remote(ref, rows_of, kw, partitions, floor) for ref in refs]
     tops = ray.get([top for _, top in tallies])
     if sum(tops) <= bound:
         return none
@@ -124,6 +129,12 @@ def is_heavy(values: np.ndarray, heavy: np.ndarray) -> np.ndarray:
         return np.zeros(len(values), bool)
     at = np.minimum(np.searchsorted(heavy, values), len(heavy) - 1)
     return heavy[at] == values
+
+
+def heavy_rows(batch: pa.Table, column: str, heavy: np.ndarray, keep: bool) -> pa.Table:
+    """The rows whose `column` is among the sorted `heavy` keys (`keep`), or the others."""
+    mask = is_heavy(batch[column].to_numpy(), heavy)
+    return batch.filter(pa.array(mask if keep else ~mask))
 
 
 def least_of(values: np.ndarray, heavy: np.ndarray, least: np.ndarray) -> np.ndarray:
