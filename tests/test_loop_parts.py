@@ -79,6 +79,9 @@ def test_the_loop_config_is_typed_derived_from_the_shards_and_travels(shards, tm
     assert (cfg.seq_len, cfg.global_batch, cfg.accumulation, cfg.max_steps, cfg.total_steps) == (SEQ, 8, 4, 6, 50)
     assert cfg.warmup_steps == 1 and cfg.lr == 1e-3 and cfg.eval_micro_batch == 8  # the tiny model's LR; 4 x micro
     assert cfg.model.vocab_size == 512 and cfg.model.dropout == 0.0
+    # 6 of the schedule's 50 steps: the rate still high at the end, which a person is told (a run of all 50 is not)
+    assert cfg.cut_short().startswith("max_steps 6 stops the run at 91% of its peak learning rate, which decays over 50")
+    assert dataclasses.replace(cfg, max_steps=50).cut_short() is None
     assert pickle.loads(pickle.dumps(cfg)) == cfg  # what Ray Train ships to the workers
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.max_steps = 7

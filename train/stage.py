@@ -25,7 +25,7 @@ import json
 from pathlib import Path
 
 from train.config import TrainConfig
-from core.console import Bar
+from core.console import Bar, note
 from core.dag import StageContext, StageResult
 from train import autopilot_policy, goodput, health
 from train.follow import Follower
@@ -97,6 +97,8 @@ def run(ctx: StageContext) -> StageResult:
     others = seed_runs(cfg, shards, folder, ctx.output)
     ctx.log.info("run folder %s: %d steps of %d sequences x %d tokens on %d workers", folder, config.max_steps,
                  config.global_batch, config.seq_len, cfg.num_workers)
+    if config.cut_short():
+        note("train", config.cut_short())
     goodput.mark(folder, "launch")
     for fault in cfg.inject:
         if fault.kind == "unhealthy" and fault.step == 0:  # a drill's node that fails the check before the first start

@@ -17,6 +17,7 @@ from pathlib import Path
 from train.config import TrainConfig
 from model.configs import OPTConfig, get
 from train.loader import read_index
+from train.optim import Schedule
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,18 @@ class LoopConfig:
 
     def write(self, path: Path) -> None:
         path.write_text(json.dumps(dataclasses.asdict(self), indent=1))
+
+    def cut_short(self) -> str | None:
+        """What a person must know of a run that stops before its learning rate has decayed (None: it has). Its
+        final weights follow its last large updates: the laptop's seeds, cut at 84% of the peak rate, were 30x as
+        spread and in two clusters, and compare.py's verdicts missed their stated rate on them (docs/benchmarks.md,
+        "Ablation verdicts, measured")."""
+        if self.max_steps >= self.total_steps:
+            return None
+        rate = Schedule(1.0, self.warmup_steps, self.total_steps, self.train.final_lr_ratio).lr(self.max_steps)
+        return (f"max_steps {self.max_steps} stops the run at {rate:.0%} of its peak learning rate, which decays over "
+                f"{self.total_steps} steps (total_tokens): seeds cut before their decay are noisier, and compare.py's "
+                f"verdicts on them less sure than stated; for an ablation, set train.total_tokens to the tokens it trains")
 
 
 def loop_config(cfg: TrainConfig, shards: str, folder: Path, *, export_dir: str | None, tracking_uri: str | None,
