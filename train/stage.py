@@ -97,8 +97,8 @@ def run(ctx: StageContext) -> StageResult:
     others = seed_runs(cfg, shards, folder, ctx.output)
     ctx.log.info("run folder %s: %d steps of %d sequences x %d tokens on %d workers", folder, config.max_steps,
                  config.global_batch, config.seq_len, cfg.num_workers)
-    if config.cut_short():
-        note("train", config.cut_short())
+    if cut := config.cut_short():
+        note("train", cut)
     goodput.mark(folder, "launch")
     for fault in cfg.inject:
         if fault.kind == "unhealthy" and fault.step == 0:  # a drill's node that fails the check before the first start

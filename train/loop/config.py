@@ -47,6 +47,10 @@ class LoopConfig:
     def write(self, path: Path) -> None:
         path.write_text(json.dumps(dataclasses.asdict(self), indent=1))
 
+    def schedule(self) -> Schedule:
+        """The run's learning-rate schedule, from its steps and the section's final ratio."""
+        return Schedule(self.lr, self.warmup_steps, self.total_steps, self.train.final_lr_ratio)
+
     def cut_short(self) -> str | None:
         """What a person must know of a run that stops before its learning rate has decayed (None: it has). Its
         final weights follow its last large updates: the laptop's seeds, cut at 84% of the peak rate, were 30x as
@@ -54,7 +58,7 @@ class LoopConfig:
         "Ablation verdicts, measured")."""
         if self.max_steps >= self.total_steps:
             return None
-        rate = Schedule(1.0, self.warmup_steps, self.total_steps, self.train.final_lr_ratio).lr(self.max_steps)
+        rate = self.schedule().lr(self.max_steps) / self.lr
         return (f"max_steps {self.max_steps} stops the run at {rate:.0%} of its peak learning rate, which decays over "
                 f"{self.total_steps} steps (total_tokens): seeds cut before their decay are noisier, and compare.py's "
                 f"verdicts on them less sure than stated; for an ablation, set train.total_tokens to the tokens it trains")

@@ -30,7 +30,6 @@ from train.loop.pilot import Pilot
 from train.loop.step import Feed, TrainStep
 from train.loop.stragglers import Stragglers
 from train.loop.evaluation import Evaluation
-from train.optim import Schedule
 from train.parallel.collectives import barrier, set_default_timeout
 
 
@@ -69,7 +68,7 @@ class Trainer:
         built = build_engine(cfg, ctx, spans_nodes=ctx.world > local_world)
         self.mark("built")
         self.engine, self.model = built.engine, built.model
-        self.schedule = Schedule(cfg.lr, cfg.warmup_steps, cfg.total_steps, t.final_lr_ratio)
+        self.schedule = cfg.schedule()
         self.metrics = Metrics(cfg, ctx, flops_per_token(cfg.model, cfg.seq_len) * cfg.tokens_per_step)
         self.checkpointer = Checkpointer(self.engine, ctx, every=t.checkpoint_every, keep=t.keep_checkpoints,
                                          keep_healthy=t.keep_healthy, max_steps=cfg.max_steps,
