@@ -475,7 +475,7 @@ def test_a_step_error_is_described_where_it_happened_and_two_alike_in_a_row_stop
 def test_a_rank_slower_than_the_others_median_in_windows_in_a_row_is_named_once_with_its_node(tmp_path, monkeypatch):
     """Rank 0's view of four ranks' compute: rank 2 is named after two slow windows in a row, with the node its
     identity file gives, once; a rank slow in one window only is not; two ranks' spread within the margin
-    is not. (The means come from an all_gather over the ranks; here, the values it would return.)"""
+    is not. (The medians come from an all_gather over the ranks; here, the values it would return.)"""
     from train import failures
     from train.loop import stragglers as module
 
@@ -491,3 +491,17 @@ def test_a_rank_slower_than_the_others_median_in_windows_in_a_row_is_named_once_
     book = [json.loads(line) for line in (tmp_path / "logbook.jsonl").read_text().splitlines()]
     assert [(e["step"], e["kind"]) for e in book] == [(6, "straggler")] and "rank 2 on" in book[0]["detail"]
     assert watch.slower([0.10, 0.14]) == [] and watch.slower([0.10, 0.16]) == [1] and watch.slower([0.2]) == []
+
+
+def test_one_stalled_step_does_not_hide_a_straggler(tmp_path, monkeypatch):
+    """Each rank gives the window's median of its steps: rank 0's one stall (a warm-up, a host's hiccup) on
+    10 ms steps does not hide rank 1 at four times its speed. With the window's mean, rank 0's 0.2 s made it
+    57.5 ms a step, over rank 1's 40 (CI at stop 53: the straggler named 8 steps late)."""
+    from train.loop import stragglers as module
+
+    gathered = []
+    monkeypatch.setattr(module, "all_gather_float", lambda value: gathered.append(value) or [value, 0.040])
+    watch = module.Stragglers(Context(rank=0, world=2, run_dir=tmp_path, device=torch.device("cpu")),
+                              window=4, margin=0.5, patience=1)
+    named = [watch.observe(step, seconds) for step, seconds in enumerate([0.010, 0.2, 0.011, 0.009], 1)]
+    assert gathered == [pytest.approx(0.0105)] and named == [[], [], [], [1]]

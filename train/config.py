@@ -117,8 +117,8 @@ class AutopilotConfig:
 @dataclass
 class StragglerConfig:
     """Naming a rank that is slower than its peers (train/loop/stragglers.py): one slow GPU sets the pace of all
-    of them. Each rank's forward compute per step, averaged over `window` steps, against the median of the
-    others'."""
+    of them. Each rank's forward compute per step, its median over `window` steps (one stalled step is not a
+    slow GPU), against the median of the others'."""
 
     window: int = 50  # steps per comparison (0: off); one small all_gather each
     margin: float = 0.5  # slower than the others' median by more than this fraction ...

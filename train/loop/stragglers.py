@@ -7,9 +7,12 @@ optimizer come after). On a GPU the time comes from CUDA events, read once the s
 a pipeline, the schedule interleaves compute with the stages' sends and receives inside DeepSpeed, so
 there the whole step is timed and a slow stage cannot be told from the ones that wait for it.
 
-Every `window` steps the ranks all-gather their mean, and rank 0 compares each with the median of the
-others'. A rank over it by `margin` in `patience` windows in a row is named, once per attempt: an
-incident, a logbook entry with its node, and `stragglers.jsonl` (the stage tags the MLflow run with it).
+Every `window` steps the ranks all-gather their median step, and rank 0 compares each with the median of
+the others'. A median, not a mean: a straggler is slow at most of its steps, while one stalled step (a
+fresh process's warm-up, a host's hiccup) is not a slow GPU; on short steps one such stall moved a window's
+mean enough to hide a rank four times slower. A rank over the others by `margin` in `patience` windows in
+a row is named, once per attempt: an incident, a logbook entry with its node, and `stragglers.jsonl` (the
+stage tags the MLflow run with it).
 With `train.stragglers.exclude`, its node is drained at the next checkpoint, once that is published, and every
 rank ends the attempt (`PlannedRestart`): Ray Train starts the group again on the other nodes and the ones the
 autoscaler brings, and the run resumes from that checkpoint, exactly (`replace`; a row with `drained` in
@@ -30,7 +33,7 @@ from train.parallel.collectives import all_gather_float, all_ok
 class Stragglers:
     def __init__(self, ctx: Context, window: int, margin: float, patience: int):
         self.ctx, self.window, self.margin, self.patience = ctx, window, margin, patience
-        self.total, self.count = 0.0, 0
+        self.seconds: list[float] = []  # this rank's compute at each step of the window so far
         self.streak: dict[int, int] = {}
         self.named: set[int] = set()
 
@@ -39,35 +42,35 @@ class Stragglers:
         every step), the ranks named now."""
         if not self.window:
             return []
-        self.total, self.count = self.total + compute_seconds, self.count + 1
+        self.seconds.append(compute_seconds)
         if step % self.window:
             return []
-        means = all_gather_float(self.total / max(1, self.count))
-        self.total, self.count = 0.0, 0
-        slow = self.slower(means)
+        medians = all_gather_float(statistics.median(self.seconds))
+        self.seconds = []
+        slow = self.slower(medians)
         self.streak = {r: self.streak.get(r, 0) + 1 for r in slow}
         named = [r for r in slow if self.streak[r] >= self.patience and r not in self.named]
         self.named.update(named)
         if self.ctx.leader:
             for rank in named:
-                self._name(step, rank, means)
+                self._name(step, rank, medians)
         return named
 
-    def slower(self, means: list[float]) -> list[int]:
+    def slower(self, medians: list[float]) -> list[int]:
         """The ranks slower than the median of the others by more than the margin."""
-        if len(means) < 2:
+        if len(medians) < 2:
             return []
-        return [r for r, t in enumerate(means)
-                if t > (1 + self.margin) * statistics.median(means[:r] + means[r + 1:])]
+        return [r for r, t in enumerate(medians)
+                if t > (1 + self.margin) * statistics.median(medians[:r] + medians[r + 1:])]
 
-    def _name(self, step: int, rank: int, means: list[float]) -> None:
-        others = statistics.median(means[:rank] + means[rank + 1:])
+    def _name(self, step: int, rank: int, medians: list[float]) -> None:
+        others = statistics.median(medians[:rank] + medians[rank + 1:])
         where = self._node_of(rank)
-        what = (f"straggler: rank {rank} on {where['host']} (node {where['node']}) computes {means[rank] * 1e3:.0f} ms "
+        what = (f"straggler: rank {rank} on {where['host']} (node {where['node']}) computes {medians[rank] * 1e3:.0f} ms "
                 f"a step against {others * 1e3:.0f} ms on the others' median, {self.patience} windows of "
                 f"{self.window} steps in a row")
         incident(self.ctx, step, what)
-        record = {"time": time.time(), "step": step, "rank": rank, **where, "seconds": means[rank],
+        record = {"time": time.time(), "step": step, "rank": rank, **where, "seconds": medians[rank],
                   "others_seconds": others}
         with open(self.ctx.run_dir / "stragglers.jsonl", "a") as f:
             f.write(json.dumps(record) + "\n")
