@@ -29,7 +29,7 @@ import pyarrow.parquet as pq
 
 from corpus.parts import Parts, parquet_files, rows_in_folder
 from dedup.components import components_in_one_task, components_on_ray
-from dedup.heavy import firsts
+from dedup.heavy import firsts, lookup
 from dedup.keys import ROW_BITS, Inputs, Shuffles, keys_by_part, part_of, partitions_for, write_by_part
 
 # Checked pairs and exact copies up to this many per `dedup.task_documents`: their components in one task. A task then
@@ -158,10 +158,8 @@ def salted(batch: pa.Table, roots: np.ndarray, salts: np.ndarray, partitions: in
     spread over its salts by a hash of the node, its row copied to every one of them."""
     root = batch["root"].to_numpy()
     count = np.ones(len(root), np.int64)
-    if len(roots):
-        at = np.minimum(np.searchsorted(roots, root), len(roots) - 1)
-        hit = roots[at] == root
-        count[hit] = salts[at[hit]]
+    at, hit = lookup(roots, root)
+    count[hit] = salts[at[hit]]
     if copies:
         rows = np.repeat(np.arange(batch.num_rows), count)
         salt = np.arange(len(rows)) - np.repeat(np.cumsum(count) - count, count)

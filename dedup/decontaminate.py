@@ -41,16 +41,12 @@ import pyarrow.parquet as pq
 
 from corpus.config import DecontaminateConfig
 from corpus.parts import Parts
+from dedup.heavy import firsts_mask, lookup
 from dedup.minhash import MinHasher
 
 SEED = 13  # of the n-grams' hash: fixed here, so that no dedup setting changes what is removed
 NEAR_SCHEMA = pa.schema([("id", pa.string()), ("source", pa.string()), ("kept_id", pa.string()),
                          ("kept_source", pa.string()), ("overlap", pa.float64()), ("shared", pa.int64())])
-
-
-def _firsts(values: np.ndarray) -> np.ndarray:
-    """The first of each run of equal values (sorted input), as a mask."""
-    return np.concatenate([[True], values[1:] != values[:-1]]) if len(values) else np.zeros(0, bool)
 
 
 def ngrams(texts: list[str], ngram: int) -> tuple[np.ndarray, np.ndarray]:
@@ -63,7 +59,7 @@ def distinct(docs: np.ndarray, grams: np.ndarray) -> tuple[np.ndarray, np.ndarra
     """(document, n-gram) pairs -> each once, sorted by document, then n-gram."""
     order = np.lexsort((grams, docs))
     docs, grams = docs[order], grams[order]
-    fresh = np.concatenate([[True], (docs[1:] != docs[:-1]) | (grams[1:] != grams[:-1])]) if len(docs) else np.zeros(0, bool)
+    fresh = firsts_mask(docs, grams)
     return docs[fresh], grams[fresh]
 
 
@@ -95,7 +91,7 @@ def index_part(task: EvalPart) -> EvalIndex:
     sizes = np.bincount(docs, minlength=table.num_rows).astype(np.int32)
     order = np.argsort(grams, kind="stable")  # by n-gram; of one n-gram's documents, the first first
     grams, docs = grams[order], docs[order]
-    first = _firsts(grams)
+    first = firsts_mask(grams)
     return EvalIndex(grams[first], docs[first].astype(np.int32), sizes, table["id"].combine_chunks(),
                      table["source"].combine_chunks())
 
@@ -108,15 +104,9 @@ def merge_index(*parts: EvalIndex) -> EvalIndex:
     docs = np.concatenate([(p.docs + start).astype(np.int32) for p, start in zip(parts, starts)])
     order = np.argsort(grams, kind="stable")  # a part's n-grams are each once: stable keeps the first part's
     grams, docs = grams[order], docs[order]
-    first = _firsts(grams)
+    first = firsts_mask(grams)
     return EvalIndex(grams[first], docs[first], np.concatenate([p.sizes for p in parts]),
                      pa.concat_arrays([p.ids for p in parts]), pa.concat_arrays([p.sources for p in parts]))
-
-
-def lookup(sorted_grams: np.ndarray, grams: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Where each n-gram would be in the sorted ones, and whether it is there."""
-    at = np.minimum(np.searchsorted(sorted_grams, grams), max(len(sorted_grams) - 1, 0))
-    return at, sorted_grams[at] == grams if len(sorted_grams) else np.zeros(len(grams), bool)
 
 
 def overlaps(texts: list[str], index: EvalIndex, ngram: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -133,7 +123,7 @@ def overlaps(texts: list[str], index: EvalIndex, ngram: int) -> tuple[np.ndarray
     doc, other = pairs // n, pairs % n
     overlap = shared / np.minimum(sizes[doc], index.sizes[other])
     order = np.lexsort((other, -overlap, doc))
-    best = order[_firsts(doc[order])]
+    best = order[firsts_mask(doc[order])]
     return doc[best], other[best], overlap[best], shared[best]
 
 

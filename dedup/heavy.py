@@ -123,12 +123,17 @@ def collect_tables(tables: list[pa.Table]) -> pa.Table:
     return pa.concat_tables(tables) if tables else pa.table({})
 
 
+def lookup(keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Where each of `values` would be in the sorted `keys`, and whether it is there."""
+    if not len(keys):
+        return np.zeros(len(values), np.int64), np.zeros(len(values), bool)
+    at = np.minimum(np.searchsorted(keys, values), len(keys) - 1)
+    return at, keys[at] == values
+
+
 def is_heavy(values: np.ndarray, heavy: np.ndarray) -> np.ndarray:
     """A mask: which of `values` are among the sorted `heavy` ones."""
-    if not len(heavy):
-        return np.zeros(len(values), bool)
-    at = np.minimum(np.searchsorted(heavy, values), len(heavy) - 1)
-    return heavy[at] == values
+    return lookup(heavy, values)[1]
 
 
 def heavy_rows(batch: pa.Table, column: str, heavy: np.ndarray, keep: bool) -> pa.Table:
