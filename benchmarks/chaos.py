@@ -24,10 +24,13 @@ A schedule that marks both nodes unhealthy at step 0 must stop the run before it
 Prints a table of each fault and what the run did, the last step's loss against the clean run's at the same
 step, and the goodput breakdown; `--json` prints one object instead:
 {"faults": [{"kind", "step", "node", "handled", "action"}...], "final_loss", "clean_loss", "ettr",
-"excluded_nodes", "stragglers", "probed_nodes", "head_node", "drains_refused", "stopped"}. The head has no
-CPU, as cluster.yaml's: it can host no training worker, so it must never be probed nor drained. `--set`
-passes a config override (full.py's syntax) to both runs. Exits 0 when every fault was handled, the last
-step's loss equals the clean run's, and nothing but an injected error stopped the run.
+"excluded_nodes", "stragglers", "probed_nodes", "head_node", "drains_refused", "stopped", "clean_stragglers",
+"clean_drained"}.
+The head has no CPU, as cluster.yaml's: it can host no training worker, so it must never be probed nor
+drained. `--set` passes a config override (full.py's syntax) to both runs. Exits 0 when every fault was
+handled, the last step's loss equals the clean run's, nothing but an injected error stopped the run, and
+the clean run (no fault) drained no node: a straggler it names is a false alarm, reported; drained, it
+costs a planned restart.
 """
 
 from __future__ import annotations
@@ -141,11 +144,11 @@ def to_inject(faults: list[dict], cluster: Cluster) -> list[dict]:
 
 
 def watch(cluster: Cluster, runs: Path, done: threading.Event) -> None:
-    """Play the autoscaler: replace the nodes the run drains."""
+    """Play the autoscaler for both runs: replace the nodes either drains. (The clean run drains one only on a
+    false alarm, which the report names; unreplaced, its run would wait for the lost node forever.)"""
     while not done.wait(0.5):
-        found = list(runs.glob("*-faults*"))
-        if found:  # else the stage has not made its run folder yet
-            cluster.replace_drained(found[0])
+        for run_dir in runs.glob("*"):  # none until the stage has made its run folder
+            cluster.replace_drained(run_dir)
 
 
 def run(out: Path, label: str, shards: Path, extra: list[str]) -> tuple[Path, str | None]:
@@ -223,34 +226,34 @@ def main() -> int:
     make_shards(shards, BATCH * (args.steps + 1), seq_len=SEQ, vocab=512)
     os.environ.pop("RAY_ADDRESS", None)
     cluster = Cluster()
+    done = threading.Event()
     try:
+        threading.Thread(target=watch, args=(cluster, out / "work" / "train" / "runs", done), daemon=True).start()
         run(out, "clean", shards, [*overrides(args.steps, []), *args.set])
         (clean_dir,) = (out / "work" / "train" / "runs").glob("*-clean*")
+        false_alarms = set(cluster.replaced.copy())  # nodes the clean run drained: no fault was injected there
         for f in faults:
             f["node_id"] = cluster.node_id(f["node"])
-        done = threading.Event()
-        thread = threading.Thread(target=watch, args=(cluster, out / "work" / "train" / "runs", done), daemon=True)
-        thread.start()
         _, stopped = run(out, "faults", shards, [*overrides(args.steps, to_inject(faults, cluster)), *args.set])
-        done.set()
-        thread.join(timeout=10)
         (run_dir,) = (out / "work" / "train" / "runs").glob("*-faults*")
         results = judge(faults, run_dir, stopped, cluster, "train.stragglers.exclude=true" in args.set)
-        excluded = sorted(cluster.replaced)
+        excluded = sorted(set(cluster.replaced.copy()) - false_alarms)
         head = cluster.head
     finally:
+        done.set()
         cluster.shutdown()
     report = summarize(results, clean_dir, run_dir, excluded, stopped)
     probes = [json.loads(line) for line in (run_dir / "health.jsonl").read_text().splitlines()] \
         if (run_dir / "health.jsonl").exists() else []
-    report.update(probed_nodes=sorted({p["node"] for p in probes}), head_node=head,
+    report.update(probed_nodes=sorted({p["node"] for p in probes}), head_node=head, clean_drained=sorted(false_alarms),
                   drains_refused=sum(1 for p in probes if p["failed"] and not p.get("drained")))
     if args.json:
         print(json.dumps(report))
     else:
         print_table(report)
     expected_stop = any(f["kind"] == "error" for f in results)
-    return 0 if all(f["handled"] for f in results) and report["loss_matches"] and bool(stopped) == expected_stop else 1
+    return 0 if all(f["handled"] for f in results) and report["loss_matches"] and bool(stopped) == expected_stop \
+        and not report["clean_drained"] else 1
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -266,8 +269,7 @@ def summarize(results: list[dict], clean_dir: Path, run_dir: Path, excluded: lis
     clean, faulty = losses(clean_dir), losses(run_dir)
     last = max(faulty, default=None)
     account = goodput.account(run_dir)
-    stragglers = [json.loads(line) for line in (run_dir / "stragglers.jsonl").read_text().splitlines()] \
-        if (run_dir / "stragglers.jsonl").exists() else []
+    stragglers = goodput.read_jsonl(run_dir / "stragglers.jsonl")
     return {"faults": results, "final_step": last, "final_loss": faulty.get(last), "clean_loss": clean.get(last),
             "loss_matches": last is not None and abs(faulty[last] - clean[last]) <= 1e-6 * abs(clean[last]),
             "ettr": account["ettr"],
@@ -275,7 +277,11 @@ def summarize(results: list[dict], clean_dir: Path, run_dir: Path, excluded: lis
             "stragglers": [{"rank": s["rank"], "node": s["node"], "step": s["step"], **({"drained": s["drained"]}
                                                                                      if "drained" in s else {})}
                            for s in stragglers],
-            "stopped": stopped.splitlines()[0] if stopped else None}
+            "stopped": stopped.splitlines()[0] if stopped else None,
+            # ranks the clean run named, with no fault injected: false alarms (each drained with stragglers.exclude)
+            "clean_stragglers": [{"rank": s["rank"], "step": s["step"], "seconds": s["seconds"],
+                                  "others_seconds": s["others_seconds"]}
+                                 for s in goodput.read_jsonl(clean_dir / "stragglers.jsonl") if "seconds" in s]}
 
 
 def print_table(report: dict) -> None:
@@ -289,6 +295,10 @@ def print_table(report: dict) -> None:
               f"{report['clean_loss']:.6f} clean ({'equal' if report['loss_matches'] else 'DIFFERENT'})")
     named = ", ".join(f"rank {s['rank']} at step {s['step']}" for s in report["stragglers"])
     print(f"excluded nodes: {', '.join(report['excluded_nodes']) or 'none'}; stragglers: {named or 'none'}")
+    false = ", ".join(f"rank {s['rank']} at step {s['step']} ({s['seconds'] * 1e3:.0f} ms against "
+                      f"{s['others_seconds'] * 1e3:.0f})" for s in report["clean_stragglers"])
+    print(f"stragglers named in the clean run (false alarms): {false or 'none'}; nodes it drained: "
+          f"{', '.join(report['clean_drained']) or 'none'}")
     head = "PROBED" if report["head_node"] in report["probed_nodes"] else "never probed"
     print(f"probed nodes: {len(report['probed_nodes'])}; the head: {head}; drains refused: {report['drains_refused']}")
     print(f"\ngoodput: ETTR {report['ettr']:.1%}")
