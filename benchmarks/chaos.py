@@ -50,6 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import provenance  # noqa: E402  (benchmarks/provenance.py: a script's folder is on sys.path)
+from train import goodput  # noqa: E402
 
 DEFAULT = "crash@4:1,slow@2:2,hang@9:2,unhealthy@10:1,crash@12:1,error@20:2"
 SLOW = 2.0  # a straggler's compute, as a factor of its own
@@ -164,11 +165,8 @@ def run(out: Path, label: str, shards: Path, extra: list[str]) -> tuple[Path, st
 def judge(faults: list[dict], run_dir: Path, stopped: str | None, cluster: Cluster, exclude: bool) -> list[dict]:
     """Each fault, handled or not, and what the run did about it (`exclude`: train.stragglers.exclude was set, so a
     straggler's node must also have been drained at a checkpoint and replaced)."""
-    def rows(name: str) -> list[dict]:
-        path = run_dir / name
-        return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-
-    failed, stragglers, probes = rows("failures.jsonl"), rows("stragglers.jsonl"), rows("health.jsonl")
+    failed, stragglers, probes = (goodput.read_jsonl(run_dir / name) for name in ("failures.jsonl", "stragglers.jsonl",
+                                                                                  "health.jsonl"))
     out = []
     for f in faults:
         node = f["node_id"]
@@ -243,8 +241,7 @@ def main() -> int:
         done.set()
         cluster.shutdown()
     report = summarize(results, clean_dir, run_dir, excluded, stopped)
-    probes = [json.loads(line) for line in (run_dir / "health.jsonl").read_text().splitlines()] \
-        if (run_dir / "health.jsonl").exists() else []
+    probes = goodput.read_jsonl(run_dir / "health.jsonl")
     report.update(probed_nodes=sorted({p["node"] for p in probes}), head_node=head, clean_drained=sorted(false_alarms),
                   drains_refused=sum(1 for p in probes if p["failed"] and not p.get("drained")))
     if args.json:
@@ -258,14 +255,10 @@ def main() -> int:
 
 def losses(run_dir: Path) -> dict[int, float]:
     """Each step's loss; none when the run stopped before its first step."""
-    path = run_dir / "metrics.jsonl"
-    rows = [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
-    return {r["step"]: r["loss"] for r in rows if "loss" in r}
+    return {r["step"]: r["loss"] for r in goodput.read_jsonl(run_dir / "metrics.jsonl") if "loss" in r}
 
 
 def summarize(results: list[dict], clean_dir: Path, run_dir: Path, excluded: list[str], stopped: str | None) -> dict:
-    from train import goodput
-
     clean, faulty = losses(clean_dir), losses(run_dir)
     last = max(faulty, default=None)
     account = goodput.account(run_dir)
