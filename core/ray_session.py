@@ -23,13 +23,16 @@ SORT_BLOCK_BYTES = 64 << 20  # of data per input block of a sort shuffle (groupb
 class RayConfig:
     """How Ray starts when RAY_ADDRESS is not set (with it set, the cluster decides)."""
 
-    num_cpus: int | None = None  # None: all cores of this machine
-    # A groupby moving less than this many MB shuffles in Ray Data tasks (a sort); more, on Ray Data's
-    # hash shuffle with partitions sized for the data (core/ray_session.py: groupby). 0: always hash.
+    num_cpus: int | None = None
+    """CPUs of a Ray this process starts (no `RAY_ADDRESS`). `null`: every core of this machine. On a cluster the
+    cluster decides."""
     small_shuffle_mb: int = 256
-    # The hash shuffle's shards in files on each node (Ray's disk-based SHUFFLE_V2) instead of the object store:
-    # the driver then holds a handle per map task, not a reference per map task and partition (M x P).
+    """A groupby moving less than this many MB shuffles in Ray Data tasks (a sort); more goes through Ray Data's
+    hash shuffle, with partitions sized from the data. Both give the same groups. 0: always the hash shuffle."""
     disk_shuffle: bool = True
+    """Keep the hash shuffle's shards in files on each node (Ray's disk-based [SHUFFLE_V2](glossary.md#shuffle_v2))
+    instead of the object store: the driver then holds a handle per map task, not a reference per map task and
+    partition."""
 
     def validate(self, key: str) -> None:
         at_least(self, key, 1, "num_cpus")

@@ -24,11 +24,15 @@ if TYPE_CHECKING:
 class MlflowConfig:
     """Where runs are tracked. Loading a config imports no MLflow: this module imports it where a client is made."""
 
-    tracking_uri: str | None = None  # None: $MLFLOW_TRACKING_URI (the cluster's server), else sqlite under workdir
-    experiment: str | None = None  # None: the config file's name (local, opt-175b, ...)
-    # Where run artifacts go, given to MLflow when it creates the experiment: any URI MLflow writes
-    # to (s3://bucket/mlflow, gs://..., file://...) or a folder. None: WORKDIR/mlartifacts.
+    tracking_uri: str | None = None
+    """The MLflow tracking server or store. `null`: `$MLFLOW_TRACKING_URI` (the cluster's server) if set, else a
+    SQLite file, WORKDIR/mlflow.db. No user or password in it: give credentials through the environment."""
+    experiment: str | None = None
+    """The MLflow experiment the runs go to, and the one compare.py reads. `null`: the run's `name` (the config
+    file's name: `local`, `opt-175b`, ...)."""
     artifact_location: str | None = None
+    """Where run artifacts go, given to MLflow when it creates the experiment: any URI MLflow writes to
+    (`s3://bucket/mlflow`, `gs://...`, `file://...`) or a folder. `null`: WORKDIR/mlartifacts."""
 
     def validate(self, key: str) -> None:
         no_credentials(self, key, "tracking_uri", "artifact_location")

@@ -26,12 +26,28 @@ class SourceConfig:
     """One raw source; `format` picks the reader (see design.md, Sources in a config)."""
 
     name: str
+    """A short name of letters, digits, `-` or `_`, unique among the sources. Each document's `source` column,
+    the per-source metrics and the rows of compare.py's tables carry it."""
     format: Literal["pile", "pushshift", "text", "jsonl"]
+    """The reader. `pile`: JSON lines whose `meta.pile_set_name` is the subset. `pushshift`: Reddit's `RC_*`
+    (comments) and `RS_*` (submissions) zstd dumps, rebuilt into threads as OPT did. `text`: plain UTF-8 files.
+    `jsonl`: JSON lines, plain, `.gz` or `.zst`."""
     paths: list[str]
-    text_field: str = "text"  # jsonl: the field holding the document
-    id_field: str | None = None  # jsonl: the field whose value is the id, unchanged
-    keep_subsets: list[str] | None = None  # pile: subsets kept (None: OPT's 8); the rest set aside
-    split: Literal["file", "blank_lines"] = "file"  # text: one document per file, or per blank-line block
+    """Files or globs to read: local paths, or any URI that pyarrow or fsspec reads (`s3://`, `gs://`, `abfs://`,
+    `file://`). Each must match at least one file, which is checked before any stage starts. A URI may not hold
+    a user or password."""
+    text_field: str = "text"
+    """`jsonl` only: the field that holds the document's text."""
+    id_field: str | None = None
+    """`jsonl` only: the field whose value becomes the document's id, unchanged. `null`: the id is made from the
+    file and line."""
+    keep_subsets: list[str] | None = None
+    """`pile` only: the Pile subsets kept, by `meta.pile_set_name`; the other documents go to `subset_not_kept/`.
+    `null`: the 8 subsets OPT kept (Pile-CC, DM Mathematics, Gutenberg (PG-19), HackerNews, OpenSubtitles,
+    OpenWebText2, USPTO Backgrounds, Wikipedia (en))."""
+    split: Literal["file", "blank_lines"] = "file"
+    """`text` only: `file` makes each file one document (BookCorpus, CC-Stories); `blank_lines` makes each block
+    between blank lines one, read block by block."""
 
     def validate(self, key: str) -> None:
         if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
@@ -57,15 +73,22 @@ class SourceConfig:
 class IngestConfig:
     """How raw files become documents (corpus/ingest.py)."""
 
-    on_bad_input: Literal["reject", "fail"] = "reject"  # fail: exit 1 at the first bad line, naming it
-    task_mb: int = 256  # files smaller than this are read together in one task, up to this many MB
-    # What one reader holds at most (corpus/readers.py's Limits): a longer line, a bigger text file read as one
-    # document, or a bigger block of one split at blank lines, is a reject naming the file and byte offset ...
+    on_bad_input: Literal["reject", "fail"] = "reject"
+    """What a bad record does (malformed JSON, no text field, invalid UTF-8, a truncated `.zst` or `.gz`).
+    `reject`: it goes to `rejects/` with its file, line, byte offset and reason, and the read goes on. `fail`: the
+    stage stops at the first one (exit 1), naming it."""
+    task_mb: int = 256
+    """The most input, in MB, that one ingest task reads: small files are packed together up to it (fewer when
+    cores would otherwise idle). A file is never split, so a bigger one is a task of its own."""
     max_line_mb: int = 64
+    """The longest line, in MB, that a reader holds. A longer line is a reject naming its file and byte offset,
+    so a broken file cannot exhaust a worker's memory."""
     max_document_mb: int = 256
-    # ... and a compressed file that decompresses beyond this many bytes per byte is a reject (a bomb): text
-    # compresses 3-10 to 1; a 2 KB zstd file can hold 64 MiB of zeros.
+    """The biggest document, in MB: a `text` file read as one document, or one blank-line block, over this is a
+    reject naming its file and byte offset. The blocks after it are still read."""
     max_ratio: float = 1000.0
+    """The most bytes a compressed file may decompress to per compressed byte; a file past it is a reject (a
+    decompression bomb). Text compresses about 3 to 10 to 1, so the default stops only bombs. At least 10."""
 
     def validate(self, key: str) -> None:
         at_least(self, key, 1, "task_mb", "max_line_mb", "max_document_mb")
@@ -76,11 +99,18 @@ class IngestConfig:
 class NormalizeConfig:
     """Each rule can be switched off; corpus/normalize.py says what each does."""
 
-    ftfy: bool = True  # ftfy.fix_text: mojibake, HTML entities, bad unicode
-    whitespace: bool = True  # OPT's "ad-hoc whitespace normalization"
-    gutenberg: bool = True  # Project Gutenberg licence header and footer
-    chapter_headings: bool = True  # lone "Chapter One" lines at the start of a book
-    min_chars: int = 1  # shorter documents are dropped, with the reason (empty ones always are)
+    ftfy: bool = True
+    """Repair mojibake, HTML entities and bad Unicode with ftfy's `fix_text`."""
+    whitespace: bool = True
+    """OPT's whitespace normalization: CRLF and CR become LF, other whitespace runs within a line one space,
+    trailing spaces go, three or more newlines become two, and the document is stripped."""
+    gutenberg: bool = True
+    """Remove the Project Gutenberg licence header and footer, when both of their markers are there."""
+    chapter_headings: bool = True
+    """Remove lone chapter headings ("Chapter One", "CHAPTER IV.") at the start of a book."""
+    min_chars: int = 1
+    """Documents shorter than this many characters go to `dropped/` with the reason. Empty documents are always
+    dropped."""
 
     def validate(self, key: str) -> None:
         at_least(self, key, 0, "min_chars")
@@ -100,8 +130,13 @@ class DecontaminateConfig:
     document inside a longer training one, or a training document that is a piece of one (Paloma's concern,
     Magnusson et al. 2023); a few quoted sentences or shared boilerplate in long documents stay well below it."""
 
-    ngram: int = 13  # words per n-gram
-    threshold: float = 0.5  # of the smaller document's distinct n-grams, shared with one evaluation document
+    ngram: int = 13
+    """Words per n-gram. 13 is GPT-3's overlap length: long enough that unrelated texts share almost none by
+    chance, so a shared one was copied."""
+    threshold: float = 0.5
+    """The share of the smaller document's distinct n-grams, in (0, 1], that a training document must share with
+    one evaluation document to be removed as `near_eval`. At 0.5 every near-copy that dedup would catch goes,
+    and so does an evaluation document inside a longer training one."""
 
     def validate(self, key: str) -> None:
         at_least(self, key, 1, "ngram")
@@ -118,14 +153,25 @@ class DownstreamConfig:
     `heldout_continuation`, made offline from this evaluation set). A name neither knows is refused at load
     (corpus/lm_eval_names.py, which reads them without importing lm-eval)."""
 
-    tasks: list[str] = field(default_factory=list)  # none: the stage evaluates nothing
-    limit: int | None = None  # examples per task at most (lm-eval's first ones; ours are shuffled): None for all
+    tasks: list[str] = field(default_factory=list)
+    """The tasks each seed's exported model is scored on: lm-evaluation-harness names (a task, group or tag:
+    `lm_eval --tasks list`) or ours (`heldout_continuation`, made offline from the evaluation set). An unknown name
+    is refused at load. `[]`: the stage evaluates nothing."""
+    limit: int | None = None
+    """The most examples per task: lm-eval's first ones (ours are shuffled first). `null`: every example."""
     num_fewshot: int = 0
+    """Examples shown before each question. 0 (zero-shot) is how OPT was evaluated."""
     batch_size: int = 16
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"  # auto: the model's, as exported
-    gpus: float = 0  # of the evaluation's Ray task (the seeds go one after another); over 1: each model split over them
-    cpus: float = 1  # of that task, and torch's threads
-    seed: int = 0  # heldout_continuation's draw, and lm-eval's generators
+    """Examples per forward pass of the evaluation."""
+    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    """The dtype the model is loaded in for evaluation. `auto`: the dtype it was exported in."""
+    gpus: float = 0
+    """GPUs of the evaluation's Ray task (the seeds are evaluated one after another). Over 1, each model is split
+    over them. 0: on CPU."""
+    cpus: float = 1
+    """CPUs of the evaluation's Ray task, and torch's threads in it."""
+    seed: int = 0
+    """The seed of `heldout_continuation`'s draw and of lm-eval's random generators."""
 
     def validate(self, key: str) -> None:
         at_least(self, key, 1, "limit", "batch_size")
@@ -150,11 +196,21 @@ class EvalConfig:
     every data ablation is evaluated on the same documents; and what is removed from training as its copies
     (`decontaminate`, in the dedup stage's first phase)."""
 
-    fraction: float = 0.0025  # of each source's (and so each subset's) documents; OPT held out ~200 MB of ~800 GB
-    seed: int = 0  # the draw is a seeded hash of (source, id): a document is in or out whatever else changes
+    fraction: float = 0.0025
+    """The share of each source's documents (and so of each subset's) held out, in [0, 1). They leave the training
+    corpus. A change makes another evaluation set, and compare.py refuses to compare runs evaluated on different
+    sets."""
+    seed: int = 0
+    """The seed of the draw, a seeded hash of each document's (source, id): a document is in the set or not
+    whatever any other setting does."""
     decontaminate: DecontaminateConfig = field(default_factory=DecontaminateConfig)
-    # after training: the downstream stage's section alone (KEYED_APART), so that a new task list reruns only it
+    """What counts as a copy of an evaluation document in training. Such copies are removed in the dedup stage's
+    first phase, with settings of their own, so that every dedup ablation removes the same documents. Part of the
+    evaluation set's fingerprint."""
+    # The downstream stage's section alone (KEYED_APART): left out of `eval` as normalize and dedup key on it.
     downstream: DownstreamConfig = field(default_factory=DownstreamConfig, metadata={KEYED_APART: True})
+    """Downstream tasks through lm-evaluation-harness, run by the downstream stage after train. Its own section:
+    a change reruns only that stage, not normalize, dedup or training."""
 
     def validate(self, key: str) -> None:
         if not 0.0 <= self.fraction < 1.0:
@@ -173,12 +229,25 @@ TOKENIZER_FILES = ("vocab", "merges", "fairseq_dict")  # kind gpt2 reads these; 
 
 @dataclass
 class TokenizerConfig:
-    kind: Literal["train", "gpt2"] = "train"  # train: byte-level BPE trained on the corpus (offline default)
-    vocab_size: int = 50272  # train: at most this many ids (a small corpus may give fewer merges)
-    vocab: str | None = None  # gpt2: GPT-2's (or OPT's released) vocab.json
-    merges: str | None = None  # gpt2: GPT-2's merges.txt
-    fairseq_dict: str | None = None  # gpt2: fairseq's dict.txt, for OPT's exact ids from GPT-2's own vocab.json
-    train_bytes: int = 1 << 30  # train: text sampled from the corpus to train on (row groups, seeded)
+    """A tokenizer in OPT's layout: ids 0-3 are `<s>`, `<pad>`, `</s>`, `<unk>`, and the vocabulary is padded to a
+    multiple of 8."""
+
+    kind: Literal["train", "gpt2"] = "train"
+    """`train`: a byte-level BPE trained on a seeded sample of the corpus, so nothing is downloaded. `gpt2`: GPT-2's
+    BPE read from `vocab` and `merges`, as OPT used."""
+    vocab_size: int = 50272
+    """`train` only: the most ids the trained BPE has (a small corpus may give fewer). 50272 is OPT's padded
+    vocabulary. At least 260 (256 bytes and 4 specials)."""
+    vocab: str | None = None
+    """`gpt2` only, required there: the path of GPT-2's `vocab.json`, or of OPT's released one."""
+    merges: str | None = None
+    """`gpt2` only, required there: the path of GPT-2's `merges.txt`."""
+    fairseq_dict: str | None = None
+    """`gpt2` only: the path of fairseq's `dict.txt`, which maps GPT-2's own `vocab.json` to OPT's exact ids.
+    Without it, GPT-2's ids are shifted by 4: OPT's segmentation, but not the released checkpoints' ids."""
+    train_bytes: int = 1 << 30
+    """`train` only: the bytes of text the BPE is trained on, sampled from the corpus (seeded row groups from every
+    source). The default is 1 GiB."""
 
     def validate(self, key: str) -> None:
         at_least(self, key, 260, "vocab_size")  # 256 bytes + 4 specials
@@ -206,9 +275,17 @@ class TokenizerConfig:
 
 @dataclass
 class TokenizeConfig:
-    seq_len: int = 2048  # OPT; blocks are seq_len + 1 tokens (input and shifted target)
+    """The tokenize stage: documents to OPT's training sequences (corpus/tokenize.py)."""
+
+    seq_len: int = 2048
+    """Tokens per training sequence, and so the training stage's context length; 2048 is OPT's. Rows hold
+    `seq_len + 1` tokens (the inputs and the shifted targets)."""
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    """The tokenizer of the training data and of the evaluation set. With `kind: train` it is trained on
+    normalize's output, before dedup and the screen, so that their ablations all get the same tokenizer."""
     seed: int = 0
+    """The seed of the document order (a seeded hash of each document's source and id) and of the tokenizer's
+    training sample. The order depends on it alone, not on the number of CPUs."""
 
     def validate(self, key: str) -> None:
         at_least(self, key, 1, "seq_len")

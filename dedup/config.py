@@ -11,20 +11,34 @@ from core.config import ConfigError, at_least
 class DedupConfig:
     """dedup/minhash.py says why 5-word shingles; dedup/lsh.py how bands and rows are chosen."""
 
-    threshold: float = 0.95  # OPT: drop documents with Jaccard >= 0.95 to another one
-    ngram: int = 5  # word n-gram shingles
+    threshold: float = 0.95
+    """Documents whose exact [Jaccard similarity](glossary.md#jaccard-similarity) to another one, over all sources
+    together, is at least this are duplicates, in (0, 1]. 0.95 is OPT's. Of each cluster of duplicates, the
+    document of the source listed first in `sources` stays (then the smallest id)."""
+    ngram: int = 5
+    """Words per shingle. Five: long enough that unrelated documents share almost none, short enough that a
+    one-word edit changes few of a document's shingles."""
     lowercase: bool = True
+    """Lowercase the text before it is cut into shingles."""
     num_perm: int = 128
-    bands: int | None = None  # None (with rows): the most rows that still find 99.9% of pairs at the threshold
+    """Hash functions (permutations) per [MinHash](glossary.md#minhash-lsh) signature: more estimate the Jaccard
+    similarity more closely, at more compute. Every candidate pair is then checked with its exact Jaccard."""
+    bands: int | None = None
+    """LSH bands a signature is cut into; set with `rows`, and `bands` x `rows` at most `num_perm`. `null` (both):
+    the most rows that still make 99.9% of the pairs at `threshold` candidates."""
     rows: int | None = None
+    """Signature rows per LSH band; set with `bands`. `null` (both): chosen from `threshold` and `num_perm`, as
+    for `bands`."""
     seed: int = 1234
-    # A verification task checks the pairs of at most this many consecutive documents of one part, and holds
-    # them with their partners (dedup/verify.py); a component of more documents is assembled over several tasks
-    # (dedup/assemble.py), no groupby gathers more rows of one key (a text, a band bucket, a node: dedup/heavy.py),
-    # and a graph of up to 64 edges per such document is labelled in one task (dedup/assemble.py): no task grows
-    # with the largest duplicate cluster. In a hot cluster a document has about 5 partners over 10 bands
-    # (tests/test_dedup.py): ~80k shingle sets, ~0.5 GB.
+    """The seed of the MinHash hash functions and the band keys: the same seed gives the same signatures on
+    every machine."""
+    # The tasks it bounds: a verification task holds at most this many consecutive documents of one part and
+    # their partners' shingle sets (dedup/verify.py); a bigger component is assembled over several tasks
+    # (dedup/assemble.py); no groupby gathers more rows of one key (dedup/heavy.py).
     task_documents: int = 1 << 14
+    """The most documents of one kind that a dedup task holds: a verification task's documents, a component
+    assembled in one task, the rows of one key a groupby gathers. So no task grows with the largest duplicate
+    cluster. Lower it to make dedup's largest tasks smaller."""
 
     def validate(self, key: str) -> None:
         if not 0.0 < self.threshold <= 1.0:

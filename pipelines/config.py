@@ -30,19 +30,49 @@ class PipelineConfig:
     """The whole pipeline. `local.yaml` is these defaults plus the sample corpus."""
 
     sources: list[SourceConfig]
+    """The raw sources ingest reads, one entry each (required). Their order matters: of duplicates, dedup keeps
+    the document of the source listed first. A change of sources changes the evaluation set; to train without a
+    source and keep the set, use `screen.drop`."""
     workdir: str = "work"
-    sample_corpus: str | None = None  # when set and missing: generate the sample corpus here
-    sample_spiky_subset: str | None = None  # the generated sample's Pile subset planted spiky, for the screen to find
+    """Where the stages' outputs, their cache, the run's summary and (by default) MLflow's store go: a path or
+    `file://` URI every node mounts; an object store is refused. `--workdir` overrides it. Another workdir has a
+    cache of its own."""
+    sample_corpus: str | None = None
+    """When set and the folder is missing, `pipelines/full.py` generates the sample corpus there first; `sources`
+    must point into it. Generating it changes the raw files, which ingest's fingerprint sees. `null`: none."""
+    sample_spiky_subset: str | None = None
+    """The Pile subset of the generated sample planted with documents that make gradient norms spike, for the
+    screen to find; one of OPT's 8 subsets. Read only when the sample is generated: delete the folder to apply a
+    change."""
     ray: RayConfig = field(default_factory=RayConfig)
+    """How Ray starts when `RAY_ADDRESS` is not set, and how its shuffles run. With `RAY_ADDRESS` set (`ray job
+    submit`), the run joins that cluster."""
     mlflow: MlflowConfig = field(default_factory=MlflowConfig)
+    """Where runs are tracked in MLflow."""
     ingest: IngestConfig = field(default_factory=IngestConfig)
+    """The ingest stage: how raw files become documents, and what a bad record does."""
     normalize: NormalizeConfig = field(default_factory=NormalizeConfig)
+    """The normalize stage's text rules, each of which can be switched off."""
     eval: EvalConfig = field(default_factory=EvalConfig)
+    """The held-out evaluation set, drawn at normalize (before dedup and the screen) so that every data
+    [ablation](glossary.md#ablation) is evaluated on the same documents; its decontamination; and the downstream
+    tasks."""
     dedup: DedupConfig = field(default_factory=DedupConfig)
+    """The dedup stage: near-duplicates removed with [MinHash-LSH](glossary.md#minhash-lsh), over all sources
+    together, every candidate pair checked with its exact Jaccard similarity."""
     screen: ScreenConfig = field(default_factory=ScreenConfig)
+    """The screen stage: [proxy runs](glossary.md#proxy-run) per Pile subset, and the rule that drops the subsets
+    that make gradient norms spike, as OPT did by hand."""
     tokenize: TokenizeConfig = field(default_factory=TokenizeConfig)
+    """The tokenize stage: the kept documents to OPT's training sequences, and the evaluation set to its
+    windows."""
     train: TrainConfig = field(default_factory=TrainConfig)
-    name: str = "pipeline"  # set from the config file's name at load
+    """The train stage: Ray Train and DeepSpeed, with checkpoints, restarts, the stability autopilot and
+    several seeds."""
+    name: str = "pipeline"
+    """The run's name, set from the config file's name at load unless the file sets one. It names the MLflow
+    experiment (unless `mlflow.experiment` is set) and the training run's folder. Letters, digits, `-`, `_` and
+    `.` (not first), never `..`."""
 
     def validate(self, key: str) -> None:
         # The run's folder and MLflow experiment are named after it: a path of its own would put them elsewhere.

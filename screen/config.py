@@ -19,11 +19,16 @@ class ProxyConfig(EngineConfig):
     """The proxy model of the screen: every proxy run trains it with these settings (only the data and seed differ).
     OPT measured spikes at 1.3B; the defaults are a laptop's."""
 
-    num_workers: int = 1  # Ray Train workers per proxy run
+    num_workers: int = 1
+    """Ray Train workers per proxy run (one per GPU on a cluster). The training stage's default is 2."""
     cpus_per_worker: float = 1.0
+    """CPUs each proxy run's worker asks Ray for."""
     zero_stage: int = 0
+    """The [ZeRO](glossary.md#zero) stage of the proxy runs, 0 to 3 (fp16 needs 1 to 3)."""
     seq_len: int = 2048
-    warmup_steps: int = 10  # then a constant LR: no decay to hide spikes
+    """Tokens per proxy training sequence. The proxy mixtures are cut to it, not to `tokenize.seq_len`."""
+    warmup_steps: int = 10
+    """Steps of linear learning-rate warmup; then the rate stays constant, since a decay could hide spikes."""
 
     def validate(self, key: str) -> None:
         at_least(self, key, 1, "seq_len")
@@ -35,27 +40,54 @@ class ProxyConfig(EngineConfig):
 class ScreenConfig:
     """The subset screen (screen/): proxy runs per subset, spike scores, the drop rule (screen/score.py)."""
 
-    enabled: bool = True  # false: every document passes, no proxy runs
-    sources: list[str] | None = None  # whose subsets are screened; None: every source of format pile (as OPT)
-    subsets: list[str] | None = None  # None: every subset of `sources` that reaches the screen
-    steps: int = 100  # per proxy run
-    seeds: int = 2  # proxy runs per mixture in the first round (seed, seed + 1, ...); at least 2
-    max_seeds: int = 6  # inconclusive subsets get more seeds, round by round, up to this many
-    seed: int = 0  # also the sample's
-    upweight: float = 0.3  # the candidate subset's share of its mixture's tokens
-    ratio: float = 2.0  # the line: a subset whose proxies are this many times as rough as the baseline mix's is spiky
-    alpha: float = 0.05  # the chance of a wrong drop (or keep) of a subset on the line, over all its looks
-    inconclusive: Literal["keep", "drop"] = "keep"  # what becomes of a subset still undecided at max_seeds
-    # Subsets (a source without subsets is its own, e.g. reddit) dropped from training whatever the screen measures:
-    # a data ablation that keeps the evaluation set (drawn before, at normalize), where removing a source from
-    # `sources` would change it. Their documents go to dropped/ with the reason, as the screen's drops do.
+    enabled: bool = True
+    """`false`: every document passes and no [proxy run](glossary.md#proxy-run) is made."""
+    sources: list[str] | None = None
+    """The sources whose subsets are screened, by name. `null`: every source of format `pile`, as OPT screened the
+    Pile's subsets."""
+    subsets: list[str] | None = None
+    """The subsets to screen; each must reach the screen. `null`: every subset of `sources` that reaches it."""
+    steps: int = 100
+    """Training steps per proxy run; at least `burn_in` + 4."""
+    seeds: int = 2
+    """Proxy runs per mixture in the first round, with seeds `seed`, `seed` + 1, ...; at least 2."""
+    max_seeds: int = 6
+    """Subsets still undecided get more seeds, round by round, up to this many; at least `seeds`."""
+    seed: int = 0
+    """The first proxy run's seed, and the seed of the screen's sample and of its tokenizer's training sample."""
+    upweight: float = 0.3
+    """The candidate subset's share of its mixture's tokens, in (0, 1); the rest is the baseline mix (every
+    document not in a screened subset)."""
+    ratio: float = 2.0
+    """The line, above 1: a subset whose proxy runs are this many times as [rough](glossary.md#roughness) as the
+    baseline mix's under the same seeds is spiky. It is dropped when its interval lies above the line, kept when
+    below."""
+    alpha: float = 0.05
+    """The chance of a wrong drop or keep of a subset that sits on the line, over all its rounds, in (0, 0.5)."""
+    inconclusive: Literal["keep", "drop"] = "keep"
+    """What becomes of a subset still undecided at `max_seeds`; it is marked inconclusive either way."""
     drop: list[str] = field(default_factory=list)
-    spike_ratio: float = 0.25  # a step this far above its fit is counted as a spike (reported, not judged)
-    burn_in: int = 10  # first steps not scored
-    concurrent_runs: int = 2  # Ray Train jobs of proxy runs at a time
-    runs_per_job: int = 1  # proxy runs a Ray Train job takes, one after another, over the rounds (a laptop: many)
+    """Subsets dropped from training whatever the screen measures (a source without subsets, such as `reddit`,
+    is its own). Their documents go to `dropped/` with the reason. Use it to train without a subset and keep the
+    evaluation set, which removing it from `sources` would change."""
+    spike_ratio: float = 0.25
+    """A step whose gradient norm is this fraction above its fitted trend is counted as a spike. Spikes are
+    reported, not used in the decision."""
+    burn_in: int = 10
+    """First steps of each proxy run left out of its score: every run's gradient norm falls steeply at the
+    start."""
+    concurrent_runs: int = 2
+    """Ray Train jobs of proxy runs at a time, taking the runs from one queue. A later round may add seeds to
+    fill jobs that would otherwise idle."""
+    runs_per_job: int = 1
+    """Proxy runs one Ray Train job takes, one after another, over the rounds. 1 is a job per run, so a failure
+    touches one run. On a laptop, more: a job's start costs more than a tiny proxy run."""
     proxy: ProxyConfig = field(default_factory=ProxyConfig)
-    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)  # the proxy runs' (set it as tokenize's)
+    """The proxy model and how each proxy run trains it: the training keys, with defaults of its own. Every proxy
+    run has the same settings; only its data and seed differ. OPT measured spikes at the 1.3B scale."""
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    """The proxy runs' tokenizer, trained on or read for the screen's sample. Set it the same as
+    `tokenize.tokenizer`."""
 
     def validate(self, key: str) -> None:
         at_least(self, key, 1, "concurrent_runs", "runs_per_job")

@@ -31,8 +31,14 @@ class ParallelConfig:
     """How the training workers split the model (train/parallel/groups.py, train/parallel/pipeline.py); data parallelism is
     what is left: num_workers / (tensor x pipeline). `python -m pipelines.plan` says which layout is fastest."""
 
-    tensor: int = 1  # Megatron-style tensor parallelism: each layer split over this many neighbouring workers
-    pipeline: int = 1  # pipeline stages (DeepSpeed's pipeline engine, 1F1B): the layers split into this many runs
+    tensor: int = 1
+    """[Tensor parallelism](glossary.md#tensor-parallelism), Megatron style: each layer split over this many
+    neighbouring workers, which must share a node. It must divide `num_workers` and the model's heads, FFN width
+    and vocabulary; it takes ZeRO 0 to 2."""
+    pipeline: int = 1
+    """[Pipeline](glossary.md#pipeline-parallelism) stages (DeepSpeed's pipeline engine, [1F1B](glossary.md#1f1b)):
+    the layers split into this many runs of consecutive layers. `tensor` x `pipeline` must divide `num_workers`; a
+    pipeline takes `zero_stage: 1`."""
 
     def validate(self, key: str) -> None:
         at_least(self, key, 1, "tensor", "pipeline")
@@ -57,16 +63,33 @@ class EngineConfig:
     proxy runs (`screen.proxy`): one set of fields and checks for both, each section's YAML keys flat. The screen
     turns its proxy section into a TrainConfig with these fields as they are (screen/stage.py)."""
 
-    model: str = "tiny"  # a name from model.configs: tiny, 125m, ..., 175b
-    num_workers: int = 2  # Ray Train workers (one per GPU on a cluster)
+    model: str = "tiny"
+    """The OPT model, by name: `tiny` (a laptop's), or one of OPT's Table 1: `125m`, `350m`, `1.3b`, `2.7b`,
+    `6.7b`, `13b`, `30b`, `66b`, `175b`."""
+    num_workers: int = 2
+    """Ray Train workers, one per GPU on a cluster. `parallel.tensor` x `parallel.pipeline` must divide it; what is
+    left is the [data-parallel](glossary.md#data-parallelism) size."""
     gpus_per_worker: int = 0
-    cpus_per_worker: float = 0.5  # fractional locally, so Ray Data can still schedule
+    """GPUs each worker asks Ray for: 1 on a GPU cluster. 0 trains on CPU, which takes `fp32` or `bf16`."""
+    cpus_per_worker: float = 0.5
+    """CPUs each worker asks Ray for. Fractional on a laptop, so that Ray Data can still schedule its tasks."""
     zero_stage: int = 2
+    """The [ZeRO](glossary.md#zero) stage, 0 to 3: what is sharded over the data-parallel workers (1: optimizer
+    state; 2: and gradients; 3: and weights). A pipeline takes 1, tensor parallelism 0 to 2, fp16 1 to 3."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
-    micro_batch_size: int = 1  # sequences per worker per forward/backward
-    global_batch_tokens: int | None = None  # None: the model's batch from OPT's Table 1
-    lr: float | None = None  # None: the model's peak LR from OPT's Table 1
+    """The training precision. `fp16` keeps fp32 master weights with a dynamic [loss scale](glossary.md#loss-scale),
+    as OPT trained, and needs GPUs."""
+    micro_batch_size: int = 1
+    """Sequences per worker per forward and backward pass. Gradients are accumulated over micro-batches up to the
+    global batch."""
+    global_batch_tokens: int | None = None
+    """Tokens per optimizer step over all workers. It must split into whole micro-batches on every data-parallel
+    worker. `null`: the model's batch in OPT's Table 1."""
+    lr: float | None = None
+    """The peak learning rate. `null`: the model's in OPT's Table 1."""
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    """How the workers split the model; data parallelism is what is left: `num_workers` / (tensor x pipeline).
+    `.venv/bin/python -m pipelines.plan` says which [layout](glossary.md#layout) is fastest."""
 
     def validate_engine(self, key: str) -> None:
         at_least(self, key, 1, "num_workers", "micro_batch_size", "global_batch_tokens")
@@ -81,32 +104,58 @@ class AutopilotConfig:
     """The stability autopilot (train/autopilot_policy.py); defaults modelled on OPT, PaLM and OLMo."""
 
     enabled: bool = True
-    window: int = 50  # steps of history for the rolling mean and sigma
-    warmup: int = 20  # steps before the spike detectors arm
+    """`false`: no detection and no intervention."""
+    window: int = 50
+    """Steps of history for the rolling mean and standard deviation of the loss and the gradient norm. A
+    checkpoint is healthy when this many steps before it had no incident."""
+    warmup: int = 20
+    """Steps of history the spike detectors wait for before they arm."""
     loss_sigma: float = 6.0
-    loss_ratio: float = 0.1  # and at least 10% above the rolling mean
+    """A loss spike is a loss above the rolling mean by this many standard deviations (OLMo's 6), and by
+    `loss_ratio`."""
+    loss_ratio: float = 0.1
+    """A loss spike must also be above the rolling mean by this fraction of it (0.1: 10%), so that a very flat
+    curve does not alarm on noise."""
     grad_sigma: float = 6.0
-    grad_ratio: float = 2.0  # and at least three times the rolling mean (grad norms are heavy-tailed)
-    patience: int = 1  # consecutive steps with the loss over the line before it is an incident
-    grad_patience: int = 3  # the same for the grad norm: a single-step grad-norm burst is common and harmless
-    # fp16: a loss scale under this is a collapse, and a checkpoint at a scale under it is not healthy. It sits
-    # above DeepSpeed's own minimum (DEEPSPEED_MIN_LOSS_SCALE), where DeepSpeed's next overflow ends the run: with
-    # 2, the step that halves the scale to 1 is seen and rolled back (the scaler reset) before that can happen.
+    """The same as `loss_sigma`, for the gradient norm."""
+    grad_ratio: float = 2.0
+    """The same as `loss_ratio`, for the gradient norm: 2.0 is three times the mean, since gradient norms are
+    heavy-tailed."""
+    patience: int = 1
+    """Consecutive steps with the loss over the line before it is an incident."""
+    grad_patience: int = 3
+    """The same for the gradient norm: a single-step burst of the gradient norm is common and harmless."""
+    # It sits above DeepSpeed's own minimum (DEEPSPEED_MIN_LOSS_SCALE), where DeepSpeed's next overflow ends the run.
     # (OPT called a scale >= 1 healthy; its fairseq scaler went on below 1.)
     scale_floor: float = 2.0
+    """fp16: a loss scale under this is a collapse, and a checkpoint saved under it is not healthy. It must exceed
+    DeepSpeed's minimum of 1, where DeepSpeed ends the run at the next overflow: at 2 the autopilot sees the
+    collapse and rolls back first."""
     overflow_window: int = 50
-    overflow_limit: int = 10  # overflow-skipped steps within overflow_window
-    activation_window: int = 100  # 0: off
-    activation_growth: float = 0.5  # the second half of the window's mean over the first's, minus one
-    # The checkpoint rolled back to is older than the step before the incident by at least this many steps
-    # (an incident seen at step s was caused by an update at step s - 1 or earlier; PaLM went ~100 steps back).
+    """Steps over which overflow-skipped steps are counted (`overflow_limit`)."""
+    overflow_limit: int = 10
+    """Overflow-skipped steps within `overflow_window` that make a loss-scale collapse."""
+    activation_window: int = 100
+    """Steps over which the final layer's activation norm is watched for growth. 0: off."""
+    activation_growth: float = 0.5
+    """The growth that is an incident: the mean activation norm of the window's second half over its first
+    half's, minus one (0.5: half as large again)."""
     rollback_steps: int = 10
-    skip_margin: int = 10  # batches skipped past the incident's
-    repeat_window: int = 500  # another incident within this many steps escalates
+    """A rollback goes to the newest healthy checkpoint at least this many steps before the step whose update
+    caused the incident (the step before it). PaLM went about 100 steps back."""
+    skip_margin: int = 10
+    """After a rollback, the batches from the checkpoint to the incident are skipped, and this many more."""
+    repeat_window: int = 500
+    """Another incident within this many steps escalates the answer: then also lower the LR, then the clip,
+    then reset the loss scale, then Adam's state."""
     lr_factor: float = 0.5
+    """On escalation the learning rate is multiplied by this, from then on."""
     clip_to: float = 0.3
-    rewarm_steps: int = 50  # after an optimizer reset
-    budget: int = 8  # interventions, after which the run stops
+    """The gradient clip set at the next escalation; OPT lowered its clip from 1.0 to 0.3."""
+    rewarm_steps: int = 50
+    """Steps of learning-rate warmup after the optimizer state is reset, the last escalation."""
+    budget: int = 8
+    """Interventions allowed: at the next incident after them the run stops with the reason."""
 
     def validate(self, key: str) -> None:
         at_least(self, key, 1, "window", "patience", "grad_patience", "overflow_window", "overflow_limit", "repeat_window")
@@ -120,13 +169,17 @@ class StragglerConfig:
     of them. Each rank's forward compute per step, its median over `window` steps (one stalled step is not a
     slow GPU), against the median of the others'."""
 
-    window: int = 50  # steps per comparison (0: off); one small all_gather each
-    margin: float = 0.5  # slower than the others' median by more than this fraction ...
-    patience: int = 2  # ... in this many windows in a row: named, once
-    # Named, its node drained at the next checkpoint and the run restarted from it on the other nodes and the
-    # ones the autoscaler brings (a planned restart: the same global batch, an exact resume). Within the same
-    # limit as the health check's drains (health.max_excluded_fraction, over the run).
+    window: int = 50
+    """Steps per comparison of the ranks' median step times, one small all_gather each. 0: off."""
+    margin: float = 0.5
+    """A rank whose median step is slower than the others' median by more than this fraction (0.5: 50%), in
+    `patience` windows in a row, is named."""
+    patience: int = 2
+    """Windows in a row a rank must be slow in before it is named, once, with its node."""
     exclude: bool = False
+    """`true`: a named straggler's node is also [drained](glossary.md#drain) at the next checkpoint, and the run
+    restarts from that checkpoint without it (a planned restart with an exact resume). Drains count against
+    `health.max_excluded_fraction`."""
 
     def validate(self, key: str) -> None:
         at_least(self, key, 0, "window")
@@ -138,19 +191,23 @@ class StragglerConfig:
 class HealthConfig:
     """Node health checks and exclusion (train/health.py)."""
 
-    # Probe every node before the first start, and a node implicated in failures; None: when the cluster has
-    # more than one node (a single machine has nowhere else to go).
     enabled: bool | None = None
-    min_fraction: float = 0.5  # of the node's reference (its GPU's peak, or the other nodes' median)
-    collective: bool = True  # the all-reduce test (two processes on the node: a few seconds)
-    failures: int = 2  # a node with this many failures ...
-    window_seconds: float = 6 * 3600.0  # ... within this long is checked again
-    # The most of the nodes training can use that the run drains, over the run (at least one). Past it, nothing
-    # more is drained: the run stops (first check) or goes on without the drain (a restart), and says the cause
-    # looks systemic. Hardware faults strike nodes one by one: Llama 3's 54 days on 2,000 nodes had 419
-    # unexpected interruptions, about 8 a day. A quarter of the nodes failing at once is a bad image, driver,
-    # NCCL setting or a bug in the probe, and draining them would empty the cluster (Ray cannot undo a drain).
+    """Probe the nodes before the first start, and a node implicated in failures. `null`: only when more than one
+    node can host a training worker (a single machine has nowhere else to go)."""
+    min_fraction: float = 0.5
+    """A node under this fraction, in (0, 1], of its reference on any test (the rate a healthy GPU of its kind
+    reaches, or the other nodes' median) fails the check and is drained."""
+    collective: bool = True
+    """Include the all-reduce tests: across the node's GPUs, and with its neighbours in a ring of the nodes."""
+    failures: int = 2
+    """A node implicated in this many failures within `window_seconds` is probed again as the next attempt
+    starts."""
+    window_seconds: float = 6 * 3600.0
+    """Seconds over which a node's failures are counted (`failures`); the default is 6 hours."""
     max_excluded_fraction: float = 0.25
+    """The most of the nodes training can use that the run drains, over the run (at least one), in (0, 1]. Past
+    it nothing is drained, the cause looking systemic: a first check stops the run, a restart goes on. Hardware
+    fails node by node; many at once is a bad image, driver or setting."""
 
     def validate(self, key: str) -> None:
         at_least(self, key, 1, "failures")
@@ -167,18 +224,23 @@ class InjectConfig:
     """A fault to inject, for tests and demos; each fires once, even across restarts."""
 
     kind: Literal["kill", "hang", "error", "slow", "spike", "nan", "overflow", "unhealthy"]
-    # kill: a worker process dies; hang: a step stalls until the watchdog ends it; error: the worker raises
-    # an exception, on every attempt (a bug) (kill, hang and error at step 0: during start-up, before the
-    # checkpoint load); slow: from `step` on, the worker's every step's compute takes `factor` times as long
-    # (a straggler: a GPU at 1 / factor of its speed, whatever the device); spike: the LR is multiplied by
-    # `factor` for that step; nan: that step's gradients are NaN; overflow: `count` steps from `step` overflow
-    # (fp16's scaler skips them; on fp32/bf16 a simulated scaler); unhealthy: `node` fails every health check
-    # from `step` on (0: the check before the first start), as a node with a bad GPU would
+    """The fault. `kill`: a worker process dies. `hang`: a step stalls until the watchdog ends it. `error`: the
+    worker raises, on every attempt (a bug). `slow`: from `step` on, the worker's compute takes `factor` times as
+    long (a straggler). `spike`: the LR is multiplied by `factor` for one step. `nan`: that step's gradients are
+    NaN. `overflow`: `count` steps overflow. `unhealthy`: `node` fails every health check from `step` on."""
     step: int
-    rank: int | None = None  # kill, hang, error, slow: the worker it happens on (None: the last rank) ...
-    node: str | None = None  # ... or every worker on this Ray node (its id; benchmarks/chaos.py); unhealthy: required
-    factor: float | None = None  # spike (default 50) and slow (default 2)
-    count: int = 1  # overflow
+    """The step it fires at. `kill`, `hang` and `error` at 0 fire during start-up, before the checkpoint load;
+    `unhealthy` at 0 fails the check before the first start. The other kinds take 1 or more."""
+    rank: int | None = None
+    """`kill`, `hang`, `error`, `slow`: the worker it happens on, below `num_workers`. `null`: the last rank."""
+    node: str | None = None
+    """Instead of `rank`: every worker on this Ray node (its id). Required for `unhealthy`."""
+    factor: float | None = None
+    """`spike`: the LR multiplier (`null`: 50). `slow`: how many times as long each step's compute takes, over 1
+    (`null`: 2)."""
+    count: int = 1
+    """`overflow`: how many steps overflow, from `step` on. fp16's loss scaler skips them; on fp32 or bf16 a
+    simulated scaler does. Needs `zero_stage` 1 or more."""
 
     def validate(self, key: str) -> None:
         at_least(self, key, 0 if self.kind in ("kill", "hang", "error", "unhealthy") else 1, "step")
@@ -197,42 +259,81 @@ class InjectConfig:
 
 @dataclass
 class TrainConfig(EngineConfig):
-    warmup_tokens: int = 375_000_000  # linear warmup (OPT: 375M tokens; 2000 steps for 175B)
-    total_tokens: int = 300_000_000_000  # linear decay to final_lr_ratio * lr over this many tokens
+    """The training stage's section: the engine's keys (EngineConfig) and the run's schedule, checkpoints,
+    restarts, seeds and health."""
+
+    warmup_tokens: int = 375_000_000
+    """Tokens of linear learning-rate warmup from 0 to `lr`. OPT warmed up over 375M tokens for its smaller
+    models and over 2000 steps for 175B."""
+    total_tokens: int = 300_000_000_000
+    """Tokens over which the learning rate decays linearly to `final_lr_ratio` x `lr`, and the run's length unless
+    `max_steps` stops it sooner. OPT trained on 300B. For an ablation, set it to the tokens it trains."""
     final_lr_ratio: float = 0.1
+    """Where the decay ends, as a fraction of `lr`, in [0, 1]. OPT decayed to 10% of its peak."""
     weight_decay: float = 0.1
-    max_steps: int | None = None  # None: total_tokens' worth of steps
+    """AdamW's weight decay, as OPT's; none on biases and LayerNorms."""
+    max_steps: int | None = None
+    """Stop after this many steps. `null`: `total_tokens`' worth. A run stopped before its decay ends gives noisier
+    seeds, and compare.py less sure verdicts: lower `total_tokens` instead."""
     grad_clip: float = 1.0
+    """The gradient norm is clipped to this; 1.0 is OPT's. The autopilot may lower it (`autopilot.clip_to`)."""
     activation_checkpointing: bool = False
-    dropout: float | None = None  # on the residual branches; None: the model's (OPT: 0.1)
-    checkpoint_every: int = 100  # steps (0: never, for throwaway runs such as the screen's proxies)
-    keep_checkpoints: int = 3  # the last K ...
-    keep_healthy: int = 5  # ... plus the newest H marked healthy (the autopilot's rollback targets)
-    # A save blocks training only while the state is copied to host memory; a thread writes, hashes and
-    # publishes it (false: every rank waits for the whole write, as OPT-175B's did: about 100 s at 175B).
+    """Recompute each block's activations in the backward pass instead of keeping them: less GPU memory, more
+    compute."""
+    dropout: float | None = None
+    """Dropout on the residual branches, in [0, 1). `null`: the model's (OPT's is 0.1). `0.0` lets layouts be
+    compared step for step."""
+    checkpoint_every: int = 100
+    """Steps between [checkpoints](glossary.md#checkpoint). 0: never (throwaway runs, such as the screen's
+    proxies)."""
+    keep_checkpoints: int = 3
+    """The newest checkpoints kept; older ones are deleted, except those `keep_healthy` keeps."""
+    keep_healthy: int = 5
+    """The newest checkpoints marked healthy, kept as well: the autopilot's rollback targets."""
     background_checkpoints: bool = True
-    eval_every: int = 100  # steps between evaluations on the whole held-out set (0: only at the end)
-    eval_micro_batch_size: int | None = None  # sequences per evaluation forward; None: 4 x micro_batch_size
-    # Training runs of the same data and settings, seeds seed, seed + 1, ...: the first is the run (checkpoints,
-    # export); the others are evaluated only, so that pipelines/compare.py knows the seed-to-seed noise.
+    """Training stops for a save only while the state is copied to host memory; a thread then writes, hashes and
+    publishes it. `false`: every rank waits for the whole write, as OPT-175B's did."""
+    eval_every: int = 100
+    """Steps between evaluations on the whole held-out set (bits per byte per source and subset). 0: only at the
+    end, where there is always one."""
+    eval_micro_batch_size: int | None = None
+    """Sequences per evaluation forward pass. `null`: 4 x `micro_batch_size`."""
     seeds: int = 1
-    # Restarts: OPT-175B's run restarted over 100 times, so a worker that dies is restarted from the newest
-    # checkpoint that verifies without a limit (-1) by default; a fault that recurs before the next checkpoint
-    # max_stalled_restarts times in a row is a bug, not bad luck, and fails the stage.
-    max_failures: int = -1  # Ray Train's FailureConfig: worker-group restarts before the stage fails (-1: no limit)
-    max_stalled_restarts: int = 3  # restarts in a row from the same checkpoint before the stage fails (0: no limit)
-    hang_seconds: float = 1800.0  # a step running longer than this is ended (the worker exits) and restarted
-    startup_seconds: float = 3600.0  # the same for start-up: model build, DeepSpeed initialize, checkpoint load
-    # A collective waits this long for the slowest rank before it fails (NCCL/gloo's timeout). Longer than
-    # hang_seconds and startup_seconds: a hung rank is then ended by its own watchdog, which says why,
-    # instead of every rank failing with a bare collective timeout.
-    collective_timeout_seconds: float = 4200.0  # every process group: the world group and all made after it
-    storage: str | None = None  # checkpoints; None: WORKDIR/train/runs (use shared storage on a cluster)
+    """Training runs of the same data and settings, seeds `seed`, `seed` + 1, ...: the first is the run (curves in
+    MLflow, faults injected); each is evaluated and exported. compare.py needs 3 for a verdict on seed-to-seed
+    noise."""
+    max_failures: int = -1
+    """Worker-group restarts (Ray Train's FailureConfig) before the stage fails. -1: no limit, since OPT-175B's run
+    restarted over 100 times."""
+    max_stalled_restarts: int = 3
+    """Restarts in a row from the same checkpoint before the stage fails: a fault that recurs before the next
+    checkpoint is a bug, not bad luck. 0: no limit."""
+    hang_seconds: float = 1800.0
+    """A step that runs longer than this is ended by a watchdog (the worker exits), and the workers restart from
+    the newest good checkpoint."""
+    startup_seconds: float = 3600.0
+    """The same for a worker's start-up: the model build, DeepSpeed's initialize and the checkpoint load."""
+    collective_timeout_seconds: float = 4200.0
+    """How long a collective waits for the slowest rank before it fails (NCCL's or gloo's timeout), in every
+    process group. Above `hang_seconds` and `startup_seconds`, so that a hung rank's own watchdog ends it first and
+    says why."""
+    storage: str | None = None
+    """Where the training [run folder](glossary.md#run-folder) goes (checkpoints, metrics, logs). `null`:
+    WORKDIR/train/runs. On a cluster, storage every node mounts: a path or `file://` URI."""
     seed: int = 0
+    """The run's seed: the model's initial weights, the batch order and dropout. The other `seeds` follow it."""
     inject: list[InjectConfig] = field(default_factory=list)
+    """Faults to inject, for tests and demos, such as `[{kind: kill, step: 40}]`. Each fires once, even across
+    restarts, except `error`, `slow` and `unhealthy`, which last."""
     autopilot: AutopilotConfig = field(default_factory=AutopilotConfig)
+    """The stability [autopilot](glossary.md#autopilot): it detects loss and gradient-norm spikes, non-finite
+    values, loss-scale collapses and growing activations, and answers with escalating rollbacks, as OPT-175B's team
+    did by hand."""
     stragglers: StragglerConfig = field(default_factory=StragglerConfig)
+    """Naming a [straggler](glossary.md#straggler), a rank slower than its peers: one slow GPU sets the pace of
+    all of them."""
     health: HealthConfig = field(default_factory=HealthConfig)
+    """Node health checks: probe the nodes before the first start and after failures, and drain a bad one."""
 
     @property
     def data_parallel(self) -> int:
