@@ -229,7 +229,8 @@ def report(results: dict, baseline: str) -> None:
             print(f"| {layout} | {label} | {r['tables']} | {rate(r['math_worse'], r['tables'])} |")
 
 
-def main() -> None:
+def parser() -> argparse.ArgumentParser:
+    """The command line, built without running anything (tests/test_doc_commands.py checks the docs' commands with it)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     a = sub.add_parser("pool")
@@ -242,7 +243,11 @@ def main() -> None:
     c.add_argument("--baseline", default="4722f6b", help="the commit whose rule is measured beside this one's ('': none, this tree's rule alone)")
     c.add_argument("--tables", type=int, default=2000)
     c.add_argument("--synthetic", type=int, default=10000)
-    args = p.parse_args()
+    return p
+
+
+def main() -> None:
+    args = parser().parse_args()
     print(provenance.header(), flush=True)
     {"pool": pool, "calibrate": calibrate}[args.command](args)
 

@@ -71,14 +71,19 @@ def measure(engine, folder: Path, background: bool, saves: int, seq: int) -> lis
     return out
 
 
+def parser() -> argparse.ArgumentParser:
+    """The command line, built without running anything (tests/test_doc_commands.py checks the docs' commands with it)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="125m")
+    p.add_argument("--saves", type=int, default=3)
+    p.add_argument("--zero", type=int, default=1)
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--out", default="/tmp/bench_checkpoint")
+    return p
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--model", default="125m")
-    parser.add_argument("--saves", type=int, default=3)
-    parser.add_argument("--zero", type=int, default=1)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--out", default="/tmp/bench_checkpoint")
-    args = parser.parse_args()
+    args = parser().parse_args()
     print(provenance.header(), flush=True)
     import deepspeed
 

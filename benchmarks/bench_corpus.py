@@ -99,11 +99,16 @@ def run_stages(config: Path, cpus: int) -> dict[str, float]:
     return {s: json.loads((workdir / s / "manifest.json").read_text())["metrics"]["seconds"] for s in ("ingest", "normalize")}
 
 
+def parser() -> argparse.ArgumentParser:
+    """The command line, built without running anything (tests/test_doc_commands.py checks the docs' commands with it)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--mb", type=int, default=200)
+    p.add_argument("--out", default="/tmp/bench_corpus")
+    return p
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--mb", type=int, default=200)
-    parser.add_argument("--out", default="/tmp/bench_corpus")
-    args = parser.parse_args()
+    args = parser().parse_args()
     print(provenance.header(), flush=True)
     out = Path(args.out)
     shutil.rmtree(out, ignore_errors=True)

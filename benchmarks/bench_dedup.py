@@ -401,15 +401,20 @@ def components(sizes: list[int]) -> None:
     ray.shutdown()
 
 
+def parser() -> argparse.ArgumentParser:
+    """The command line, built without running anything (tests/test_doc_commands.py checks the docs' commands with it)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("what", choices=["quality", "scale", "components"])
+    p.add_argument("--edges", type=int, nargs="+", default=[1_000_000, 4_000_000], help="components: graph sizes")
+    p.add_argument("--docs", type=int, nargs="+")
+    p.add_argument("--out", default="/tmp/bench_dedup")
+    p.add_argument("--baseline", default="57f9f91", help="scale: the commit to compare with (default: before issue 19)")
+    p.add_argument("--planted", type=float, default=0.2, help="scale: the fraction of documents that are planted duplicates")
+    return p
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("what", choices=["quality", "scale", "components"])
-    parser.add_argument("--edges", type=int, nargs="+", default=[1_000_000, 4_000_000], help="components: graph sizes")
-    parser.add_argument("--docs", type=int, nargs="+")
-    parser.add_argument("--out", default="/tmp/bench_dedup")
-    parser.add_argument("--baseline", default="57f9f91", help="scale: the commit to compare with (default: before issue 19)")
-    parser.add_argument("--planted", type=float, default=0.2, help="scale: the fraction of documents that are planted duplicates")
-    args = parser.parse_args()
+    args = parser().parse_args()
     print(provenance.header(), flush=True)
     if args.what == "quality":
         quality((args.docs or [20000])[0], Path(args.out) / "quality")

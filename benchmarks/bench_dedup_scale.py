@@ -211,20 +211,25 @@ def small_groupby(rows: int = 60_000, blocks: int = 8, repeats: int = 4) -> None
         print(f"| {name} | {xs[0]:.2f} | {statistics.median(xs):.2f} |")
 
 
+def parser() -> argparse.ArgumentParser:
+    """The command line, built without running anything (tests/test_doc_commands.py checks the docs' commands with it)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--docs", type=int, nargs="+", default=[400_000, 1_200_000, 3_600_000])
+    p.add_argument("--hot", type=int, default=20_000)
+    p.add_argument("--hot-at", default="400000:80000", help="N:H, a run at N documents with a hot cluster of H")
+    p.add_argument("--baseline", default="cb30c0f", help="the commit to compare with (default: before issue 44)")
+    p.add_argument("--out", default="/tmp/bench_dedup_scale")
+    p.add_argument("--groupby", action="store_true", help="only the sort-path groupby's driver memory, as given and "
+                                                           "in SORT_BLOCK_BYTES blocks")
+    p.add_argument("--references", action="store_true", help="only the hash shuffle's driver references, on the "
+                                                              "object store and on disk")
+    p.add_argument("--small", action="store_true", help="only a small groupby's seconds on each of its paths: "
+                                                         "sort, hash on the object store, hash on disk")
+    return p
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--docs", type=int, nargs="+", default=[400_000, 1_200_000, 3_600_000])
-    parser.add_argument("--hot", type=int, default=20_000)
-    parser.add_argument("--hot-at", default="400000:80000", help="N:H, a run at N documents with a hot cluster of H")
-    parser.add_argument("--baseline", default="cb30c0f", help="the commit to compare with (default: before issue 44)")
-    parser.add_argument("--out", default="/tmp/bench_dedup_scale")
-    parser.add_argument("--groupby", action="store_true", help="only the sort-path groupby's driver memory, as given and "
-                                                                "in SORT_BLOCK_BYTES blocks")
-    parser.add_argument("--references", action="store_true", help="only the hash shuffle's driver references, on the "
-                                                                   "object store and on disk")
-    parser.add_argument("--small", action="store_true", help="only a small groupby's seconds on each of its paths: "
-                                                              "sort, hash on the object store, hash on disk")
-    args = parser.parse_args()
+    args = parser().parse_args()
     print(provenance.header(), flush=True)
     if args.groupby:
         return groupby_memory()

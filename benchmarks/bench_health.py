@@ -9,6 +9,7 @@ of it), so a new GPU kind is measured with this before its row is added.
 
 from __future__ import annotations
 
+import argparse
 import json
 import sys
 import tempfile
@@ -22,7 +23,14 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import provenance  # noqa: E402
 
 
+def parser() -> argparse.ArgumentParser:
+    """The command line, built without running anything (tests/test_doc_commands.py checks the docs' commands with it):
+    no flags, and --help prints what the script measures."""
+    return argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
 def main() -> int:
+    parser().parse_args()
     print(provenance.header(), flush=True)
     import ray
     import torch

@@ -92,14 +92,19 @@ def describe(result: dict) -> str:
     return "; ".join(f"{rows.count(k)} x {k}" for k in kinds)
 
 
+def parser() -> argparse.ArgumentParser:
+    """The command line, built without running anything (tests/test_doc_commands.py checks the docs' commands with it)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--baseline", default="e6c038c")
+    p.add_argument("--bomb-gb", type=float, default=10)
+    p.add_argument("--line-mb", type=int, default=1024)
+    p.add_argument("--baseline-bomb-gb", type=float, default=2)
+    p.add_argument("--baseline-line-mb", type=int, default=64)
+    return p
+
+
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--baseline", default="e6c038c")
-    parser.add_argument("--bomb-gb", type=float, default=10)
-    parser.add_argument("--line-mb", type=int, default=1024)
-    parser.add_argument("--baseline-bomb-gb", type=float, default=2)
-    parser.add_argument("--baseline-line-mb", type=int, default=64)
-    args = parser.parse_args()
+    args = parser().parse_args()
     print(provenance.header(), flush=True)
     with tempfile.TemporaryDirectory() as tmp:
         folder = Path(tmp)

@@ -52,12 +52,17 @@ def run_side(tree: Path, where: Path, cpu_env: dict[str, str] | None = None) -> 
             "terminal_lines": len((first.stdout + first.stderr).splitlines())}
 
 
+def parser() -> argparse.ArgumentParser:
+    """The command line, built without running anything (tests/test_doc_commands.py checks the docs' commands with it)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--baseline", default="82c6e2a", help="the commit to compare with (default: before issue 20)")
+    p.add_argument("--out", default="/tmp/bench_laptop")
+    p.add_argument("--avx2", action="store_true", help="compare this CPU with itself held to AVX2, not two commits")
+    return p
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--baseline", default="82c6e2a", help="the commit to compare with (default: before issue 20)")
-    parser.add_argument("--out", default="/tmp/bench_laptop")
-    parser.add_argument("--avx2", action="store_true", help="compare this CPU with itself held to AVX2, not two commits")
-    args = parser.parse_args()
+    args = parser().parse_args()
     print(provenance.header(), flush=True)
     out = Path(args.out)
     shutil.rmtree(out, ignore_errors=True)

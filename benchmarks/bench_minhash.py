@@ -82,12 +82,17 @@ CONTENDERS = {"datasketch loop (update)": datasketch_loop, "datasketch bulk (upd
               "rensa RMinHash": rensa, "ours (numpy MinHasher)": ours}
 
 
+def parser() -> argparse.ArgumentParser:
+    """The command line, built without running anything (tests/test_doc_commands.py checks the docs' commands with it)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--docs", type=int, default=2000)
+    p.add_argument("--kb", type=float, nargs="+", default=[1.0, 4.0, 8.6])
+    p.add_argument("--num-perm", type=int, default=128)
+    return p
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--docs", type=int, default=2000)
-    parser.add_argument("--kb", type=float, nargs="+", default=[1.0, 4.0, 8.6])
-    parser.add_argument("--num-perm", type=int, default=128)
-    args = parser.parse_args()
+    args = parser().parse_args()
     print(provenance.header(), flush=True)
     print(f"{args.docs} documents per size, num_perm {args.num_perm}, word 5-grams; 1 core")
     print()

@@ -313,7 +313,8 @@ def power(args) -> int:
     return 0 if ok else 1
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line, built without running anything (tests/test_doc_commands.py checks the docs' commands with it)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
     c = sub.add_parser("cost", help="the screen's seconds, packed into jobs or one job per run")
@@ -323,7 +324,11 @@ def main(argv: list[str] | None = None) -> int:
     w.add_argument("--max-seeds", type=int, default=6)
     w.add_argument("--out", default="/tmp/bench_screen_power")
     w.add_argument("--no-check", dest="check", action="store_false", help="skip the real adaptive screen of draw 0")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     print(provenance.header(), flush=True)
     return cost(args) if args.command == "cost" else power(args)
 

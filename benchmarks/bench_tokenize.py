@@ -177,15 +177,20 @@ def loader(args: argparse.Namespace, out: Path) -> None:
     print(f"OPT-125M training step on this CPU (1 x {SEQ_LEN} tokens, fwd + bwd + AdamW, fp32): {step:.2f} s")
 
 
+def parser() -> argparse.ArgumentParser:
+    """The command line, built without running anything (tests/test_doc_commands.py checks the docs' commands with it)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--mb", type=int, default=100)
+    p.add_argument("--loader-sequences", type=int, default=20_000)
+    p.add_argument("--out", default="/tmp/bench_tokenize")
+    p.add_argument("--skip-stage", action="store_true")
+    p.add_argument("--skip-loader", action="store_true")
+    p.add_argument("--reuse", action="store_true", help="reuse the corpus and dedup output of a previous run in --out")
+    return p
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--mb", type=int, default=100)
-    parser.add_argument("--loader-sequences", type=int, default=20_000)
-    parser.add_argument("--out", default="/tmp/bench_tokenize")
-    parser.add_argument("--skip-stage", action="store_true")
-    parser.add_argument("--skip-loader", action="store_true")
-    parser.add_argument("--reuse", action="store_true", help="reuse the corpus and dedup output of a previous run in --out")
-    args = parser.parse_args()
+    args = parser().parse_args()
     print(provenance.header(), flush=True)
     out = Path(args.out)
     if not args.reuse:

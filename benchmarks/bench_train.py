@@ -139,16 +139,21 @@ def measure(models: list[str], device: str, precision: str, out: Path, steps: in
     return lines
 
 
+def parser() -> argparse.ArgumentParser:
+    """The command line, built without running anything (tests/test_doc_commands.py checks the docs' commands with it)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--models", default="tiny,125m")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    p.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="a config override for our run (pipelines/full.py's --set), e.g. train.zero_stage=1")
+    p.add_argument("--steps", type=int, help="steps per model (default: each model's own, SETUPS)")
+    p.add_argument("--out", default="/tmp/bench_train")
+    return p
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--models", default="tiny,125m")
-    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
-    parser.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
-                        help="a config override for our run (pipelines/full.py's --set), e.g. train.zero_stage=1")
-    parser.add_argument("--steps", type=int, help="steps per model (default: each model's own, SETUPS)")
-    parser.add_argument("--out", default="/tmp/bench_train")
-    args = parser.parse_args()
+    args = parser().parse_args()
     print(provenance.header(), flush=True)
     out = Path(args.out)
     shutil.rmtree(out, ignore_errors=True)

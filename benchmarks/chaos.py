@@ -196,17 +196,22 @@ def judge(faults: list[dict], run_dir: Path, stopped: str | None, cluster: Clust
     return out
 
 
+def parser() -> argparse.ArgumentParser:
+    """The command line, built without running anything (tests/test_doc_commands.py checks the docs' commands with it)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--faults", default=DEFAULT)
+    p.add_argument("--steps", type=int, default=24)
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override, both runs")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--out", default="/tmp/chaos")
+    p.add_argument("--data", choices=["dedup", "normalize"], help="the data drill instead (chaos_data.py): this stage")
+    p.add_argument("--at", help="--data: the phase at which node 2 dies (default: the stage's first)")
+    p.add_argument("--docs", type=int, default=40_000, help="--data: documents in the generated corpus")
+    return p
+
+
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--faults", default=DEFAULT)
-    parser.add_argument("--steps", type=int, default=24)
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override, both runs")
-    parser.add_argument("--json", action="store_true")
-    parser.add_argument("--out", default="/tmp/chaos")
-    parser.add_argument("--data", choices=["dedup", "normalize"], help="the data drill instead (chaos_data.py): this stage")
-    parser.add_argument("--at", help="--data: the phase at which node 2 dies (default: the stage's first)")
-    parser.add_argument("--docs", type=int, default=40_000, help="--data: documents in the generated corpus")
-    args = parser.parse_args()
+    args = parser().parse_args()
     print(provenance.header(), flush=True)
     if args.data:
         import chaos_data

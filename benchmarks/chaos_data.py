@@ -143,15 +143,20 @@ def run(stage: str, phase: str | None, docs: int, out: Path, as_json: bool, over
     return 0 if report["identical"] or report["rerun_identical"] else 1
 
 
+def parser() -> argparse.ArgumentParser:
+    """The command line, built without running anything (tests/test_doc_commands.py checks the docs' commands with it)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("stage", choices=sorted(PHASES))
+    p.add_argument("--at", help="the phase at which node 2 dies (default: the stage's first)")
+    p.add_argument("--docs", type=int, default=40_000, help="documents in the generated corpus")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override, every run")
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--out", default="/tmp/chaos-data")
+    return p
+
+
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("stage", choices=sorted(PHASES))
-    parser.add_argument("--at", help="the phase at which node 2 dies (default: the stage's first)")
-    parser.add_argument("--docs", type=int, default=40_000, help="documents in the generated corpus")
-    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a config override, every run")
-    parser.add_argument("--json", action="store_true")
-    parser.add_argument("--out", default="/tmp/chaos-data")
-    args = parser.parse_args()
+    args = parser().parse_args()
     print(provenance.header(), flush=True)
     return run(args.stage, args.at, args.docs, Path(args.out), args.json, args.set)
 

@@ -46,15 +46,20 @@ def ettr(rate_per_s: float, restart_s: float, interval_s: float, blocked_s: floa
     return 1 - rate_per_s * (restart_s + interval_s / 2) - blocked_s / interval_s
 
 
+def parser() -> argparse.ArgumentParser:
+    """The command line, built without running anything (tests/test_doc_commands.py checks the docs' commands with it)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--schedule-seconds", type=float, default=60.0,
+                   help="scheduling 992 workers on a replacement node set (the local drill's is seconds)")
+    p.add_argument("--build-seconds", type=float, default=120.0,
+                   help="model build, NCCL and DeepSpeed start-up at 992 ranks (not measurable here)")
+    p.add_argument("--detect-seconds", type=float, default=30.0,
+                   help="from a crash to Ray Train's restart (its health-check poll and the teardown)")
+    return p
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--schedule-seconds", type=float, default=60.0,
-                        help="scheduling 992 workers on a replacement node set (the local drill's is seconds)")
-    parser.add_argument("--build-seconds", type=float, default=120.0,
-                        help="model build, NCCL and DeepSpeed start-up at 992 ranks (not measurable here)")
-    parser.add_argument("--detect-seconds", type=float, default=30.0,
-                        help="from a crash to Ray Train's restart (its health-check poll and the teardown)")
-    args = parser.parse_args()
+    args = parser().parse_args()
     print(provenance.header(), flush=True)
     fixed = args.detect_seconds + args.schedule_seconds + args.build_seconds
     read_s, read_once_s = RESTART_READ_TB * 1e3 / FSX_GBPS, ONE_READ_TB * 1e3 / FSX_GBPS

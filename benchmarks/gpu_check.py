@@ -250,11 +250,16 @@ def check_mfu(out: Path, s: dict, device: str) -> Verdict:
     return Verdict(f"4. bench_train {precision}: {', '.join(models)}", ok, detail, time.perf_counter() - t0)
 
 
+def parser() -> argparse.ArgumentParser:
+    """The command line, built without running anything (tests/test_doc_commands.py checks the docs' commands with it)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--dry-run", action="store_true", help="on CPU, at tiny scale: the script's own plumbing")
+    p.add_argument("--out", default="/tmp/gpu_check")
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--dry-run", action="store_true", help="on CPU, at tiny scale: the script's own plumbing")
-    parser.add_argument("--out", default="/tmp/gpu_check")
-    args = parser.parse_args(argv)
+    args = parser().parse_args(argv)
     print(provenance.header(), flush=True)
     import ray
     import torch

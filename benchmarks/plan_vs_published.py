@@ -10,6 +10,7 @@ as train/plan/layout.py predicts them. TFLOP/s count the recompute, as the paper
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -39,7 +40,14 @@ def compare() -> list[tuple[int, tuple[int, int, int], Prediction, Prediction]]:
     return rows
 
 
+def parser() -> argparse.ArgumentParser:
+    """The command line, built without running anything (tests/test_doc_commands.py checks the docs' commands with it):
+    no flags, and --help prints what the script measures."""
+    return argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
 def main() -> None:
+    parser().parse_args()
     print(provenance.header(), flush=True)
     print("| GPUs | ZeRO-3 alone: published / predicted TFLOP/s | PTD-P: published / predicted | ZeRO-3 / PTD-P: published / predicted |")
     print("|---|---|---|---|")

@@ -171,14 +171,19 @@ def checkpoints(fsx_bytes_s: float) -> None:
           f"{KEEP_CHECKPOINTS} kept: {KEEP_CHECKPOINTS * ckpt / 1e12:.1f} TB on /fsx.")
 
 
+def parser() -> argparse.ArgumentParser:
+    """The command line, built without running anything (tests/test_doc_commands.py checks the docs' commands with it)."""
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--nodes", type=int, nargs="+", default=[1, 4, 16], help="p4de nodes running the data stages")
+    p.add_argument("--mfu", type=float, nargs="+", default=[0.47, 0.35],
+                   help="model FLOPs utilisation (OPT reported 147 TFLOP/s = 47%% of an A100's peak)")
+    p.add_argument("--fsx-gbps", type=float, default=24.0,
+                   help="FSx for Lustre aggregate throughput, GB/s (e.g. 48 TiB at 500 MB/s/TiB)")
+    return p
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--nodes", type=int, nargs="+", default=[1, 4, 16], help="p4de nodes running the data stages")
-    parser.add_argument("--mfu", type=float, nargs="+", default=[0.47, 0.35],
-                        help="model FLOPs utilisation (OPT reported 147 TFLOP/s = 47%% of an A100's peak)")
-    parser.add_argument("--fsx-gbps", type=float, default=24.0,
-                        help="FSx for Lustre aggregate throughput, GB/s (e.g. 48 TiB at 500 MB/s/TiB)")
-    args = parser.parse_args()
+    args = parser().parse_args()
     print(provenance.header(), flush=True)
     data_stages(args.nodes, args.fsx_gbps * 1e9)
     screen(args.mfu)

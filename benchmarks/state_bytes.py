@@ -11,6 +11,7 @@ which the suite runs for four of these settings on 4 ranks). Printed beside `tra
 
 from __future__ import annotations
 
+import argparse
 import sys
 from pathlib import Path
 
@@ -33,7 +34,14 @@ SETTINGS = [
 ]
 
 
+def parser() -> argparse.ArgumentParser:
+    """The command line, built without running anything (tests/test_doc_commands.py checks the docs' commands with it):
+    no flags, and --help prints what the script measures."""
+    return argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
 def main() -> None:
+    parser().parse_args()
     print(provenance.header(), flush=True)
     from test_parallel import _state_bytes, per_parameter, run_ranks
 

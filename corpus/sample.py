@@ -480,13 +480,19 @@ def parse_spiky(item: str) -> tuple[str, int]:
     return name, int(every)
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line, built without running anything (tests/test_doc_commands.py checks the docs' commands with it)."""
     p = argparse.ArgumentParser(prog="python -m corpus.sample", description="Write the sample corpus.")
     p.add_argument("out", help="a folder that does not exist yet")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="the generator's seed: the same seed, the same bytes (default 0)")
     p.add_argument("--spiky-subset", metavar="NAME[:N]", action="append", default=[],
                    help=f"make one in N (default {SPIKY_EVERY}) of this Pile subset's documents spiky (built to destabilise "
                    "training), for the screen to catch; repeat it for several subsets")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
     args = p.parse_args(argv)
     try:
         planted = write_sample(args.out, args.seed, dict(parse_spiky(item) for item in args.spiky_subset))

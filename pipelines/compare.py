@@ -42,6 +42,7 @@ import dataclasses
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 if __package__ in (None, ""):  # run as a script: make the project importable without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -50,8 +51,9 @@ import numpy as np
 
 from core import stats
 from core.stats import Difference
-from pipelines.ablations import Ablation, Unreadable, read
-from pipelines.stages import STAGES
+
+if TYPE_CHECKING:  # imported where used: pipelines.ablations imports MLflow and the stages (torch, Ray)
+    from pipelines.ablations import Ablation
 
 
 TRAIN_LOSS_ROW = "train final loss (own data: not comparable)"
@@ -224,6 +226,8 @@ def rows(ablations: list[Ablation]) -> list[tuple[str, list[str]]]:
                     seen.append(key)
         return seen
 
+    from pipelines.stages import STAGES
+
     for stage in (s.name for s in STAGES if s.name not in ("train", "downstream")):  # rows of documents, not models
         counts = keys(stage, lambda run, key: key in run.data.tags.get("counts", "").split(","))
         for key in sorted(counts, key=lambda k: (k != "rows_in", k != "rows_out", k)):
@@ -308,7 +312,8 @@ def plot(ablations: list[Ablation], path: Path) -> Path | None:
     return path
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line, built without running anything (tests/test_doc_commands.py checks the docs' commands with it)."""
     p = argparse.ArgumentParser(prog="pipelines/compare.py", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("names", nargs="*", metavar="NAME", help="ablations to compare (default: all, base first)")
@@ -316,8 +321,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", help="as given to full.py (its MLflow store is under it by default)")
     p.add_argument("--experiment", help="MLflow experiment (default: the config's)")
     p.add_argument("--tracking-uri", help="MLflow tracking URI (default: the config's)")
-    p.add_argument("--out", default="ablations.png", help="the loss-curve chart (default: ablations.png)")
-    args = p.parse_args(argv)
+    p.add_argument("--out", default="ablations.png",
+                   help="the chart: bits per byte, downstream accuracy and training loss (default: ablations.png)")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    from pipelines.ablations import Unreadable, read  # after the arguments: it imports MLflow and the stages
+
     try:
         ablations = read(args.names, config=args.config, workdir=args.workdir, experiment=args.experiment,
                          tracking_uri=args.tracking_uri)

@@ -26,7 +26,6 @@ from pipelines.config import PipelineConfig, check_inputs_exist, load_config
 from pipelines import summary
 from core.dag import DamagedOutput, Plan, Runner, Stage, StageFailed, UsageError, audit, fingerprints, iter_outcomes_table
 from pipelines.config import CHECKS
-from pipelines.stages import STAGES
 from core.tracking import flatten
 
 
@@ -39,7 +38,8 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def parser() -> argparse.ArgumentParser:
+    """The command line, built without running anything (tests/test_doc_commands.py checks the docs' commands with it)."""
     p = _Parser(prog="pipelines/full.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", help="YAML config (default: configs/local.yaml)")
     p.add_argument("--workdir", help="where stage outputs, manifests and the local MLflow store go")
@@ -60,14 +60,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--ablation", metavar="NAME", help="name this run's data ablation: its MLflow runs are tagged with the "
                    "name and its differences from the config file (default: 'base' without --set, else the --set list); "
                    "compare ablations with pipelines/compare.py")
-    return p.parse_args(argv)
+    return p
 
 
-def main(argv: list[str] | None = None, stages: tuple[Stage, ...] = STAGES) -> int:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    return parser().parse_args(argv)
+
+
+def main(argv: list[str] | None = None, stages: tuple[Stage, ...] | None = None) -> int:
+    """`stages`: the pipeline's (pipelines/stages.py's STAGES) unless given; imported after the arguments are
+    parsed, so that --help and a bad flag answer before torch and Ray are imported."""
     try:
         args = parse_args(argv)
     except SystemExit as exc:  # --help (0) or a bad argument (2, one line already printed)
         return int(exc.code or 0)
+    if stages is None:
+        from pipelines.stages import STAGES
+
+        stages = STAGES
     only = [s.strip() for s in args.only.split(",") if s.strip()] if args.only else None
     try:
         config = load_config(args.config, args.overrides, args.workdir, checks=CHECKS)
@@ -161,9 +171,21 @@ def run_locked(config: PipelineConfig, args: argparse.Namespace, runner: Runner,
         print(line)
     print(f"\nMLflow: experiment '{config.mlflow.experiment}', run {parent}, store {config.mlflow.tracking_uri}")
     print("  look at it with: " + ui_hint(config.mlflow.tracking_uri, tracker.experiment_id))
-    print(f"  ablation '{ablation['ablation']}'; compare ablations with: python pipelines/compare.py"
+    print(f"  ablation '{ablation['ablation']}'; compare ablations with: {program('python')} pipelines/compare.py"
           + (f" --config {args.config}" if args.config else ""))
     return 0
+
+
+def program(name: str) -> str:
+    """`name` (python, mlflow) of the environment this runs in, as a person types it here: after `make run` both are
+    in .venv/bin, which is not on PATH, so a bare `mlflow` would not be found."""
+    path = Path(sys.executable) if name == "python" else Path(sys.executable).with_name(name)
+    if not path.exists():
+        return name
+    try:
+        return str(path.absolute().relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
 
 
 def ui_hint(tracking_uri: str, experiment_id: str) -> str:
@@ -172,7 +194,7 @@ def ui_hint(tracking_uri: str, experiment_id: str) -> str:
     page = f"#/experiments/{experiment_id}?workflowType=machine_learning"
     if tracking_uri.startswith(("http://", "https://")):
         return f"{tracking_uri.rstrip('/')}/{page}"
-    return f"mlflow ui --backend-store-uri {tracking_uri}, then http://127.0.0.1:5000/{page}"
+    return f"{program('mlflow')} ui --backend-store-uri {tracking_uri}, then http://127.0.0.1:5000/{page}"
 
 
 def _pipeline_tags(config: PipelineConfig) -> dict[str, str]:

@@ -1,5 +1,7 @@
 """`python -m pipelines.plan`: the layout planner's command line (train/plan/planner.py has the planner and
-its flags). It lives here, at the top, because it reads the whole pipeline's config."""
+its flags, `parser`). It lives here, at the top, because it reads the whole pipeline's config.
+
+Exit codes: 0 done (or --help); 2 a bad flag or config value, or a --layout that cannot run, in one line."""
 
 from __future__ import annotations
 
@@ -10,7 +12,7 @@ import sys
 from core.config import ConfigError
 from pipelines.config import CHECKS, load_config
 from train.plan.layout import Cluster, Layout, LayoutError, Workload, parse_layout, problem
-from train.plan.planner import DEFAULT_CONFIG, breakdown, chart, inputs, make_plan, parse_args, report
+from train.plan.planner import DEFAULT_CONFIG, breakdown, chart, inputs, make_plan, parser, report
 
 
 def inputs_of(args: argparse.Namespace) -> tuple[Workload, Cluster, str | None, Layout | None]:
@@ -21,7 +23,7 @@ def inputs_of(args: argparse.Namespace) -> tuple[Workload, Cluster, str | None, 
 
 def main(argv: list[str] | None = None) -> int:
     try:
-        args = parse_args(argv)
+        args = parser().parse_args(argv)
     except SystemExit as exc:
         return int(exc.code or 0)
     try:

@@ -31,6 +31,10 @@ def test_the_default_command_generates_the_sample_and_reruns_from_cache(default_
     where, first, second, made = default_run.where, default_run.first, default_run.second, default_run.manifests
     assert f"generating the sample corpus in {where}/data/sample ({SPIKY} planted spiky, for the screen to find)" in first.stdout
     assert "mlflow ui --backend-store-uri sqlite:///" in first.stdout
+    # the commands it prints run as printed from where it ran: mlflow and python of its own environment, not on PATH
+    mlflow = re.search(r"look at it with: (\S+) ui ", first.stdout)[1]
+    python = re.search(r"compare ablations with: (\S+) pipelines/compare.py", first.stdout)[1]
+    assert all((where / program).is_file() for program in (mlflow, python)), (mlflow, python)
     planted = json.loads((where / "data" / "sample" / "PLANTED.json").read_text())
     assert list(planted["spiky"]) == [SPIKY] and (where / "work" / "mlflow.db").is_file()
     assert made["screen"]["dropped_subsets"] == [SPIKY]  # and only it: every stage has something to catch

@@ -305,7 +305,8 @@ class _Parser(argparse.ArgumentParser):
         raise SystemExit(2)
 
 
-def parse_args(argv: list[str] | None) -> argparse.Namespace:
+def parser() -> argparse.ArgumentParser:
+    """The command line, built without running anything (tests/test_doc_commands.py checks the docs' commands with it)."""
     p = _Parser(prog=PLAN_COMMAND, description=__doc__.split("\n\n")[0])
     p.add_argument("--config", help=f"the pipeline config whose model, batch and train.* are planned (default: {DEFAULT_CONFIG.relative_to(ROOT)})")
     p.add_argument("--model", help="an OPT size from model/configs.py (default: the config's train.model)")
@@ -325,7 +326,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     for action in p._actions:
         if action.type in (int, float) and action.dest != "top":
             action.type = _positive(action.type, action.option_strings[0])
-    return p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    return parser().parse_args(argv)
 
 
 def _positive(kind, flag: str):
