@@ -44,6 +44,7 @@ COPY model model
 COPY train train
 COPY configs configs
 # DeepSpeed's fused Adam and utils compiled for A100 (sm_80) and H100/H200 (sm_90); mlflow[auth] for the
-# basic-auth app the head's MLflow server runs (Flask-WTF).
+# basic-auth app the head's MLflow server runs (Flask-WTF). Ray pinned to the version the bastion's `ray up` and
+# `ray job submit` run (docs/cluster.md installs the same; tests/test_cluster.py holds them equal).
 RUN TORCH_CUDA_ARCH_LIST="8.0;9.0" DS_BUILD_FUSED_ADAM=1 DS_BUILD_UTILS=1 DS_BUILD_CPU_ADAM=1 \
-    pip install -e . "mlflow[auth]" && ds_report
+    pip install -e . "mlflow[auth]" "ray[data,train,default]==2.60.0" && ds_report

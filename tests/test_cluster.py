@@ -76,6 +76,23 @@ def test_the_nodes_run_a_pinned_current_dlami_and_efa_has_what_aws_documents(clu
     assert "FI_PROVIDER=efa" in image and "NCCL_DEBUG=INFO" in image and "NCCL_DEBUG_FILE=" in image
 
 
+def test_every_host_logs_in_to_the_images_registry_before_the_pull(cluster):
+    """Ray runs a plain `docker pull` on each host: a private registry (ECR) refuses it without a login, so the host
+    logs in first, to the registry the image names."""
+    registry = cluster["docker"]["image"].split("/", 1)[0]
+    logins = [c for c in cluster["initialization_commands"] if "docker login" in c]
+    assert logins and registry in logins[0] and "--password-stdin" in logins[0]
+
+
+def test_the_image_runs_the_ray_the_bastion_launches_with():
+    """`ray up` and `ray job submit` on the bastion speak to the cluster's Ray: the image pins the version
+    docs/cluster.md installs on the bastion, and the project allows it."""
+    image = re.search(r'"ray\[[^\]]*\]==([\d.]+)"', (ROOT / "Dockerfile").read_text())
+    bastion = re.search(r'"ray\[default\]==([\d.]+)"', (ROOT / "docs" / "cluster.md").read_text())
+    floor = re.search(r'"ray\[[^\]]*\]>=([\d.]+)"', (ROOT / "pyproject.toml").read_text())
+    assert image and bastion and floor and image[1] == bastion[1] == floor[1]
+
+
 def test_the_image_is_pinned_by_digest_never_by_tag(cluster):
     """Every node runs the image `ray up` was given, byte for byte: a digest (a placeholder until the image is
     pushed, which docker refuses to pull), never a tag such as :latest that a later push moves."""
