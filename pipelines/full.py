@@ -180,11 +180,11 @@ def program(name: str) -> str:
     """`name` (python, mlflow) of the environment this runs in, as a person types it here: after `make run` both are
     in .venv/bin, which is not on PATH, so a bare `mlflow` would not be found."""
     path = Path(sys.executable) if name == "python" else Path(sys.executable).with_name(name)
-    if not path.exists():
+    if not path.is_absolute() or not path.exists():
         return name
-    try:
-        return str(path.absolute().relative_to(Path.cwd()))
-    except ValueError:
+    try:  # a job's working directory may be gone by the end of its run (Ray's runtime env)
+        return str(path.relative_to(os.getcwd()))
+    except (ValueError, OSError):
         return str(path)
 
 

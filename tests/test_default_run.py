@@ -126,3 +126,17 @@ def test_a_failing_stage_still_prints_its_error_and_where_its_log_is(default_run
     log = re.search(r"log: (\S+stage\.log)", err).group(1)
     assert "Traceback" in Path(log).read_text()
     assert json.loads((where / "work" / "train" / "manifest.json").read_text())["counts"]  # the good output stays
+
+
+def test_the_printed_programs_survive_a_working_directory_that_is_gone(tmp_path, monkeypatch):
+    """Under `ray job submit` the job's working directory can be removed before the run prints its hints: the
+    programs are then named by their absolute paths, not lost to an error after the run's work is done."""
+    import sys
+
+    from pipelines.full import program
+
+    gone = tmp_path / "gone"
+    gone.mkdir()
+    monkeypatch.chdir(gone)
+    gone.rmdir()
+    assert program("python") == sys.executable and Path(program("mlflow")).is_file()
