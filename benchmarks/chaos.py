@@ -14,8 +14,8 @@ SPEC is a comma-separated list of kind@step[:node], node 1 or 2 (default 1):
 - slow: from that step on, its every step's compute takes twice as long (a straggler: relative to the
   machine's own speed, so the drill means the same on any CPU); with `--set train.stragglers.exclude=true`
   its node must also be drained at the next checkpoint and the run restarted from it on a replacement;
-- unhealthy: from that step on, the node fails its health check (its next check: the run checks a node
-  after its second failure; at step 0, the check before the first start);
+- unhealthy: from that step on, the node fails its health check; it must be found by the next check (at step
+  0, the one before the first start; later, the next restart's, whichever node that restart was for);
 - error: a deterministic exception on every attempt: the run must stop, naming it.
 The default schedule has one of each. Each is a `train.inject` fault of the run, the node named by its id.
 A schedule that marks both nodes unhealthy at step 0 must stop the run before it starts, draining neither
@@ -165,8 +165,8 @@ def run(out: Path, label: str, shards: Path, extra: list[str]) -> tuple[Path, st
 def judge(faults: list[dict], run_dir: Path, stopped: str | None, cluster: Cluster, exclude: bool) -> list[dict]:
     """Each fault, handled or not, and what the run did about it (`exclude`: train.stragglers.exclude was set, so a
     straggler's node must also have been drained at a checkpoint and replaced)."""
-    failed, stragglers, probes = (goodput.read_jsonl(run_dir / name) for name in ("failures.jsonl", "stragglers.jsonl",
-                                                                                  "health.jsonl"))
+    failed, stragglers, probes, incidents = (goodput.read_jsonl(run_dir / name) for name in (
+        "failures.jsonl", "stragglers.jsonl", "health.jsonl", "incidents.jsonl"))
     out = []
     for f in faults:
         node = f["node_id"]
@@ -185,15 +185,31 @@ def judge(faults: list[dict], run_dir: Path, stopped: str | None, cluster: Clust
         elif f["kind"] == "unhealthy":
             seen = [p for p in probes if p["node"] == node and p["failed"]]
             refused = [p for p in seen if not p.get("drained")]
-            handled = bool(seen) and (node in cluster.replaced or bool(refused and stopped))
+            late = found_late(seen, failed, incidents, node)
+            handled = bool(seen) and not late and (node in cluster.replaced or bool(refused and stopped))
             action = (f"failed its health check ({seen[0]['failed']}), "
                       f"{'not drained: the run stopped, the cause looked systemic' if refused else 'drained, replaced'}"
-                      if handled else "not excluded")
+                      if handled else late or "not excluded")
         else:
             handled = bool(stopped) and f"injected error at step {f['step']}" in stopped
             action = "stopped: " + stopped.splitlines()[0][:90] if handled else "not stopped"
         out.append({"kind": f["kind"], "step": f["step"], "node": f["node"], "handled": handled, "action": action})
     return out
+
+
+def found_late(seen: list[dict], failed: list[dict], incidents: list[dict], node: str) -> str | None:
+    """Why an unhealthy node was found too late, or None: it must fail the check that follows its marking (the
+    first start's, or the next restart's, whichever node that restart was for), so before a second failed attempt
+    after it. The mark's time is its incident's (none for step 0: the stage marks it before the first check)."""
+    marked = next((r["time"] for r in incidents if r.get("what") == f"injected unhealthy: node {node}"), 0.0)
+    attempts: dict[int, float] = {}
+    for x in failed:
+        if x["primary"] and x["time"] > marked:
+            attempts[x["attempt"]] = min(x["time"], attempts.get(x["attempt"], x["time"]))
+    after = sorted(attempts.values())
+    if seen and len(after) >= 2 and seen[0]["time"] > after[1]:
+        return f"found only after {sum(t < seen[0]['time'] for t in after)} restarts, not the next"
+    return None
 
 
 def parser() -> argparse.ArgumentParser:

@@ -8,7 +8,9 @@ from __future__ import annotations
 import json
 import time
 
-from train.health import Probe, drains_allowed, verdicts
+import pytest
+
+from train.health import Probe, drains_allowed, ring_rounds, verdicts
 
 
 def probe(node: str, device: str = "cpu", tflops: float = 0.1, gbps: float = 1.0, memory_ok: bool = True, **kw) -> Probe:
@@ -90,3 +92,40 @@ def test_a_planned_restart_implicates_no_node_and_a_stragglers_drain_counts_agai
     (tmp_path / "stragglers.jsonl").write_text(f'{{"node": "n2", "rank": 1, "step": 8, "time": {now}}}\n'
                                                f'{{"node": "n2", "rank": 1, "step": 10, "drained": true, "time": {now}}}\n')
     assert drained(tmp_path) == 2 and drained(tmp_path, within=3600.0) == 1
+
+
+def test_a_restart_probes_every_node_that_can_host_a_worker_unless_told_to_probe_the_implicated_only():
+    """A node that turned unhealthy without failing is found at the next restart, whichever node that restart was
+    for: `restart_probe: all` probes every node training can use but the drained ones, once per restart (not at the
+    first start, which the stage probes itself, nor twice for one failure). `implicated` keeps the old rule: only a
+    node with `failures` failures of its own."""
+    from train.config import HealthConfig
+    from train.failures import Failure, to_probe
+
+    now = time.time()
+    crash = [Failure(attempt=1, rank=0, kind="hardware", type="ActorDiedError", message="m", step=13, node="n2",
+                     time=now - 60)]
+    nodes, first_check = ["n1", "n2", "n3", "n4"], {n: now - 600 for n in ("n1", "n2", "n3", "n4")}
+    every = HealthConfig()
+    assert every.restart_probe == "all"
+    assert to_probe(every, [], first_check, nodes, []) == []  # the first start: the stage has probed them
+    assert to_probe(every, crash, first_check, nodes, drained=["n3"]) == ["n1", "n2", "n4"]  # n1 never failed
+    after = {**first_check, "n1": now - 30}  # this restart's probe came after the crash: no second probe for it
+    assert to_probe(every, crash, after, nodes, []) == []
+    assert to_probe(HealthConfig(restart_probe="implicated"), crash, first_check, nodes, []) == []
+    assert to_probe(HealthConfig(restart_probe="implicated", failures=1), crash, first_check, nodes, []) == ["n2"]
+
+
+@pytest.mark.parametrize("count", [2, 3, 4, 7, 124])
+def test_the_ring_is_measured_in_two_or_three_rounds_of_pairs_that_share_no_node(count):
+    """A restart's probe of every node must not wait for 124 pairs one after another: each node and the next
+    are measured, every pair once, in rounds where no node is in two pairs (its link would carry both)."""
+    nodes = [f"n{i}" for i in range(count)]
+    rounds = ring_rounds(nodes)
+    pairs = [pair for r in rounds for pair in r]
+    ring = list(zip(nodes, nodes[1:] + nodes[:1]))[:count if count > 2 else 1]
+    assert sorted(pairs) == sorted(ring)
+    for r in rounds:
+        ends = [n for pair in r for n in pair]
+        assert len(ends) == len(set(ends)), r
+    assert len(rounds) == (1 if count == 2 else 2 if count % 2 == 0 else 3)

@@ -200,21 +200,28 @@ sources:
         assert [rows[r][2:] for r in "01"] == [["0 of 2", "0", "0", "0"], ["1 of 2", "0", "0", "1"]], rows
         assert "spans nodes" not in placed.stdout
 
-        # A node that fails its health check is drained (train/health.py): nothing new is scheduled on it. The
-        # probe runs on both nodes, pinned (matmul, memory, a gloo all-reduce between two processes on the node
-        # and one between the nodes); the second node is marked unhealthy as the chaos drill marks one.
+        # A restart probes every node that can host a worker (train/failures.py's RestartHealthCheck, as Ray Train's
+        # controller calls it once the failed group is down): the second node turned unhealthy without failing (marked
+        # as the chaos drill marks one) while the attempt failed on the head, and is drained (train/health.py):
+        # nothing new is scheduled on it. The probe runs on both nodes, pinned (matmul, memory, a gloo all-reduce
+        # between two processes on the node and one between the nodes).
         runs = tmp_path / "health-run"
         checked = subprocess.run([sys.executable, "-c", (
-            "import json, sys, ray\n"
+            "import dataclasses, json, sys, ray\n"
             "from pathlib import Path\n"
-            "from train import health\n"
+            "from train.config import HealthConfig\n"
+            "from train.failures import FAILURES, Failure, RestartHealthCheck\n"
             "ray.init()\n"
             f"run = Path({str(runs)!r})\n"
             "(run / 'inject').mkdir(parents=True)\n"
             "worker = next(n['NodeID'] for n in ray.nodes() if 'worker_node' in n['Resources'])\n"
+            "head_id = next(n['NodeID'] for n in ray.nodes() if 'head_node' in n['Resources'])\n"
             "(run / 'inject' / f'unhealthy-{worker}').touch()\n"
-            "nodes = health.trainable_nodes(1, 0)\n"
-            "excluded = health.check(run, nodes, 0.5, population=len(nodes), max_fraction=0.25).excluded\n"
+            "crash = Failure(attempt=1, rank=0, kind='hardware', type='ActorDiedError', message='died', step=3, node=head_id)\n"
+            "(run / FAILURES).write_text(json.dumps(dataclasses.asdict(crash)) + '\\n')\n"
+            "RestartHealthCheck(str(run), HealthConfig(), worker=(1, 0)).before_worker_group_start(None)\n"
+            "rows = [json.loads(line) for line in (run / 'health.jsonl').read_text().splitlines()]\n"
+            "excluded = [r['node'] for r in rows if r['drained']]\n"
             "pinned = ray.remote(num_cpus=0, resources={'worker_node': 0.01})(lambda: 1).remote()\n"
             "head = ray.remote(num_cpus=0, resources={'head_node': 0.01})(lambda: 1).remote()\n"
             "ready, _ = ray.wait([pinned, head], num_returns=2, timeout=5)\n"

@@ -192,16 +192,22 @@ class HealthConfig:
     """Node health checks and exclusion (train/health.py)."""
 
     enabled: bool | None = None
-    """Probe the nodes before the first start, and a node implicated in failures. `null`: only when more than one
+    """Probe the nodes before the first start and at restarts (`restart_probe`). `null`: only when more than one
     node can host a training worker (a single machine has nowhere else to go)."""
     min_fraction: float = 0.5
     """A node under this fraction, in (0, 1], of its reference on any test (the rate a healthy GPU of its kind
     reaches, or the other nodes' median) fails the check and is drained."""
     collective: bool = True
     """Include the all-reduce tests: across the node's GPUs, and with its neighbours in a ring of the nodes."""
+    restart_probe: Literal["all", "implicated"] = "all"
+    """Which nodes a restart probes, once the failed worker group is torn down. `all`: every node that can host a
+    worker and is not drained, in parallel, at every restart, so a node that turned unhealthy without failing is
+    found at the next restart. `implicated`: only a node with `failures` failures of its own within
+    `window_seconds`, for clusters where a full probe costs too much (docs/training.md#health-checks says what
+    each costs at 124 nodes)."""
     failures: int = 2
-    """A node implicated in this many failures within `window_seconds` is probed again as the next attempt
-    starts."""
+    """With `restart_probe: implicated`: a node implicated in this many failures within `window_seconds` is probed
+    again as the next attempt starts."""
     window_seconds: float = 6 * 3600.0
     """Seconds over which a node's failures are counted (`failures`); the default is 6 hours."""
     max_excluded_fraction: float = 0.25

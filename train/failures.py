@@ -10,7 +10,8 @@ Here:
   (`describe_exception`); a worker its own watchdog ends says so in `exits/rank-R.json` first;
 - `FailureRecorder`, a Ray Train callback on the controller, turns each failed attempt's exceptions into
   `Failure` rows in `failures.jsonl` (attempt, rank, node, step, phase, class, the exception), before Ray
-  Train restarts the group; `RestartHealthCheck` probes the nodes they implicate once that group is gone;
+  Train restarts the group; `RestartHealthCheck` probes every node that can host a worker (or, with
+  `train.health.restart_probe: implicated`, the nodes the failures implicate) once that group is gone;
 - at start-up every rank reads that history (`repeated_error`): the same software exception at the same
   step (or in start-up) on two attempts in a row stops the run with that traceback, instead of a third try.
 """
@@ -171,8 +172,9 @@ class FailureRecorder(UserCallback):
 
 
 class RestartHealthCheck(WorkerGroupCallback):
-    """On Ray Train's controller, as the next attempt starts: the nodes implicated in failures probed, the ones
-    that fail drained (within the guard: past it the restart goes on with every node, written down).
+    """On Ray Train's controller, as the next attempt starts: the nodes `to_probe` names probed (by default every
+    node that can host a worker), the ones that fail drained (within the guard: past it the restart goes on with
+    every node, written down).
 
     Not in `after_exception`: Ray Train reports a failed attempt while the group's surviving ranks still hold
     their node's GPUs, and the probe would measure a GPU shared with them. The controller tears the old group
@@ -190,12 +192,28 @@ class RestartHealthCheck(WorkerGroupCallback):
         from train import health
 
         run_dir = Path(self.run_dir)
-        suspects = implicated(history(run_dir), self.health.failures, self.health.window_seconds,
-                              health.last_checked(run_dir))
+        trainable = health.trainable_nodes(*self.worker)
+        suspects = to_probe(self.health, history(run_dir), health.last_checked(run_dir), trainable,
+                            health.drained_nodes(run_dir))
         if suspects:
             health.check(run_dir, suspects, self.health.min_fraction, self.health.collective,
-                         population=len(health.trainable_nodes(*self.worker)),
-                         max_fraction=self.health.max_excluded_fraction, window_seconds=self.health.window_seconds)
+                         population=len(trainable), max_fraction=self.health.max_excluded_fraction,
+                         window_seconds=self.health.window_seconds)
+
+
+def to_probe(health, failures: list[Failure], checked: dict[str, float], trainable: list[str],
+             drained: list[str]) -> list[str]:
+    """The nodes to probe as an attempt starts (`health`: a HealthConfig). `restart_probe: all`: after a failure
+    that no probe has followed yet (a restart, not the first start, which the stage probes itself), every node
+    that can host a worker (`trainable`) and this run has not drained: a node that turned unhealthy without
+    failing is found at the next restart, whichever node that restart was for, while the group is down and
+    every GPU free. `implicated`: only nodes with `health.failures` failures of their own (`implicated`)."""
+    if health.restart_probe == "implicated":
+        return implicated(failures, health.failures, health.window_seconds, checked)
+    last = max(checked.values(), default=0.0)
+    if not any(f.time > last for f in failures):
+        return []
+    return sorted(node for node in trainable if node not in drained)
 
 
 def implicated(failures: list[Failure], count: int, window_seconds: float, checked: dict[str, float]) -> list[str]:

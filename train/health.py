@@ -3,7 +3,8 @@ of a node that fails it.
 
 OPT-175B's team ran hardware diagnostics at every manual restart and took the broken nodes out of the pool;
 Llama 3 and MegaScale do it automatically. Here the probe runs before the first start (every alive node)
-and on a node implicated in failures (train/failures.py), as a Ray task pinned to the node:
+and at every restart (train/failures.py: every node that can host a worker, or only the nodes implicated in
+failures), as a Ray task pinned to each node, all at once:
 
 - a matmul rate on every device of the node, timed after an untimed warm-up: bf16 on a GPU, against the
   rate a healthy GPU of its kind reaches in this probe (REFERENCE_TFLOPS, measured); fp32 on a CPU, against
@@ -14,8 +15,9 @@ and on a node implicated in failures (train/failures.py), as a Ray task pinned t
 - NVML's counters where it is present (`nvidia-ml-py`): uncorrectable ECC errors, and rows the GPU could not
   remap or is waiting to;
 - collectives: an all-reduce across all of the node's GPUs (NCCL; two gloo processes on a CPU), and one
-  between each node and the next in a ring of the nodes probed; their bus bandwidth against the other
-  nodes' median (a node whose two pairs are both slow has the slow link).
+  between each node and the next in a ring of the nodes probed, in two or three rounds of pairs that share no
+  node (`ring_rounds`); their bus bandwidth against the other nodes' median (a node whose two pairs are both
+  slow has the slow link).
 
 Only the nodes training can use are probed (`trainable_nodes`: those with the resources a training worker
 asks for), never a head without them, and a probe is compared only with probes of the same device.
@@ -207,17 +209,18 @@ def mark_unhealthy(run_dir, node: str) -> None:
 
 
 def probe(nodes: list[str], run_dir: Path, memory_mb: int = 256, collective: bool = True) -> list[Probe]:
-    """The probe on each node at once, each pinned to its node."""
+    """The probe on each node at once, each pinned to its node; one that has not answered in 600 s (counted
+    from the start: they run together) failed."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     task = ray.remote(num_cpus=0, max_retries=0)(probe_here)
     refs = [task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(
         str(run_dir), memory_mb, collective) for node in nodes]
-    out = []
+    out, deadline = [], time.monotonic() + 600
     for node, ref in zip(nodes, refs):
         try:
-            out.append(Probe(**ray.get(ref, timeout=600)))
+            out.append(Probe(**ray.get(ref, timeout=max(1.0, deadline - time.monotonic()))))
         except Exception as error:  # a node that cannot run its probe is not one to train on
             first_line = (str(error).strip().splitlines() or [""])[0][:200]
             out.append(Probe(node=node, host="?", device="?", matmul_tflops=0.0, memory_ok=False, allreduce_gbps=0.0,
@@ -244,29 +247,55 @@ class Peer:
         return bus_bandwidth(rank, 2, init_method, torch.cuda.is_available(), ALLREDUCE_MB)
 
 
-def pair_bandwidths(nodes: list[str]) -> dict[str, float]:
-    """Each node and the next (a ring): the all-reduce bus bandwidth between a process on each, one pair at a
-    time (pairs measured together would share links); each node's faster pair. A node whose faster pair is
-    slow has the slow link itself: its neighbours each have one good pair. 0.0: the pair failed."""
+def ring_rounds(nodes: list[str]) -> list[list[tuple[str, str]]]:
+    """The ring's pairs (each node and the next) in rounds of pairs that share no node: two rounds for an even
+    count of nodes, three for an odd one, whatever the count. Pairs in one round run together, and no node's
+    link carries two of them, so a restart's probe at 124 nodes waits for two pairs' time, not 124."""
+    pairs = list(zip(nodes, nodes[1:] + nodes[:1]))[:len(nodes) if len(nodes) > 2 else 1]
+    rounds: list[tuple[set[str], list[tuple[str, str]]]] = []
+    for a, b in pairs:
+        free = next((r for r in rounds if a not in r[0] and b not in r[0]), None)
+        if free is None:
+            free = (set(), [])
+            rounds.append(free)
+        free[0].update((a, b))
+        free[1].append((a, b))
+    return [pairs for _, pairs in rounds]
+
+
+def pair_bandwidths(nodes: list[str], timeout: float = 300.0) -> dict[str, float]:
+    """Each node and the next (a ring): the all-reduce bus bandwidth between a process on each, the pairs of
+    a round (`ring_rounds`) at once; each node's faster pair. A node whose faster pair is slow has the slow
+    link itself: its neighbours each have one good pair. 0.0: the pair failed, or took over `timeout` s."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
     if len(nodes) < 2:
         return {}
     peer = ray.remote(num_cpus=0, max_restarts=0)(Peer)
-    pairs = list(zip(nodes, nodes[1:] + nodes[:1]))[:len(nodes) if len(nodes) > 2 else 1]
     fastest = dict.fromkeys(nodes, 0.0)
-    for a, b in pairs:
-        sides = [peer.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote() for n in (a, b)]
+    for pairs in ring_rounds(nodes):
+        sides = {pair: [peer.options(scheduling_strategy=NodeAffinitySchedulingStrategy(n, soft=False)).remote()
+                        for n in pair] for pair in pairs}
+        deadline = time.monotonic() + timeout
         try:
-            init = ray.get(sides[0].address.remote(), timeout=300)
-            rate = ray.get([side.measure.remote(rank, init) for rank, side in enumerate(sides)], timeout=300)[0]
-        except Exception:  # a pair that cannot all-reduce at all: both ends are suspect, the verdict says which
-            rate = 0.0
+            inits = {pair: two[0].address.remote() for pair, two in sides.items()}
+            measures = {}
+            for pair, two in sides.items():
+                try:
+                    init = ray.get(inits[pair], timeout=max(1.0, deadline - time.monotonic()))
+                    measures[pair] = [side.measure.remote(rank, init) for rank, side in enumerate(two)]
+                except Exception:  # a pair that cannot all-reduce at all: both ends are suspect, the verdict says which
+                    pass
+            for (a, b), refs in measures.items():
+                try:
+                    rate = ray.get(refs, timeout=max(1.0, deadline - time.monotonic()))[0]
+                except Exception:
+                    continue
+                fastest[a], fastest[b] = max(fastest[a], rate), max(fastest[b], rate)
         finally:
-            for side in sides:
+            for side in (side for two in sides.values() for side in two):
                 ray.kill(side)
-        fastest[a], fastest[b] = max(fastest[a], rate), max(fastest[b], rate)
     return fastest
 
 
