@@ -18,6 +18,7 @@ import os
 import re
 import types
 import typing
+import urllib.parse
 from pathlib import Path
 from typing import Any, Callable, Literal, Sequence, TypeVar
 
@@ -53,16 +54,39 @@ def positive(section: object, key: str, *names: str) -> None:
 
 
 def no_credentials(section: object, key: str, *names: str) -> None:
-    """Each named field of `section` (a URI or a path, or a list of them) must hold no user or password: a config
-    is copied into MLflow params, manifests and reject rows. The message does not repeat the value."""
+    """Each named field of `section` (a URI or a path, or a list of them) must hold no credential (uri_secret): a
+    config is copied into MLflow params, manifests and reject rows. The message does not repeat the value."""
     for name in names:
         value = getattr(section, name)
         for i, uri in enumerate(value if isinstance(value, list) else [value]):
-            if isinstance(uri, str) and storage.is_uri(uri) and "@" in uri.split("://", 1)[1].split("/", 1)[0]:
+            if isinstance(uri, str) and (problem := uri_secret(uri)):
                 where = _join(key, name) + (f"[{i}]" if isinstance(value, list) else "")
-                raise ConfigError(where, "a URI with a user or password in it: give credentials through the "
-                                  "environment or the cloud's own configuration (an instance role, ~/.aws), never "
-                                  "in the config, which is copied into MLflow and the run's records")
+                raise ConfigError(where, f"a URI with {problem}: give credentials through the environment or the "
+                                  "cloud's own configuration (an instance role, ~/.aws), never in the config, which "
+                                  "is copied into MLflow and the run's records")
+
+
+# Azure's file systems name the container before the `@` (abfs://container@account.dfs.core.windows.net/...).
+AZURE_CONTAINER_SCHEMES = ("abfs", "abfss", "wasb", "wasbs")
+# Query-string names that carry a secret: a SAS token's `sig`, a presigned URL's X-Amz-Signature, X-Amz-Credential
+# and X-Amz-Security-Token (X-Goog-* alike), an OAuth `client_secret` or `access_token`, a password, an API key.
+SECRET_PARAM = re.compile(r"^sig$|signature|secret|passw|token|credential|key", re.IGNORECASE)
+
+
+def uri_secret(uri: str) -> str | None:
+    """What credential `uri` holds, said without repeating it ("a user or password in it", "a secret in its query
+    string ('sig')"), or None. A path holds none; nor does Azure's `container@account` host."""
+    if not storage.is_uri(uri):
+        return None
+    scheme, rest = uri.split("://", 1)
+    user, at, _ = re.split(r"[/?#]", rest, maxsplit=1)[0].rpartition("@")
+    if at and (":" in user or scheme.lower() not in AZURE_CONTAINER_SCHEMES):
+        return "a user or password in it"
+    query = rest.partition("?")[2].partition("#")[0]
+    for name, _ in urllib.parse.parse_qsl(query):  # `name=value` pairs only: a glob's `?` is no query
+        if SECRET_PARAM.search(name):
+            return f"a secret in its query string ({name!r})"
+    return None
 
 
 # --------------------------------------------------------------------------- loading

@@ -37,6 +37,7 @@ import hashlib
 import json
 import logging
 import os
+import secrets
 import shutil
 import time
 import traceback
@@ -281,8 +282,10 @@ class Workdir:
 
 
 def _write_json_atomic(path: Path, data: dict) -> None:
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as f:
+    """`path` replaced whole, from a temp file made new (a fresh name, O_EXCL, O_NOFOLLOW): a link planted in the
+    workdir under a temp file's name is never written through."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644), "w") as f:
         json.dump(data, f, indent=2, sort_keys=True)
         f.flush()
         os.fsync(f.fileno())

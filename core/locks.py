@@ -11,6 +11,7 @@ so. FSx for Lustre takes `flock` when mounted with `-o flock`, the default of it
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import socket
@@ -22,7 +23,7 @@ LOCK_FILE = ".lock"
 
 
 class WorkdirBusy(RuntimeError):
-    """Another run holds the workdir; str() is the command line's one line."""
+    """Another run holds the workdir, or its lock file is not one a run made; str() is the command line's one line."""
 
 
 @contextlib.contextmanager
@@ -30,7 +31,13 @@ def hold(folder: str | os.PathLike, what: str) -> Iterator[str | None]:
     """Hold `folder`'s lock while the block runs (`what`: this run, for the note another run reads). Yields the
     note of a run that died holding it (taken over), else None; WorkdirBusy while another run holds it."""
     path = Path(folder) / LOCK_FILE
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:  # never through a link: one planted in a shared workdir would have its target's head printed, then emptied
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o644)
+    except OSError as exc:
+        if exc.errno != errno.ELOOP:
+            raise
+        raise WorkdirBusy(f"{path} is a symbolic link (to {os.readlink(path)}), not a lock a run made: not opened; "
+                          "remove it, or give this run a --workdir of its own") from None
     try:
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -22,7 +22,7 @@ import glob
 import os
 import re
 import urllib.parse
-from typing import BinaryIO
+from typing import BinaryIO, NamedTuple
 
 import pyarrow.fs as pafs
 
@@ -62,14 +62,56 @@ def filesystem(uri: str) -> tuple[pafs.FileSystem, str]:
     return PyFileSystem(FSSpecHandler(fs)), path
 
 
+class Listing(NamedTuple):
+    files: list[str]  # to read, sorted
+    refused: dict[str, str]  # named by the pattern but not read: path -> why
+
+
 def expand(pattern: str) -> list[str]:
-    """The files a path or glob names, sorted, each once (`**` crosses folders). URIs stay URIs."""
+    """The files a path or glob names, sorted, each once (`**` crosses folders). URIs stay URIs. Never a link out
+    of the pattern's folder, nor anything but a regular file: `listing` says which were left out, and why."""
+    return listing(pattern).files
+
+
+def listing(pattern: str) -> Listing:
+    """The files a path or glob names, and those refused. On a local or shared folder, anyone who can write
+    there can plant a link (`books/zz.txt -> ~/.ray/auth_token`), and the readers would follow it into a document
+    or a reject's `head`: a file that resolves outside the folder above the first wildcard (the named file's
+    folder, for a path without one) is refused, and so is a FIFO, device, socket or broken link, which no reader
+    can read. A link that stays inside that folder is read. An object store holds objects, never links."""
+    local = not is_uri(pattern) or urllib.parse.urlparse(pattern).scheme == "file"
+    if not local:
+        return Listing(_matches(pattern), {})
+    first = _GLOB_CHARS.search(pattern)
+    root = os.path.realpath(local_path(os.path.dirname(pattern[: first.start()] if first else pattern)))
+    files, refused = [], {}
+    for path in _matches(pattern):
+        real = os.path.realpath(local_path(path))
+        if os.path.commonpath([real, root]) != root:
+            refused[path] = (f"resolves through a symbolic link to {printable(real)}, outside the source's folder: "
+                             "not read")
+        elif not os.path.isfile(real):
+            refused[path] = "not a regular file (a FIFO, device, socket or broken link): not read"
+        else:
+            files.append(path)
+    return Listing(files, refused)
+
+
+def printable(path: str) -> str:
+    """A path as text that UTF-8, so Arrow and a terminal, can hold. A file name is bytes: one that is not UTF-8
+    comes to Python with its bad bytes as lone surrogates, which would stop the Parquet write of any row naming
+    it; here those bytes read as `\\xff` escapes."""
+    return os.fsencode(path).decode("utf-8", "backslashreplace")
+
+
+def _matches(pattern: str) -> list[str]:
+    """Everything but folders that a path or glob names, sorted."""
     if not is_uri(pattern):
-        return sorted(p for p in glob.glob(pattern, recursive=True) if os.path.isfile(p))
+        return sorted(p for p in glob.glob(pattern, recursive=True) if not os.path.isdir(p))
     first = _GLOB_CHARS.search(pattern)
     if first is None:  # one file
         fs, path = filesystem(pattern)
-        return [pattern] if fs.get_file_info(path).type == pafs.FileType.File else []
+        return [pattern] if fs.get_file_info(path).type in (pafs.FileType.File, pafs.FileType.Unknown) else []
     prefix = pattern[: pattern.rfind("/", 0, first.start()) + 1]  # the URI of the folder above the first wildcard
     fs, base = filesystem(prefix)
     base = base.rstrip("/")
@@ -77,7 +119,7 @@ def expand(pattern: str) -> list[str]:
     found = []
     for info in fs.get_file_info(pafs.FileSelector(base, recursive=True, allow_not_found=True)):
         rest = info.path[len(base):].lstrip("/")
-        if info.type == pafs.FileType.File and wanted.fullmatch(rest):
+        if info.type in (pafs.FileType.File, pafs.FileType.Unknown) and wanted.fullmatch(rest):
             found.append(prefix + rest)
     return sorted(found)
 

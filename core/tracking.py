@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import re
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Iterator
 
-from core.config import no_credentials
+from core.config import ConfigError, no_credentials, uri_secret
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -36,6 +37,30 @@ class MlflowConfig:
 
     def validate(self, key: str) -> None:
         no_credentials(self, key, "tracking_uri", "artifact_location")
+
+
+def environment_tracking_uri() -> str | None:
+    """`$MLFLOW_TRACKING_URI`, the default of `mlflow.tracking_uri`, checked as a config's is (uri_secret): it is
+    printed and copied into MLflow's params as the config's value."""
+    uri = os.environ.get("MLFLOW_TRACKING_URI")
+    if uri and (problem := uri_secret(uri)):
+        raise ConfigError("", f"$MLFLOW_TRACKING_URI is a URI with {problem}: give MLflow's user and password in "
+                          "~/.mlflow/credentials (or $MLFLOW_TRACKING_USERNAME and $MLFLOW_TRACKING_PASSWORD), never "
+                          "in the URI, which is printed and copied into MLflow's params")
+    return uri
+
+
+def admin_password() -> str:
+    """The password MLflow's server creates its admin user with (cluster.yaml's head start-up): the one its clients
+    read, from ~/.mlflow/credentials. Without one the head's start stops here with one line, rather than starting
+    MLflow with whatever the missing value prints as ("None")."""
+    from mlflow.utils.credentials import read_mlflow_creds
+
+    password = read_mlflow_creds().password
+    if not password:
+        raise SystemExit("error: no MLflow password: write mlflow_tracking_password in ~/.mlflow/credentials (docs/"
+                         "cluster.md, step 1) on the machine that runs `ray up`, then run it again")
+    return password
 
 
 MAX_PARAM_LENGTH = 6000  # MLflow's limit on a param value

@@ -11,6 +11,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal
 
+import zstandard
+
 from core import storage
 from core.config import KEYED_APART, ConfigError, at_least, local_path, no_credentials, positive
 
@@ -48,6 +50,10 @@ class SourceConfig:
     split: Literal["file", "blank_lines"] = "file"
     """`text` only: `file` makes each file one document (BookCorpus, CC-Stories); `blank_lines` makes each block
     between blank lines one, read block by block."""
+    zstd_window_log: int | None = None
+    """The largest zstd window this source's `.zst` files may use, as log2 bytes (10 to 31): the memory a reader
+    holds per file. A frame that needs more is a reject naming this key. `null`: 31 (2 GiB) for `pushshift`, whose
+    dumps are written with `zstd --long=31`; 27 (128 MiB) for the others, libzstd's own limit without `--long`."""
 
     def validate(self, key: str) -> None:
         if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
@@ -61,6 +67,10 @@ class SourceConfig:
             raise ConfigError(f"{key}.keep_subsets", "expected at least one subset (or leave it out for OPT's 8)")
         if self.split != "file" and self.format != "text":
             raise ConfigError(f"{key}.split", f"only for format 'text', this source is '{self.format}'")
+        low, high = zstandard.WINDOWLOG_MIN, zstandard.WINDOWLOG_MAX
+        if self.zstd_window_log is not None and not low <= self.zstd_window_log <= high:
+            raise ConfigError(f"{key}.zstd_window_log", f"expected a zstd window's log2 size, {low} (1 KiB) to {high} "
+                              f"(2 GiB), got {self.zstd_window_log}")
         if self.format == "pile" and self.keep_subsets is None:
             self.keep_subsets = list(OPT_PILE_SUBSETS)
 
@@ -88,7 +98,9 @@ class IngestConfig:
     reject naming its file and byte offset. The blocks after it are still read."""
     max_ratio: float = 1000.0
     """The most bytes a compressed file may decompress to per compressed byte; a file past it is a reject (a
-    decompression bomb). Text compresses about 3 to 10 to 1, so the default stops only bombs. At least 10."""
+    decompression bomb). Judged over its recent output (about 125 MiB at 1000), not the whole file, so an
+    incompressible start buys no room for a bomb after it. Text compresses about 3 to 10 to 1, so the default stops
+    only bombs. At least 10."""
 
     def validate(self, key: str) -> None:
         at_least(self, key, 1, "task_mb", "max_line_mb", "max_document_mb")

@@ -7,7 +7,7 @@ it claims) before the runner commits its output:
 | fate                          | where                         | what                                    |
 |-------------------------------|-------------------------------|-----------------------------------------|
 | rows_out                      | output/                       | a document (Reddit: one per thread)     |
-| rejected                      | rejects/                      | unreadable: file, line, offset, reason, first 200 bytes |
+| rejected                      | rejects/                      | unreadable, or a link out: file, line, offset, reason, first 200 bytes |
 | subset_not_kept               | subset_not_kept/              | a Pile document outside `keep_subsets`  |
 | off_longest_chain             | off_longest_chain/            | Reddit comments off the longest chain (OPT dropped ~66%) |
 | joined_into_thread            | (the thread's document)       | the chain's other comments and the submission, named in its meta |
@@ -30,6 +30,7 @@ import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Iterator
 
 import pyarrow as pa
 
@@ -38,7 +39,7 @@ from corpus.parts import DOCUMENT_SCHEMA, Parts, check_written, group_by_size, i
 from corpus.readers import LIMITS, READERS, REDDIT_FIELDS, Limits, relative_names
 from core import storage
 from core.ray_session import RayConfig
-from corpus.config import IngestConfig, SourceConfig, source_files
+from corpus.config import IngestConfig, SourceConfig
 from core.console import note
 from core.dag import StageContext, StageResult
 from core.ray_session import groupby
@@ -75,6 +76,7 @@ class ReadTask:
     folders: dict[str, str]  # where each kind of row goes: output, each reason's folder, records (Reddit's)
     fail_on_bad_input: bool
     limits: Limits = LIMITS  # what a reader holds at most (ingest.max_line_mb, max_document_mb, max_ratio)
+    refused: tuple[tuple[str, str], ...] = ()  # (path, why): named by the source's paths, not read (storage.listing)
 
 
 def read_task(task: ReadTask) -> dict:
@@ -95,44 +97,52 @@ def read_task(task: ReadTask) -> dict:
     counts: collections.Counter = collections.Counter()
     subsets: collections.Counter = collections.Counter()
     first_bad = None
-    for path, rel, nbytes in task.files:
-        counts["bytes_read"] += nbytes
-        for row in reader(path, name, rel):
-            counts["rows_in"] += 1
-            if row.get("reason"):
-                rejects.add({k: row[k] for k in REJECT_SCHEMA.names})
-                counts["rejected"] += 1
-                if task.fail_on_bad_input:
-                    first_bad = f"{path}:{row['line']} (byte {row['offset']}): {row['reason']}"
-                    break
-            elif "kind" in row:
-                records.add({k: row[k] for k in RECORD_SCHEMA.names}, len(row["body"]))
-                counts["reddit_records"] += 1
-            elif keep is not None and row["subset"] not in keep:
-                not_kept.add({"id": row["id"], "source": name, "subset": row["subset"], "file": path,
-                              "line": row["line"], "chars": len(row["text"])})
-                counts["subset_not_kept"] += 1
-            else:
-                docs.add({k: row[k] for k in DOCUMENT_SCHEMA.names}, len(row["text"]))
-                counts["documents"] += 1
-                counts["chars_out"] += len(row["text"])
-                subsets[f"{name}/{row['subset']}"] += 1
-        if first_bad:
-            break
+
+    def rows() -> Iterator[dict]:
+        for path, why in task.refused:  # a file left unread is one reject, like a file that cannot be read
+            yield {"source": name, "file": storage.printable(path), "line": 0, "offset": 0, "reason": why, "head": ""}
+        for path, rel, nbytes in task.files:
+            counts["bytes_read"] += nbytes
+            yield from reader(path, name, rel)
+
+    for row in rows():
+        counts["rows_in"] += 1
+        if row.get("reason"):
+            rejects.add({k: row[k] for k in REJECT_SCHEMA.names})
+            counts["rejected"] += 1
+            if task.fail_on_bad_input:
+                first_bad = f"{row['file']}:{row['line']} (byte {row['offset']}): {row['reason']}"
+                break
+        elif "kind" in row:
+            records.add({k: row[k] for k in RECORD_SCHEMA.names}, len(row["body"]))
+            counts["reddit_records"] += 1
+        elif keep is not None and row["subset"] not in keep:
+            not_kept.add({"id": row["id"], "source": name, "subset": row["subset"], "file": row["file"],
+                          "line": row["line"], "chars": len(row["text"])})
+            counts["subset_not_kept"] += 1
+        else:
+            docs.add({k: row[k] for k in DOCUMENT_SCHEMA.names}, len(row["text"]))
+            counts["documents"] += 1
+            counts["chars_out"] += len(row["text"])
+            subsets[f"{name}/{row['subset']}"] += 1
     for parts in (docs, rejects, not_kept, records):
         parts.close()
     return {"counts": dict(counts), "subsets": dict(subsets), "first_bad": first_bad}
 
 
 def read_task_for(source: SourceConfig, files: list[str], rel: dict[str, str], sizes: dict[str, int], stem: str,
-                  folders: dict[str, str], fail_on_bad_input: bool, limits: Limits = LIMITS) -> ReadTask:
-    """The task `read_task` runs for some files of a source."""
+                  folders: dict[str, str], fail_on_bad_input: bool, limits: Limits = LIMITS,
+                  refused: dict[str, str] | None = None) -> ReadTask:
+    """The task `read_task` runs for some files of a source (and for the files it leaves unread, with why)."""
     return ReadTask(source, tuple((f, rel[f], sizes[f]) for f in files), stem,
-                    {**folders, "records": os.path.join(folders["records"], source.name)}, fail_on_bad_input, limits)
+                    {**folders, "records": os.path.join(folders["records"], source.name)}, fail_on_bad_input, limits,
+                    tuple(sorted((refused or {}).items())))
 
 
-def limits_of(ingest: IngestConfig) -> Limits:
-    return Limits(ingest.max_line_mb << 20, ingest.max_document_mb << 20, ingest.max_ratio)
+def limits_of(ingest: IngestConfig, source: SourceConfig) -> Limits:
+    """What a reader of `source` holds at most: ingest's limits, and the source's zstd window."""
+    return Limits(ingest.max_line_mb << 20, ingest.max_document_mb << 20, ingest.max_ratio,
+                  zstd_window_log=source.zstd_window_log)
 
 
 def read_tasks(ctx: StageContext, folders: dict[str, str]) -> list[ReadTask]:
@@ -140,7 +150,8 @@ def read_tasks(ctx: StageContext, folders: dict[str, str]) -> list[ReadTask]:
     (and fewer per task when that leaves cores idle). One file is never split: a zstd stream is
     read from its start."""
     # Each file's size is asked for once (a request per file when the sources are in a bucket).
-    sizes_of = {source.name: {f: storage.size(f) for f in source_files(source)} for source in ctx.config.sources}
+    listed = {source.name: listing(source) for source in ctx.config.sources}
+    sizes_of = {name: {f: storage.size(f) for f in files} for name, (files, _) in listed.items()}
     total = sum(n for sizes in sizes_of.values() for n in sizes.values())
     target = task_bytes(total, ctx.config.ingest.task_mb << 20)
     tasks = []
@@ -149,8 +160,19 @@ def read_tasks(ctx: StageContext, folders: dict[str, str]) -> list[ReadTask]:
         rel = relative_names(list(sizes))
         for i, group in enumerate(group_by_size(sizes, target)):
             tasks.append(read_task_for(source, group, rel, sizes, f"{source.name}-{i:05d}", folders,
-                                       ctx.config.ingest.on_bad_input == "fail", limits_of(ctx.config.ingest)))
+                                       ctx.config.ingest.on_bad_input == "fail", limits_of(ctx.config.ingest, source)))
+        if refused := listed[source.name].refused:
+            tasks.append(read_task_for(source, [], rel, sizes, f"{source.name}-refused", folders,
+                                       ctx.config.ingest.on_bad_input == "fail", limits_of(ctx.config.ingest, source), refused))
     return tasks
+
+
+def listing(source: SourceConfig) -> storage.Listing:
+    """The files a source reads (as `source_files` lists them) and those its paths name but it leaves unread (a
+    link out of the source's folder, a FIFO: storage.listing), with why: each of those is a reject."""
+    listings = [storage.listing(pattern) for pattern in source.paths]
+    return storage.Listing(sorted({f for each in listings for f in each.files}),
+                           {f: why for each in listings for f, why in each.refused.items()})
 
 
 # --------------------------------------------------------------------------- phases 2-3: threads

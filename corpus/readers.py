@@ -5,12 +5,14 @@ rows are counted in one place and `rows_in == documents + rejects` per file. A r
 (file, line, byte offset), why, and shows the first 200 bytes. The readable part of a cut file
 is kept: its complete lines are read, and the cut itself is one reject.
 
-Compressed input is streamed, never read whole, and in bounded steps: zstd with a window of up to 2 GiB
-(PushShift's `zstd --long=31` dumps, which pyarrow refuses), gzip, or plain. Each step gives at most CHUNK
-bytes, however much they decompress to: python-zstandard's `decompressobj` would hand a 2 KB zstd bomb's 64 MiB
-over in one piece, so zstd is read with its stream reader, which ends quietly at a truncated frame; the
-frames' own headers and block sizes, walked beside it (`_FrameWalker`), say whether the last one really ended.
-`Limits` bound the rest: a file that decompresses beyond `max_ratio` to 1 is a reject (a bomb), a line over
+Compressed input is streamed, never read whole, and in bounded steps: zstd, gzip, or plain. zstd's window (the
+memory its decoder holds) is capped per source: 2 GiB only for PushShift's `zstd --long=31` dumps (which
+pyarrow refuses), 128 MiB for the others (`Limits.zstd_window_log`). Each step gives at most CHUNK bytes, however
+much they decompress to: python-zstandard's `decompressobj` would hand a 2 KB zstd bomb's 64 MiB over in one
+piece, so zstd is read with its stream reader, which ends quietly at a truncated frame; the frames' own headers
+and block sizes, walked beside it (`_FrameWalker`), say whether the last one really ended.
+`Limits` bound the rest: a file that decompresses beyond `max_ratio` to 1 (judged over its recent output, not
+the whole file: `_Ratio`) is a reject (a bomb), a line over
 `max_line_bytes` is a reject and is never held whole (nor re-split as it grows), and so is a text file over
 `max_document_bytes` when the file is one document; a text file split at blank lines is streamed, and only a
 block over `max_document_bytes` is a reject (never held whole either).
@@ -24,16 +26,21 @@ import json
 import os
 import re
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterator
 
 import zstandard
 
-from core.storage import open_input
+from core.storage import open_input, printable
 
-ZSTD_MAX_WINDOW = 2**31  # PushShift dumps need the full 2 GiB window
+# zstd's window limits, as log2 bytes: libzstd's own default (ZSTD_WINDOWLOG_LIMIT_DEFAULT, 128 MiB: what `zstd -d`
+# decodes without --long or --memory), and PushShift's, whose dumps are written with `zstd --long=31` (2 GiB).
+ZSTD_WINDOW_LOG, PUSHSHIFT_WINDOW_LOG = 27, 31
 CHUNK = 1 << 20
-RATIO_FLOOR = 16 << 20  # decompressed bytes before the ratio is judged: a small file's headers are no bomb
+# The compressed bytes handed to a decoder at once: zstd's own input step (ZSTD_DStreamInSize, 128 KiB and a block
+# header), and at least gzip's reads. The file itself is read CHUNK at a time (one request per CHUNK from a bucket).
+READ = zstandard.DECOMPRESSION_RECOMMENDED_INPUT_SIZE
+RATIO_FLOOR = 16 << 20  # decompressed bytes allowed before the ratio applies: a small file's headers are no bomb
 
 
 @dataclass(frozen=True)
@@ -42,7 +49,8 @@ class Limits:
 
     max_line_bytes: int = 64 << 20
     max_document_bytes: int = 256 << 20
-    max_ratio: float = 1000.0  # decompressed bytes per compressed byte over a file: text is 3-10, a bomb 1000s
+    max_ratio: float = 1000.0  # decompressed bytes per compressed byte: text is 3-10, a bomb 1000s
+    zstd_window_log: int | None = None  # the source's (SourceConfig.zstd_window_log); None: its format's default
 
 
 LIMITS = Limits()
@@ -61,7 +69,7 @@ class Truncated(Exception):
 
 
 class TooLarge(Exception):
-    """A file past a Limits bound (a decompression bomb); str() is the reject's reason."""
+    """A file past a Limits bound (a decompression bomb, a zstd window over the limit); str() is the reject's reason."""
 
 
 ZSTD_MAGIC = b"\x28\xb5\x2f\xfd"
@@ -122,45 +130,73 @@ class _FrameWalker:
 
 
 class _Counted:
-    """A file's bytes as the decoder reads them, counted and shown to a _FrameWalker on the way."""
+    """A file's bytes as the decoder reads them: read from the file CHUNK at a time, handed over at most READ at a
+    time, counted (what the ratio is judged on, to within READ) and shown to a _FrameWalker on the way."""
 
     def __init__(self, fh, walker: _FrameWalker):
         self.fh, self.walker, self.bytes = fh, walker, 0
+        self.buffer, self.at = b"", 0
 
-    def read(self, size: int = -1) -> bytes:
-        data = self.fh.read(size)
+    def read(self, size: int) -> bytes:
+        if self.at == len(self.buffer):
+            self.buffer, self.at = self.fh.read(CHUNK), 0
+        data = self.buffer[self.at:self.at + min(size, READ)]
+        self.at += len(data)
         self.bytes += len(data)
         self.walker.feed(data)
         return data
 
 
-def _check_ratio(produced: int, consumed: int, limits: Limits) -> None:
-    if produced > RATIO_FLOOR and produced > limits.max_ratio * max(consumed, 1):
-        raise TooLarge(f"decompresses beyond {limits.max_ratio:g} to 1 ({produced >> 20} MiB from {consumed:,} bytes "
-                       "read): a decompression bomb, not read further")
+class _Ratio:
+    """The decompression-ratio guard, judged over the recent output rather than the whole file: each compressed
+    byte read pays for `max_ratio` bytes of output, RATIO_FLOOR bytes come free at the start, and no more than
+    `window` bytes are ever paid for ahead (the output of one READ at `max_ratio`). Judged over the whole file, an
+    incompressible prefix of N MB would buy `max_ratio` x N MB of output for a bomb after it; here, `window`."""
+
+    def __init__(self, limits: Limits):
+        self.max_ratio = limits.max_ratio
+        self.window = max(RATIO_FLOOR, int(limits.max_ratio * READ))
+        self.allowance, self.produced, self.consumed = RATIO_FLOOR, 0, 0
+
+    def check(self, produced: int, consumed: int) -> None:
+        """`produced` bytes of output so far from `consumed` bytes read; TooLarge once the output overdraws."""
+        paid = self.max_ratio * (consumed - self.consumed)
+        self.allowance = min(self.allowance + paid, self.window) - (produced - self.produced)
+        self.produced, self.consumed = produced, consumed
+        if self.allowance < 0:
+            raise TooLarge(f"decompresses beyond {self.max_ratio:g} to 1 ({produced >> 20} MiB from {consumed:,} bytes "
+                           f"read, judged over at most its last {self.window >> 20} MiB): a decompression bomb, not read "
+                           "further")
 
 
-def _zstd_chunks(path: str, limits: Limits) -> Iterator[bytes]:
-    walker, produced = _FrameWalker(), 0
+def _zstd_chunks(path: str, limits: Limits, window_log: int) -> Iterator[bytes]:
+    walker, produced, ratio = _FrameWalker(), 0, _Ratio(limits)
     with open_input(path) as fh:
         source = _Counted(fh, walker)
-        reader = zstandard.ZstdDecompressor(max_window_size=ZSTD_MAX_WINDOW).stream_reader(
-            source, read_size=CHUNK, read_across_frames=True, closefd=False)
-        while chunk := reader.read(CHUNK):
-            produced += len(chunk)
-            _check_ratio(produced, source.bytes, limits)
-            yield chunk
+        reader = zstandard.ZstdDecompressor(max_window_size=1 << window_log).stream_reader(
+            source, read_size=READ, read_across_frames=True, closefd=False)
+        try:
+            while chunk := reader.read(CHUNK):
+                produced += len(chunk)
+                ratio.check(produced, source.bytes)
+                yield chunk
+        except zstandard.ZstdError as exc:
+            if "too much memory" not in str(exc):  # libzstd's frameParameter_windowTooLarge
+                raise
+            raise TooLarge(f"a zstd frame needs a window over 2^{window_log} bytes (zstd_window_log {window_log}): "
+                           f"not read; raise the source's zstd_window_log (at most {PUSHSHIFT_WINDOW_LOG}) if its "
+                           "dumps were written with zstd --long") from None
     if not walker.complete:
         raise Truncated("zstd stream ends inside a frame (file cut short?)")
 
 
 def _gzip_chunks(path: str, limits: Limits) -> Iterator[bytes]:
     with open_input(path) as raw, gzip.GzipFile(fileobj=raw, mode="rb") as fh:
-        produced = 0
+        produced, ratio = 0, _Ratio(limits)
         try:
             while chunk := fh.read1(CHUNK):  # read() would drop what it decoded before a cut
                 produced += len(chunk)
-                _check_ratio(produced, raw.tell(), limits)
+                ratio.check(produced, raw.tell())
                 yield chunk
         except EOFError as exc:
             raise Truncated(f"gzip stream ends early: {exc}") from None
@@ -186,7 +222,7 @@ def stream_problem(exc: BaseException) -> str:
 def byte_chunks(path: str, limits: Limits = LIMITS) -> Iterator[bytes]:
     """A file's bytes, decompressed, in pieces of at most CHUNK."""
     if path.endswith(".zst"):
-        return _zstd_chunks(path, limits)
+        return _zstd_chunks(path, limits, limits.zstd_window_log or ZSTD_WINDOW_LOG)
     if path.endswith(".gz"):
         return _gzip_chunks(path, limits)
     return _plain_chunks(path)
@@ -243,13 +279,13 @@ def read_lines(path: str, limits: Limits = LIMITS) -> Iterator[tuple[int, int, b
 
 
 def _reject(file: str, line: int, offset: int, reason: str, raw: bytes, source: str) -> dict:
-    return {"id": "", "text": "", "source": source, "subset": "", "meta": "", "file": file, "line": line,
+    return {"id": "", "text": "", "source": source, "subset": "", "meta": "", "file": printable(file), "line": line,
             "offset": offset, "reason": reason, "head": raw[:HEAD_BYTES].decode("utf-8", "replace")}
 
 
 def _doc(doc_id: str, text: str, source: str, subset: str, meta: dict, file: str, line: int, offset: int) -> dict:
     return {"id": doc_id, "text": text, "source": source, "subset": subset,
-            "meta": json.dumps(meta, ensure_ascii=False, sort_keys=True), "file": file, "line": line,
+            "meta": json.dumps(meta, ensure_ascii=False, sort_keys=True), "file": printable(file), "line": line,
             "offset": offset, "reason": "", "head": ""}
 
 
@@ -568,7 +604,10 @@ def _reddit_record(record: dict) -> tuple[dict | None, str | None]:
 
 
 def read_pushshift(path: str, source: str, rel: str, limits: Limits = LIMITS) -> Iterator[dict]:
-    """RC_ comments and RS_ submissions: validated records (REDDIT_FIELDS), grouped into threads later."""
+    """RC_ comments and RS_ submissions: validated records (REDDIT_FIELDS), grouped into threads later. Their
+    zstd window may be PushShift's 2 GiB unless the source says otherwise."""
+    if limits.zstd_window_log is None:
+        limits = replace(limits, zstd_window_log=PUSHSHIFT_WINDOW_LOG)
     for lineno, offset, raw, record, reject in _records(path, source, limits):
         if reject:
             yield reject
@@ -577,7 +616,7 @@ def read_pushshift(path: str, source: str, rel: str, limits: Limits = LIMITS) ->
         if problem:
             yield _reject(path, lineno, offset, problem, raw, source)
             continue
-        row.update(file=path, line=lineno)
+        row.update(file=printable(path), line=lineno)
         yield _checked(row, path, lineno, offset, raw, source)
 
 
@@ -586,9 +625,10 @@ READERS = {"jsonl": read_jsonl, "pile": read_pile, "text": read_text, "pushshift
 
 def relative_names(files: list[str]) -> dict[str, str]:
     """Each file's path below the source's common folder: the stable part of a document id
-    (the same for a folder read as a path, a file:// URI or from a bucket with the same layout)."""
+    (the same for a folder read as a path, a file:// URI or from a bucket with the same layout), as
+    `printable` text (a name that is not UTF-8 shows its bytes as escapes)."""
     if not files:
         return {}
     paths = {f: f.split("://", 1)[-1] for f in files}
     root = os.path.commonpath([os.path.dirname(p) for p in paths.values()])
-    return {f: os.path.relpath(p, root) for f, p in paths.items()}
+    return {f: printable(os.path.relpath(p, root)) for f, p in paths.items()}

@@ -16,7 +16,7 @@ from typing import Callable, Sequence
 from core import storage
 from core.config import ConfigError, load, local_path, no_credentials
 from core.ray_session import RayConfig
-from core.tracking import MlflowConfig
+from core.tracking import MlflowConfig, environment_tracking_uri
 from corpus.config import (OPT_PILE_SUBSETS, EvalConfig, IngestConfig, NormalizeConfig, SourceConfig, TokenizeConfig,
                            TokenizerConfig)
 from dedup.config import DedupConfig
@@ -99,7 +99,7 @@ class PipelineConfig:
         self.workdir = local_path(self.workdir, "workdir")
         mlflow = self.mlflow
         if mlflow.tracking_uri is None:
-            mlflow.tracking_uri = os.environ.get("MLFLOW_TRACKING_URI") or f"sqlite:///{os.path.join(self.workdir, 'mlflow.db')}"
+            mlflow.tracking_uri = environment_tracking_uri() or f"sqlite:///{os.path.join(self.workdir, 'mlflow.db')}"
         if mlflow.experiment is None:
             mlflow.experiment = self.name
         location = mlflow.artifact_location or os.path.join(self.workdir, "mlartifacts")

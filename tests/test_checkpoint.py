@@ -256,3 +256,25 @@ def test_a_checkpoint_loads_no_pickle_and_takes_no_linked_folder(engine_factory,
     with pytest.raises(RuntimeError, match=r"model_states.pt holds more than tensors and DeepSpeed's known types"):
         checkpoint_files.load_latest(a, root)
     assert not marker.exists()
+
+
+def test_a_link_anywhere_inside_a_checkpoint_is_refused(tmp_path):
+    """Only `step-*` itself was checked: a real `step-*/` whose `ds/` links to a folder elsewhere, with a meta.json
+    that matches that folder's files, verified."""
+    import os
+    import shutil
+
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "model_states.pt").write_bytes(b"planted")
+    step = tmp_path / "ckpt" / checkpoint_files.step_name(100)
+    step.mkdir(parents=True)
+    (step / "ds").symlink_to(elsewhere)
+    planted = step / "ds" / "model_states.pt"
+    files = {"ds/model_states.pt": [checkpoint_files._sha256(planted), planted.stat().st_size, 0]}
+    (step / "meta.json").write_text(json.dumps({"step": 100, "files": files}))
+    assert checkpoint_files.published(step.parent) == [step]
+    assert checkpoint_files.verify(step) == f"step-00000100: ds is a symbolic link (to {elsewhere}): refused"
+    os.unlink(step / "ds")
+    shutil.copytree(elsewhere, step / "ds")
+    assert checkpoint_files.verify(step) is None  # the same files, in the folder itself

@@ -8,6 +8,9 @@ import copy
 import json
 import re
 import shlex
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import jsonschema
@@ -120,6 +123,60 @@ def test_every_node_is_in_the_cluster_group_and_ssh_comes_only_from_the_bastion(
     assert pairs == {("all", "all", "sg-REPLACE_ME"), ("tcp", "22", "sg-REPLACE_ME_BASTION")}
 
 
+def test_the_training_groups_ports_are_open_to_the_group_alone():
+    """torch.distributed's store, gloo and NCCL have no login, and torch's object collectives unpickle what a peer
+    sends: docs/cluster.md's port table lists their ports, guarded by the group only, and the group's rules (as
+    written there) admit nothing else to them: the one rule from outside the group, the bastion's, names port 22,
+    outside every training port. Ray Train's MASTER_PORT is the kernel's pick, in the range the table names."""
+    from ray.train._internal.utils import get_address_and_port
+
+    text = (ROOT / "docs" / "cluster.md").read_text()
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in text.splitlines() if line.startswith("| ")]
+    training = [r for r in rows if re.search(r"torch\.distributed's store|gloo's|NCCL's", r[1])]
+    assert len(training) == 4 and all(r[3] == "nothing: the group only" for r in training)
+    ranges = [(int(a), int(b)) for r in training for a, b in re.findall(r"(\d+)-(\d+)", r[0])]
+    assert ranges and set(ranges) == {(32768, 60999)}
+    rules = [shlex.split(line) for line in text.splitlines()
+             if line.startswith("aws ec2 authorize-security-group-ingress")]
+    outside = [r for r in rules if r[r.index("--source-group") + 1] != "sg-REPLACE_ME"]
+    assert [(r[r.index("--protocol") + 1], r[r.index("--port") + 1]) for r in outside] == [("tcp", "22")]
+    assert not any(low <= 22 <= high for low, high in ranges)
+    low, high = map(int, Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+    assert low <= get_address_and_port()[1] <= high
+
+
+def test_the_head_stops_at_start_without_an_mlflow_password(cluster, tmp_path):
+    """The head's start-up line as cluster.yaml has it, run by bash with stand-ins that record their calls: when
+    core/tracking.py's admin_password() fails (no password in ~/.mlflow/credentials; tests/test_config.py tests it),
+    the line stops there with its message, before MLflow or Ray starts (it started MLflow with the password
+    "None"); when it prints one, MLflow's admin gets it, then Ray starts."""
+    calls, answer, bin_ = tmp_path / "calls", tmp_path / "answer", tmp_path / "bin"
+    bin_.mkdir()
+    stubs = {"hostname": "echo 10.0.0.5", "pgrep": "exit 1", "ray": f'echo "ray $1 $2" >> {calls}',
+             "mlflow": f'echo "mlflow $MLFLOW_AUTH_ADMIN_PASSWORD" >> {calls}',
+             "python": f'case "$2" in *"from core.tracking import admin_password"*) '
+                       f'cat {answer} 2>/dev/null || {{ echo "error: no MLflow password" >&2; exit 1; }};; '
+                       f'*) exec {sys.executable} "$@";; esac'}
+    for name, body in stubs.items():
+        (bin_ / name).write_text(f"#!/bin/sh\n{body}\n")
+        (bin_ / name).chmod(0o755)
+    line = cluster["head_start_ray_commands"][1].replace("/tmp/mlflow.log", str(tmp_path / "mlflow.log"))
+
+    def start() -> subprocess.CompletedProcess:
+        return subprocess.run(["bash", "-c", line], env={"PATH": f"{bin_}:/usr/bin:/bin", "HOME": str(tmp_path)},
+                              capture_output=True, text=True, timeout=60)
+
+    stopped = start()
+    assert (stopped.returncode, stopped.stderr) == (1, "error: no MLflow password\n") and not calls.exists()
+    answer.write_text("s3cr3t\n")
+    assert start().returncode == 0
+    for _ in range(100):  # MLflow is started in the background
+        if calls.exists() and len(calls.read_text().splitlines()) == 2:
+            break
+        time.sleep(0.1)
+    assert sorted(calls.read_text().splitlines()) == ["mlflow s3cr3t", "ray start --head"]
+
+
 def test_every_node_runs_ray_with_its_token_from_outside_the_repository(cluster):
     """RAY_AUTH_MODE=token in every container (head and workers, and whatever `ray exec` runs there); the token
     reaches each node as a file mount from the home of the machine that runs `ray up` (the head's autoscaler copies
@@ -145,7 +202,7 @@ def test_mlflow_asks_every_client_for_its_password(cluster):
     assert re.search(guard, "/opt/venv/bin/python /opt/venv/bin/mlflow server --app-name basic-auth")
     assert not re.search(guard, f"bash --login -c -i {head}")
     assert "MLFLOW_AUTH_CONFIG_PATH=/opt/opt-pipeline/configs/mlflow_auth.ini" in head
-    assert "MLFLOW_AUTH_ADMIN_PASSWORD=\"$(python -c 'from mlflow.utils.credentials import read_mlflow_creds" in head
+    assert 'MLFLOW_AUTH_ADMIN_PASSWORD="$ADMIN_PASSWORD"' in head  # admin_password(): the credentials file's
     assert cluster["file_mounts"]["~/.mlflow/credentials"] == "~/.mlflow/credentials"
     auth = configparser.ConfigParser()  # read as mlflow/server/auth/config.py reads it
     auth.read(ROOT / "configs" / "mlflow_auth.ini")

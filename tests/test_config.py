@@ -160,6 +160,10 @@ def test_rules_that_need_a_model_or_a_gpu_table_run_only_as_checks(cfg):
      r"'sources\[0\]\.keep_subsets': only for format 'pile', this source is 'jsonl'"),
     ("sources: [{name: a, format: pile, paths: [x], keep_subsets: []}]", r"'sources\[0\]\.keep_subsets': expected at least one subset"),
     ("sources: [{name: a, format: pile, paths: [x], split: blank_lines}]", r"'sources\[0\]\.split': only for format 'text'"),
+    ("sources: [{name: a, format: jsonl, paths: [x], zstd_window_log: 32}]",
+     r"'sources\[0\]\.zstd_window_log': expected a zstd window's log2 size, 10 \(1 KiB\) to 31 \(2 GiB\), got 32"),
+    ("sources: [{name: a, format: jsonl, paths: [x], zstd_window_log: 9}]",
+     r"'sources\[0\]\.zstd_window_log': expected a zstd"),
     ("sources: [{name: a, format: pile, paths: [x]}]\ningest: {on_bad_input: skip}",
      r"'ingest\.on_bad_input': expected one of 'reject', 'fail'"),
 ])
@@ -241,6 +245,60 @@ def test_cli_exits_2_with_one_line_for_each_kind_of_mistake(cfg, capsys, tmp_pat
         assert err.startswith("error: ") and message in err, (argv, err)
         assert len(err.splitlines()) == 1 and "s3cr3t" not in err, err  # a secret is never repeated
     assert not (tmp_path / "work").exists()  # nothing ran, nothing was created
+
+
+@pytest.mark.parametrize("uri, problem", [
+    ("s3://AKIAKEY:s3cr3t@bucket/x.jsonl", "a user or password in it"),
+    ("hdfs://me@namenode/x.jsonl", "a user or password in it"),
+    ("abfs://me:s3cr3t@account.dfs.core.windows.net/x.jsonl", "a user or password in it"),
+    ("https://acct.blob.core.windows.net/c/x.jsonl?sv=2024-11-04&se=2030-01-01&sig=s3cr3t",
+     "a secret in its query string ('sig')"),
+    ("s3://bucket/x.jsonl?X-Amz-Algorithm=AWS4-HMAC-SHA256&X-Amz-Signature=s3cr3t",
+     "a secret in its query string ('X-Amz-Signature')"),
+    ("http://mlflow:5000/?client_secret=s3cr3t", "a secret in its query string ('client_secret')"),
+    ("abfs://corpus@account.dfs.core.windows.net/pile/*.jsonl.zst", None),  # a container, not a user
+    ("abfss://corpus@account.dfs.core.windows.net/x.jsonl", None),
+    ("wasbs://corpus@account.blob.core.windows.net/x.jsonl", None),
+    ("s3://bucket/RC_2019-0?.zst", None),  # a glob's `?` is no query
+    ("data/me@home/x.jsonl", None),  # a path, not a URI
+])
+def test_a_uri_with_a_credential_is_refused_and_azures_container_is_not_one(uri, problem):
+    from core.config import uri_secret
+
+    assert uri_secret(uri) == problem
+
+
+def test_credentials_in_a_config_uri_or_the_tracking_uri_from_the_environment_stop_the_load(cfg, monkeypatch):
+    """A source's URI with a SAS token is refused as one with a password is; `abfs://container@account` loads; the
+    tracking URI from $MLFLOW_TRACKING_URI, which becomes the config's (printed, copied into MLflow's params), is
+    checked too. No message repeats the secret."""
+    sas = "sources.0.paths=['https://acct.blob.core.windows.net/c/x.jsonl?sv=2024-11-04&sig=s3cr3t']"
+    with pytest.raises(ConfigError, match=r"^config key 'sources\[0\]\.paths\[0\]': a URI with a secret in its "
+                                          r"query string \('sig'\): give credentials through the environment") as exc:
+        load_config(cfg(), [sas])
+    assert "s3cr3t" not in str(exc.value)
+    azure = "abfs://corpus@account.dfs.core.windows.net/x.jsonl"
+    assert load_config(cfg(), [f"sources.0.paths=[{azure}]"]).sources[0].paths == [azure]
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://admin:s3cr3t@10.0.0.5:5000")
+    with pytest.raises(ConfigError) as exc:
+        load_config(cfg())
+    assert str(exc.value).startswith("$MLFLOW_TRACKING_URI is a URI with a user or password in it: give MLflow's user "
+                                     "and password in ~/.mlflow/credentials") and "s3cr3t" not in str(exc.value)
+
+
+def test_mlflows_admin_password_is_the_credentials_files_or_a_stop(tmp_path, monkeypatch):
+    """cluster.yaml's head start-up creates MLflow's admin with this password: "None" was one, when the file had
+    none."""
+    from core.tracking import admin_password
+
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.delenv("MLFLOW_TRACKING_PASSWORD", raising=False)
+    (tmp_path / ".mlflow").mkdir()
+    (tmp_path / ".mlflow" / "credentials").write_text("[mlflow]\nmlflow_tracking_username = admin\n")
+    with pytest.raises(SystemExit, match=r"^error: no MLflow password: write mlflow_tracking_password in "):
+        admin_password()
+    (tmp_path / ".mlflow" / "credentials").write_text("[mlflow]\nmlflow_tracking_password = s3cr3t\n")
+    assert admin_password() == "s3cr3t"
 
 
 def test_script_exit_code_and_single_line_from_a_real_process(cfg):

@@ -252,6 +252,40 @@ sources:
                     "poems/poems.txt:8": "third", "7": "one", "k2": "two"}
 
 
+def test_links_out_and_file_names_that_are_not_utf8_are_counted_rejects_and_ingest_goes_on(tmp_path, ray_session):
+    """A planted link out of a source's folder is a reject naming it, never read (the token stays out of documents
+    and rejects' heads alike); a file whose name is not UTF-8 is read, its bytes escaped in ids and rejects."""
+    import os
+
+    token = tmp_path / "auth_token"  # stands in for ~/.ray/auth_token
+    token.write_text('{"text": "secret"}\n')
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "a.txt").write_text("a book")
+    (raw / "zz.txt").symlink_to(token)
+    (raw / "x.jsonl").symlink_to(token)
+    for name, data in ((b"caf\xe9.txt", b"a second book"), (b"bad\xff.txt", b"\xff")):
+        Path(os.fsdecode(os.fsencode(raw) + b"/" + name)).write_bytes(data)
+    (raw / "ok.jsonl").write_text('{"text": "a line"}\n')
+    cfg = write_config(tmp_path, f"""
+workdir: {tmp_path}/work
+sources:
+  - {{name: books, format: text, paths: ["{raw}/*.txt"]}}
+  - {{name: misc, format: jsonl, paths: ["{raw}/*.jsonl"]}}
+""")
+    assert main(["--config", str(cfg), "--only", "ingest"]) == 0
+    counts = manifest(tmp_path / "work", "ingest")["counts"]
+    assert (counts["rows_in"], counts["rows_out"], counts["rejected"]) == (6, 3, 3)
+    folder = stage_folder(tmp_path / "work", "ingest")
+    docs, rejects = rows(folder / "output"), rows(folder / "rejects")
+    assert sorted(d["id"] for d in docs) == ["books/a.txt", "books/caf\\xe9.txt", "misc/ok.jsonl:1"]
+    linked = f"resolves through a symbolic link to {token}, outside the source's folder: not read"
+    assert sorted((r["file"], r["reason"]) for r in rejects if r["line"] == 0 and r["head"] == "") == [
+        (f"{raw}/x.jsonl", linked), (f"{raw}/zz.txt", linked)]
+    assert any(r["file"] == f"{raw}/bad\\xff.txt" and r["reason"].startswith("invalid UTF-8") for r in rejects)
+    assert not any("secret" in str(r) for r in docs + rejects)
+
+
 def test_dedup_removes_the_planted_duplicates_and_nothing_else(sample_run):
     _, planted, wd = sample_run
     folder = stage_folder(wd, "dedup")

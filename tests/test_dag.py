@@ -349,3 +349,20 @@ sys.exit(main(sys.argv[1:], stages=minipipeline.mini_stages(normalize_run=minipi
     assert not partial.exists()  # the stale partial is cleared when the stage runs again
     assert all(f.read_bytes()[:4] == b"PAR1" for f in Path(now["output"]).glob("*.parquet"))
     assert len(rows(now["output"])) == now["counts"]["rows_out"]
+
+
+def test_a_manifests_temp_file_is_made_new_never_written_through_a_planted_link(tmp_path, monkeypatch):
+    from core import dag
+
+    target = tmp_path / "auth_token"
+    target.write_text("secret")
+    monkeypatch.setattr(dag.secrets, "token_hex", lambda n: "beef")  # the name a planted link would have to guess
+    link = tmp_path / f".manifest.json.{os.getpid()}.beef.tmp"
+    link.symlink_to(target)
+    with pytest.raises(FileExistsError):
+        dag._write_json_atomic(tmp_path / "manifest.json", {"stage": "ingest"})
+    assert target.read_text() == "secret" and not (tmp_path / "manifest.json").exists()
+    link.unlink()
+    dag._write_json_atomic(tmp_path / "manifest.json", {"stage": "ingest"})
+    assert json.loads((tmp_path / "manifest.json").read_text()) == {"stage": "ingest"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["auth_token", "manifest.json"]

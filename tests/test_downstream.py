@@ -1,12 +1,14 @@
 """Downstream tasks through lm-evaluation-harness (train/downstream/): the held-out continuation task made from the
 evaluation set and scored on every seed's export, its accuracy in MLflow, lm-eval's output in the stage log only;
-task names checked at load as lm-eval knows them."""
+task names checked at load as lm-eval knows them; nothing of the (shared) workdir imported or run as code."""
 
 from __future__ import annotations
 
 import json
 import random
 import re
+import shutil
+import subprocess
 from functools import partial
 from pathlib import Path
 
@@ -20,7 +22,7 @@ from core.config import ConfigError
 from core.dag import Stage, StageContext, StageResult
 from pipelines.config import load_config
 from corpus import lm_eval_names as names
-from train.downstream import heldout
+from train.downstream import heldout, stage
 
 TASK = heldout.NAME
 WORDS = ("the river ran past an old stone house where morning light fell on green fields and a dog slept "
@@ -107,6 +109,71 @@ def test_a_new_task_list_changes_only_the_downstream_stage():
     base = fingerprints(load_config(None), list(STAGES))
     other = fingerprints(load_config(None, ["eval.downstream.limit=10"]), list(STAGES))
     assert [s for s in base if base[s] != other[s]] == ["downstream"]
+
+
+# --------------------------------------------------------------------------- nothing of the workdir becomes code
+
+
+def workdir_request(work: Path) -> stage.Request:
+    """Our task as the stage leaves it in the (shared) workdir's tasks/, its YAML and data, and a request of no
+    models: the harness starts, reads its request and indexes the tasks, then has nothing to evaluate."""
+    tasks = work / "tasks"
+    tasks.mkdir(parents=True)
+    shutil.copyfile(names.ours()[TASK], tasks / names.ours()[TASK].name)
+    heldout.write(documents(), 0, tasks / f"{TASK}.jsonl")
+    return stage.Request(models=(), tasks=(TASK,), include_path=str(tasks), include_defaults=False, offline=True,
+                         limit=2, num_fewshot=0, batch_size=1, dtype="float32", device="cpu", parallelize=False,
+                         threads=1, seed=0, out=str(work))
+
+
+def test_a_module_planted_in_the_workdir_is_not_imported_by_the_harness(tmp_path):
+    """`python -m` from the task folder put it first on sys.path: a `json.py` there ran (exit 42)."""
+    request = workdir_request(tmp_path / "work")
+    planted = tmp_path / "ran"
+    (Path(request.include_path) / "json.py").write_text(f"open({str(planted)!r}, 'w').close()\nraise SystemExit(42)\n")
+    code, output = stage.evaluate(request)
+    assert code == 0 and not planted.exists(), output[-2000:]
+
+
+def test_the_harness_runs_in_a_private_folder_with_its_request_on_stdin(tmp_path, monkeypatch):
+    """Not in the workdir, nor from a request file there: a private folder (0700) of copies of our task files, gone
+    after; -P, so the folder it runs in is not on sys.path."""
+    request = workdir_request(tmp_path / "work")
+    seen = {}
+
+    def harness(args, **kwargs):
+        folder = Path(kwargs["cwd"])
+        seen.update(args=args, stdin=kwargs.get("input"), folder=folder, mode=folder.parent.stat().st_mode & 0o777,
+                    files=sorted(p.name for p in folder.iterdir()))
+        return subprocess.CompletedProcess(args, 0, "")
+
+    monkeypatch.setattr(stage.subprocess, "run", harness)
+    assert stage.evaluate(request) == (0, "")
+    assert seen["args"][1:] == ["-P", "-m", "train.downstream.harness"]  # no request file named
+    assert tmp_path not in seen["folder"].parents and seen["mode"] == 0o700 and not seen["folder"].exists()
+    assert seen["files"] == sorted([f"{TASK}.jsonl", names.ours()[TASK].name])
+    assert json.loads(seen["stdin"]) == {**json.loads(json.dumps(vars(request))), "include_path": str(seen["folder"])}
+
+
+def test_a_task_file_that_is_not_ours_is_refused_before_the_harness_starts(tmp_path, monkeypatch):
+    """A `!function` in a task YAML runs the Python it names (a file beside it, or any module): only the YAML we ship
+    is run, and a link in place of a task file is refused, not followed."""
+    request = workdir_request(tmp_path / "work")
+    monkeypatch.setattr(stage.subprocess, "run", lambda *a, **k: pytest.fail("the harness started"))
+    yaml_file = Path(request.include_path) / names.ours()[TASK].name
+    shipped = yaml_file.read_text()
+    assert "!function" not in "".join(p.read_text() for p in names.ours().values())  # ours need none
+    (yaml_file.parent / "evil.py").write_text("def process(doc, results):\n    raise SystemExit(42)\n")
+    yaml_file.write_text(shipped + "process_results: !function evil.process\n")
+    with pytest.raises(ValueError, match=rf"{re.escape(str(yaml_file))} is not our task file .*: refused, .*`!function`"):
+        stage.evaluate(request)
+    yaml_file.write_text(shipped)
+    data = Path(request.include_path) / f"{TASK}.jsonl"
+    data.unlink()
+    data.symlink_to(tmp_path / "secret")
+    (tmp_path / "secret").write_text("token\n")
+    with pytest.raises(OSError):
+        stage.evaluate(request)
 
 
 # --------------------------------------------------------------------------- the stage, on a tiny export

@@ -43,3 +43,18 @@ def test_a_second_run_on_a_held_workdir_exits_2_and_leaves_the_first_runs_output
         assert stale.startswith(f"pid {first.pid} on ") and stale.endswith(": local [base]")
     with locks.hold(work, "after a clean end") as stale:
         assert stale is None
+
+
+def test_a_lock_file_that_is_a_link_is_refused_and_its_target_left_alone(tmp_path):
+    """A `.lock` planted as a link had its target's first 4 KiB printed as the stale note, then emptied."""
+    import pytest
+
+    target = tmp_path / "auth_token"
+    target.write_text("secret")
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / locks.LOCK_FILE).symlink_to(target)
+    with pytest.raises(locks.WorkdirBusy, match=r"\.lock is a symbolic link \(to .*auth_token\), not a lock a run made"):
+        with locks.hold(work, "this run"):
+            pass
+    assert target.read_text() == "secret"

@@ -6,6 +6,7 @@ import collections
 import gzip
 import io
 import json
+import random
 import re
 import tracemalloc
 from pathlib import Path
@@ -117,13 +118,48 @@ def test_truncated_gzip_and_concatenated_zstd_frames(tmp_path):
     assert len(lines) == 3000 and all(p is None for *_, p in lines)  # a line split across frames is whole
 
 
-def test_pushshift_lines_read_with_the_2gib_window(sample):
+def test_the_2gib_window_only_where_the_source_allows_it(sample):
+    """PushShift's dumps (written as `zstd --long=31` writes them: a 2 GiB window) are read with that window; the same
+    file in another format, whose default is libzstd's 128 MiB, is a reject naming the setting, as it is for PushShift
+    under a lower setting: a reader never holds 2 GiB for a file that was not allowed it."""
+    from corpus.readers import Limits
+
     out, planted = sample
-    lines = [l for f in sorted((out / "reddit").glob("RC_*.zst")) for l in read_lines(str(f))]
+    files = sorted((out / "reddit").glob("RC_*.zst"))
+    lines = [l for f in files for l in read_lines(str(f), Limits(zstd_window_log=31))]
     assert all(problem is None for *_, problem in lines)
-    assert len(lines) == sum(planted["files"][f"reddit/{f.name}"]["lines"] for f in (out / "reddit").glob("RC_*.zst"))
+    assert len(lines) == sum(planted["files"][f"reddit/{f.name}"]["lines"] for f in files)
     counts = collections.Counter(l[2][:7] for l in lines)
     assert counts[b'{"id": '] >= planted["reddit"]["comments"]
+    comments = [r for f in files for r in read_pushshift(str(f), "reddit", f.name) if r.get("kind") == "comment"]
+    assert len(comments) == planted["reddit"]["comments"]
+
+    refused = ("a zstd frame needs a window over 2^27 bytes (zstd_window_log 27): not read; raise the source's "
+               "zstd_window_log (at most 31) if its dumps were written with zstd --long")
+    assert next(read_jsonl(str(files[0]), "web", files[0].name, text_field="body"))["reason"] == refused
+    lowered = Limits(zstd_window_log=27)
+    assert next(read_pushshift(str(files[0]), "reddit", files[0].name, limits=lowered))["reason"] == refused
+    rows = list(read_jsonl(str(files[0]), "web", files[0].name, text_field="body", limits=Limits(zstd_window_log=31)))
+    assert sum(not r["reason"] for r in rows) == planted["files"][f"reddit/{files[0].name}"]["documents"]
+
+
+def test_an_incompressible_start_buys_no_room_for_a_bomb_after_it(tmp_path):
+    """The ratio is judged over the recent output: 256 KiB of random bytes, then 192 MiB of zeros (in 6 KB) is a
+    reject once the zeros pass 125 MiB, though the file as a whole stays under 1000 to 1."""
+    from corpus.readers import Limits, TooLarge, byte_chunks
+
+    path = tmp_path / "prefix-bomb.jsonl.zst"
+    with open(path, "wb") as fh:
+        fh.write(zstandard.ZstdCompressor().compress(random.Random(0).randbytes(256 << 10)))
+        with zstandard.ZstdCompressor().stream_writer(fh) as writer:
+            for _ in range(12):
+                writer.write(bytes(16 << 20))
+    assert (192 << 20) < 1000 * path.stat().st_size
+    produced = 0
+    with pytest.raises(TooLarge, match=r"^decompresses beyond 1000 to 1 \(.*judged over at most its last 125 MiB\)"):
+        for chunk in byte_chunks(str(path), Limits()):
+            produced += len(chunk)
+    assert (120 << 20) < produced < (135 << 20)  # the window, and what the zeros' own 6 KB pay for
 
 
 def pushshift_rows(tmp_path: Path, records: list) -> list[dict]:
@@ -367,3 +403,49 @@ def test_the_frame_walker_knows_where_a_zstd_stream_may_end():
         walker.feed(stream[:cut // 2])
         walker.feed(stream[cut // 2:cut])
         assert walker.complete == (cut in ends), cut
+
+
+def test_a_file_name_that_is_not_utf8_is_data_and_its_rows_are_written(tmp_path):
+    """A file name is bytes: one that is not UTF-8 came to Python with lone surrogates, into `id`, `meta` and
+    `file`, and the Parquet write of its rows raised UnicodeEncodeError, which stopped the ingest task. Its bad
+    bytes now read as escapes, in ids and rejects alike."""
+    import os
+
+    from corpus.ingest import REJECT_SCHEMA
+    from corpus.parts import DOCUMENT_SCHEMA, Parts, iter_rows
+
+    for name, data in ((b"caf\xe9.txt", b"a book"), (b"bad\xff.txt", b"\xff not UTF-8"), (b"n\xe9.jsonl", b'{"text": "hi"}\n')):
+        Path(os.fsdecode(os.fsencode(tmp_path) + b"/" + name)).write_bytes(data)
+    files = sorted(str(p) for p in tmp_path.iterdir())
+    rel = relative_names(files)
+    read = {".txt": lambda f: read_text(f, "books", rel[f]), ".jsonl": lambda f: read_jsonl(f, "misc", rel[f])}
+    docs, rejects = Parts(tmp_path / "docs", "t", DOCUMENT_SCHEMA), Parts(tmp_path / "rejects", "t", REJECT_SCHEMA)
+    for row in (r for f in files for r in read[Path(f).suffix](f)):
+        parts = rejects if row["reason"] else docs
+        parts.add({k: row[k] for k in parts.schema.names})
+    assert (docs.close(), rejects.close()) == (2, 1)
+    written = sorted(iter_rows(f"{tmp_path}/docs/t-0000.parquet"), key=lambda r: r["id"])
+    assert [(r["id"], r["text"], json.loads(r["meta"])) for r in written] == [
+        ("books/caf\\xe9.txt", "a book", {"file": "caf\\xe9.txt"}), ("misc/n\\xe9.jsonl:1", "hi", {})]
+    (reject,) = iter_rows(f"{tmp_path}/rejects/t-0000.parquet")
+    assert reject["file"] == f"{tmp_path}/bad\\xff.txt" and reject["reason"].startswith("invalid UTF-8")
+
+
+def test_a_sources_zstd_window_log_reaches_its_ingest_task(sample, tmp_path):
+    """`sources[].zstd_window_log` is what ingest's task reads with: a `jsonl` source of a `--long=31` dump is all
+    rejects by default, and read whole with the setting at 31."""
+    from corpus.config import IngestConfig, SourceConfig
+    from corpus.ingest import limits_of, read_task, read_task_for
+
+    out, planted = sample
+    dump = sorted((out / "reddit").glob("RC_*.zst"))[0]
+    documents = planted["files"][f"reddit/{dump.name}"]["documents"]
+    for window_log, expected in ((None, 0), (31, documents)):
+        source = SourceConfig(name="web", format="jsonl", paths=[str(dump)], text_field="body",
+                              zstd_window_log=window_log)
+        folders = {k: str(tmp_path / f"{window_log}-{k}") for k in ("output", "rejected", "subset_not_kept", "records")}
+        task = read_task_for(source, [str(dump)], {str(dump): dump.name}, {str(dump): dump.stat().st_size}, "web-0",
+                             folders, False, limits_of(IngestConfig(), source))
+        counts = read_task(task)["counts"]
+        assert counts.get("documents", 0) == expected, counts
+        assert counts["rows_in"] == counts.get("documents", 0) + counts.get("rejected", 0), counts

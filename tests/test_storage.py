@@ -135,3 +135,33 @@ sources:
         tables[how] = (m["counts"], pq.read_table(m["output"], columns=["id", "text", "source", "subset"]).sort_by("id"))
     assert tables["uri"][0] == tables["path"][0] and tables["uri"][0]["rejected"] > 0
     assert tables["uri"][1].equals(tables["path"][1]) and tables["uri"][1].num_rows > 300
+
+
+def test_a_link_out_of_the_sources_folder_is_refused_by_name_and_one_inside_is_read(tmp_path):
+    """`books/zz.txt -> ~/.ray/auth_token` was a document: a file whose path resolves outside the folder above the
+    first wildcard (through a link to it, or to a folder above it) is refused with why, by path and by URI alike;
+    so is a FIFO, which a reader would wait on forever. A link that stays inside is read."""
+    import os
+
+    token = tmp_path / "home" / "auth_token"  # stands in for ~/.ray/auth_token
+    token.parent.mkdir()
+    token.write_text("secret")
+    (tmp_path / "home" / "more").mkdir()
+    (tmp_path / "home" / "more" / "b.txt").write_text("secret too")
+    books = tmp_path / "books"
+    (books / "sub").mkdir(parents=True)
+    (books / "a.txt").write_text("a book")
+    (books / "zz.txt").symlink_to(token)
+    (books / "x.jsonl").symlink_to(token)
+    (books / "more").symlink_to(tmp_path / "home" / "more")
+    (books / "sub" / "again.txt").symlink_to(books / "a.txt")  # inside: read
+    os.mkfifo(books / "pipe.txt")
+    outside = f"resolves through a symbolic link to {token}, outside the source's folder: not read"
+    for root in (str(books), books.as_uri()):
+        assert storage.expand(f"{root}/*.txt") == [f"{root}/a.txt"]
+        found = storage.listing(f"{root}/**")
+        assert found.files == [f"{root}/a.txt", f"{root}/sub/again.txt"]
+        assert found.refused == {f"{root}/more/b.txt": outside.replace(str(token), str(tmp_path / "home/more/b.txt")),
+                                 f"{root}/pipe.txt": "not a regular file (a FIFO, device, socket or broken link): not read",
+                                 f"{root}/x.jsonl": outside, f"{root}/zz.txt": outside}
+        assert storage.listing(f"{root}/zz.txt") == ([], {f"{root}/zz.txt": outside})  # named alone, still refused

@@ -266,10 +266,22 @@ def read_meta(path: Path) -> dict | None:
         return None
 
 
+def _link_inside(folder: Path) -> Path | None:
+    """The first symbolic link found inside `folder` (none is followed on the way), or None."""
+    for top, dirs, files in os.walk(folder, followlinks=False):
+        for name in sorted(dirs + files):
+            if os.path.islink(os.path.join(top, name)):
+                return Path(top) / name
+    return None
+
+
 def verify(path: Path, rank: int = 0, world: int = 1) -> str | None:
     """Why this checkpoint cannot be used (checking this rank's share of its files), or None. A rank's
     share is what the rank of the same number wrote (with fewer ranks now, rank r also checks those of
-    r + world, ...): the files it is about to read, on the node that wrote them."""
+    r + world, ...): the files it is about to read, on the node that wrote them. A symbolic link anywhere inside
+    is refused: `ds/` linked to a folder elsewhere, with a meta.json of its own to match, would verify."""
+    if link := _link_inside(path):
+        return f"{path.name}: {link.relative_to(path)} is a symbolic link (to {os.readlink(link)}): refused"
     meta = read_meta(path)
     if meta is None:
         return f"{path.name}: no readable {META}"

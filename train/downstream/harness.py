@@ -1,5 +1,6 @@
-"""Each seed's model through lm-evaluation-harness, in a process of its own: `python -m train.downstream.harness
-REQUEST.json` (train/downstream/stage.py's Request).
+"""Each seed's model through lm-evaluation-harness, in a process of its own: `python -P -m train.downstream.harness
+< REQUEST.json` (train/downstream/stage.py's Request, on stdin: stage.evaluate starts it in a private folder, so
+that nothing in the shared workdir is imported or read as its request).
 
 The downstream stage starts it (from a Ray task, on a GPU where `eval.downstream.gpus` asks for one) so that what
 lm-eval does to a process stays in this one: it seeds Python's, numpy's and torch's generators, sets up loggers,
@@ -37,10 +38,10 @@ def evaluate(request: dict, manager, pretrained: str) -> dict:
                                     "higher_is_better", "n-samples", "config") if k in results}
 
 
-def main(argv: list[str]) -> int:
+def main() -> int:
     sys.stdout.reconfigure(line_buffering=True)  # prints and log records in the order they were made
     logging.basicConfig(level=logging.INFO, stream=sys.stdout, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    request = json.loads(Path(argv[0]).read_text())
+    request = json.load(sys.stdin)
     import torch
     from lm_eval.tasks import TaskManager
     from lm_eval.utils import handle_non_serializable
@@ -62,4 +63,4 @@ def main(argv: list[str]) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main(sys.argv[1:]))
+    raise SystemExit(main())

@@ -7,13 +7,19 @@ or limit (or a new lm-eval) reruns it alone, in seconds on the laptop, and never
 Its failure (a dataset that cannot be downloaded, say) leaves the trained models committed and cached. And it runs
 where its config puts it (`eval.downstream.gpus`), not on the training workers.
 
-One Ray task (on `eval.downstream.gpus` GPUs) runs `python -m train.downstream.harness`, a process of its own that
+One Ray task (on `eval.downstream.gpus` GPUs) runs `python -P -m train.downstream.harness`, a process of its own that
 puts each seed's model (`train.seeds`; the train stage exports every seed's: train/stage.py export_dir) through
 lm-eval's Hugging Face backend in turn: one start-up (torch, transformers and lm-eval take seconds to import) and one
 index of the tasks for all of them. Its output (lm-eval's and transformers' logs, each seed's results table) is
 written into this stage's log; the console has a bar of the seeds done. Our tasks' data
 are made first, from the held-out evaluation set (train/downstream/heldout.py), into `output/tasks/` beside a copy
 of each one's YAML; a run whose tasks are all ours needs no network (Hugging Face's offline modes on).
+
+The workdir is shared (/fsx on a cluster: anyone who can write there), so nothing in it becomes code. Run from a
+folder, `python -m` would import a `json.py` planted there, and lm-eval runs the Python a task file's `!function`
+names. So the harness runs in a private folder on local disk (mode 0700, removed after), with `-P` (our code found
+at ROOT, never in the folder it runs in), its request on stdin, and copies of our task files: each YAML refused
+unless it is the one we ship (evaluate, copy_tasks).
 
 In MLflow, in the stage's run: `seed<s>/downstream.<task>` (the task's accuracy, lm-eval's `acc`, in [0, 1]; `em`
 where a task has no `acc`, as ReCoRD; the tag `downstream.<task>.metric` says which), `downstream.<task>.examples`,
@@ -64,7 +70,7 @@ class Request:
 
     models: tuple[tuple[int, str], ...]  # (seed, its export), in order
     tasks: tuple[str, ...]
-    include_path: str  # our tasks' YAML files and data (the harness runs there: their data_files are relative)
+    include_path: str  # our tasks' YAML files and data (the harness runs on copies of them: copy_tasks)
     include_defaults: bool  # lm-eval's own tasks too (indexing them costs seconds)
     offline: bool  # every task ours: Hugging Face's hub and datasets offline
     limit: int | None
@@ -83,17 +89,44 @@ def results_file(out: str | Path, seed: int) -> Path:
 
 
 def evaluate(request: Request) -> tuple[int, str]:
-    """Runs in a Ray task: the harness in a process of its own; (its exit code, everything it printed)."""
-    path = Path(request.out) / "request.json"
-    path.write_text(json.dumps(dataclasses.asdict(request), indent=2))
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]),
+    """Runs in a Ray task: the harness in a process of its own; (its exit code, everything it printed). It runs in a
+    private folder, with `-P` and its request on stdin: nothing of the workdir is imported or read as its request
+    (the module's docstring says why). request.json in the output is a record of the request, not read."""
+    (Path(request.out) / "request.json").write_text(json.dumps(dataclasses.asdict(request), indent=2))
+    inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if os.path.isabs(p)]  # "", ".": cwd
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *inherited]),
            "TQDM_DISABLE": "1", "TOKENIZERS_PARALLELISM": "false"}
-    with tempfile.TemporaryDirectory(prefix="downstream-") as scratch:
+    with tempfile.TemporaryDirectory(prefix="downstream-") as private:  # mkdtemp's: mode 0700, in the node's temp folder
+        tasks = Path(private) / "tasks"
+        copy_tasks(request, tasks)
         if request.offline:  # nothing to fetch, and nothing of datasets' cache left behind
-            env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_DATASETS_CACHE=scratch)
-        done = subprocess.run([sys.executable, "-m", "train.downstream.harness", str(path)], env=env,
-                              cwd=request.include_path, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+            env.update(HF_HUB_OFFLINE="1", HF_DATASETS_OFFLINE="1", HF_DATASETS_CACHE=str(Path(private) / "datasets"))
+        sent = json.dumps(dataclasses.asdict(dataclasses.replace(request, include_path=str(tasks))))
+        done = subprocess.run([sys.executable, "-P", "-m", "train.downstream.harness"], input=sent, env=env, cwd=tasks,
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     return done.returncode, done.stdout
+
+
+def copy_tasks(request: Request, folder: Path) -> None:
+    """Our tasks among request.tasks, copied from the workdir's tasks/ into `folder`, where the harness runs (their
+    data_files are relative to it): each one's YAML, refused unless it is the one we ship (a `!function` in a task
+    file runs the Python it names; none of ours has one), and the data files it names. lm-eval's own tasks are read
+    from its installed package."""
+    folder.mkdir()
+    ours = names.ours()
+    for shipped in sorted({ours[name] for name in request.tasks if name in ours}):
+        copy_file(Path(request.include_path) / shipped.name, folder / shipped.name)
+        if (folder / shipped.name).read_bytes() != shipped.read_bytes():
+            raise ValueError(f"{Path(request.include_path) / shipped.name} is not our task file {shipped}: refused, "
+                             "for a changed task file could run code (lm-eval runs what a `!function` in it names)")
+        for data in yaml.safe_load(shipped.read_text())["dataset_kwargs"]["data_files"].values():
+            copy_file(Path(request.include_path) / data, folder / data)
+
+
+def copy_file(source: Path, to: Path) -> None:
+    """A copy of the file at `source` itself: a link there is refused (OSError), not followed out of the workdir."""
+    with open(os.open(source, os.O_RDONLY | os.O_NOFOLLOW), "rb") as read, open(to, "wb") as write:
+        shutil.copyfileobj(read, write)
 
 
 def run(ctx: StageContext) -> StageResult:
@@ -123,8 +156,8 @@ def run(ctx: StageContext) -> StageResult:
 
 def make_our_tasks(ctx: StageContext, cfg: DownstreamConfig, folder: Path) -> list[str]:
     """Our tasks among cfg.tasks, made into `folder`: each one's data from the evaluation set beside a copy of its
-    YAML, which names the data relative to the folder (the harness runs there), so the output stays a task lm-eval
-    runs wherever the workdir is moved. Returns their names."""
+    YAML, which names the data relative to the folder (the harness runs in a copy of it: copy_tasks), so the output
+    stays a task lm-eval runs wherever the workdir is moved. Returns their names."""
     folder.mkdir(parents=True, exist_ok=True)
     ours = names.ours()
     made = [name for name in cfg.tasks if name in ours]
