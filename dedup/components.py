@@ -10,7 +10,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
-from core.ray_session import groupby
+from core.ray_session import groupby, over_all
 from dedup.heavy import firsts, heavy_keys, heavy_rows, least_of
 from dedup.keys import Shuffles, part_of, partitions_for
 
@@ -147,7 +147,7 @@ def components_on_ray(edges, nbytes: int, ray_config, partitions: int | None = N
         rounds += 1
         large = _star(edges, _large_star, _heavy_large_star, True, 2 * nbytes, shuffles, bound, partitions)
         small = _star(large, _small_star, _heavy_small_star, False, nbytes, shuffles, bound, partitions)
-        stats = large.union(small).aggregate(Sum("moved"), Max("held"))
+        stats = over_all(large.union(small), Sum("moved"), Max("held"))
         held = max(held, stats["max(held)"] or 0)
         edges = small  # u, v (and `moved`, `held`, which the next round does not read)
         if not stats["sum(moved)"]:

@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from core.ray_session import over_all
 from corpus.parts import parquet_files
 from dedup.candidates import PAIR_SCHEMA
 from dedup.config import DedupConfig
@@ -118,6 +119,7 @@ def verify_candidates(inputs: Inputs, pairs: Path, config: DedupConfig, shuffles
     """Writes every candidate pair with its exact Jaccard under `out`. Returns the number of candidate documents
     and the most documents one verification task held."""
     import ray.data
+    from ray.data.aggregate import Max, Sum
 
     if not parquet_files(pairs):  # no shared band key anywhere: nothing to verify
         return {"candidate_documents": 0, "largest_task_documents.verification": 0}
@@ -126,10 +128,10 @@ def verify_candidates(inputs: Inputs, pairs: Path, config: DedupConfig, shuffles
     which = pair_rows.map_batches(candidate_keys, batch_format="pyarrow", fn_kwargs=unit)
     shuffles(which, "candidate documents").map_groups(shingle_rows, batch_format="pyarrow", fn_kwargs=kw) \
         .write_parquet(str(work / "shingles"))
-    documents = ray.data.read_parquet(str(work / "shingles"), columns=["first"]).sum("first") or 0
+    documents = over_all(ray.data.read_parquet(str(work / "shingles"), columns=["first"]), Sum("first"))["sum(first)"] or 0
     sent = ray.data.read_parquet(str(work / "shingles")).map_batches(
         lambda b: b.filter(pc.greater_equal(b["part"], 0)), batch_format="pyarrow")
     checked = shuffles(pair_rows.map_batches(pairs_keyed, batch_format="pyarrow", fn_kwargs=unit).union(sent), "verification") \
         .map_groups(verify, batch_format="pyarrow", fn_kwargs=kw).materialize()
     checked.drop_columns(["held"]).write_parquet(str(out))
-    return {"candidate_documents": documents, "largest_task_documents.verification": checked.max("held") or 0}
+    return {"candidate_documents": documents, "largest_task_documents.verification": over_all(checked, Max("held"))["max(held)"] or 0}

@@ -24,6 +24,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from model.configs import OPTConfig
+from model.loss import linear_cross_entropy
 
 POSITION_OFFSET = 2  # OPT's checkpoints keep two unused rows before position 0
 
@@ -102,9 +103,9 @@ class TokenEmbedding(nn.Embedding):
     """The token embeddings, and the output layer tied to them."""
 
     def output(self, x: torch.Tensor, targets: torch.Tensor | None = None) -> torch.Tensor:
-        """(B, T, d_model) -> (B, T, vocab_size) logits, or with (B, T) targets the mean cross-entropy."""
-        logits = self.logits(x)
-        return logits if targets is None else self.loss(logits, targets)
+        """(B, T, d_model) -> (B, T, vocab_size) logits, or with (B, T) targets the mean cross-entropy (computed
+        a block of rows at a time, without the whole logits: model/loss.py)."""
+        return self.logits(x) if targets is None else linear_cross_entropy(x, self.weight, targets)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight)

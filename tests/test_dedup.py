@@ -217,6 +217,48 @@ def test_components_on_ray_data_are_the_one_task_components(ray_session):
     assert 3 <= rounds <= 20 and 2 <= held <= 8, (rounds, held)
 
 
+def test_a_global_aggregate_runs_on_the_sort_shuffle_with_the_same_values(ray_session):
+    """core/ray_session.py `over_all`: the dataset's own context asks for the hash shuffle (as a dataset made by
+    a large groupby does), yet the sum and max run without its aggregator actors (no HashAggregate in the plan
+    Ray Data logs), with Ray Data's own values."""
+    import logging
+
+    import pyarrow as pa
+    import ray.data
+    from ray.data.aggregate import Max, Sum
+    from ray.data.context import ShuffleStrategy
+
+    from core.ray_session import over_all
+
+    class Plans(logging.Handler):
+        def __init__(self):
+            super().__init__(logging.INFO)
+            self.seen: list[str] = []
+
+        def emit(self, record):
+            if "Execution plan" in (message := record.getMessage()):
+                self.seen.append(message)
+
+    def dataset():
+        ds = ray.data.from_arrow(pa.table({"held": list(range(300))})).repartition(6).materialize()
+        ds.context.shuffle_strategy = ShuffleStrategy.HASH_SHUFFLE
+        return ds
+
+    logger, plans = logging.getLogger("ray.data"), Plans()
+    logger.addHandler(plans)
+    try:
+        ours, theirs = dataset(), dataset()
+        plans.seen.clear()
+        assert over_all(ours, Sum("held"), Max("held")) == {"sum(held)": sum(range(300)), "max(held)": 299}
+        assert plans.seen and not any("HashAggregate" in p for p in plans.seen), plans.seen
+        plans.seen.clear()
+        assert theirs.max("held") == 299 and any("HashAggregate" in p for p in plans.seen), plans.seen  # what it avoids
+    finally:
+        logger.removeHandler(plans)
+    empty = ray.data.from_arrow(pa.table({"held": pa.array([], pa.int64())}))
+    assert over_all(empty, Max("held")) == {"max(held)": None}
+
+
 def test_heavy_keys_are_exactly_the_keys_over_the_bound_however_their_rows_spread(ray_session):
     """dedup/heavy.py against a count: keys over the bound spread thinly over many blocks (under the tally's floor in
     each) or packed in one, keys at the bound, and the rest; each heavy key with its smallest value."""

@@ -144,3 +144,38 @@ def test_tokenizer_is_exported_beside_the_weights(tmp_path):
     assert loaded.convert_tokens_to_ids(["<s>", "<pad>", "</s>", "<unk>"]) == [0, 1, 2, 3]
     assert loaded.eos_token_id == 2 and loaded.pad_token_id == 1
     assert loaded.encode("the lazy dog", add_special_tokens=False) == tok.encode("the lazy dog").ids
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_the_blockwise_loss_is_the_linear_layer_then_cross_entropy(monkeypatch, dtype, tolerance):
+    """model/loss.py against F.linear then F.cross_entropy: the loss, the gradients of the input (through the
+    layer below it) and of the tied weight, with blocks that do not divide the rows, ignored (-100) targets
+    left out of the mean, and the same loss without gradients (evaluation)."""
+    import torch.nn.functional as F
+
+    from model import loss
+
+    monkeypatch.setitem(loss.BLOCK_BYTES, "cpu", 7 * 4 * 96)  # 7 rows a block: 37 rows in 6 blocks, the last short
+    gen = torch.Generator().manual_seed(0)
+    below = torch.nn.Linear(16, 16).to(dtype)
+    weight = torch.randn(96, 16, generator=gen).to(dtype).requires_grad_()
+    h = torch.randn(37, 16, generator=gen).to(dtype)
+    targets = torch.randint(0, 96, (37,), generator=gen)
+    targets[[3, 20]] = -100
+
+    def grads(fn):
+        below.zero_grad()
+        weight.grad = None
+        value = fn(below(h), weight, targets)
+        value.backward()
+        return value.detach().float(), below.weight.grad.float().clone(), weight.grad.float().clone()
+
+    ours = grads(loss.linear_cross_entropy)
+    torch_own = grads(lambda x, w, t: F.cross_entropy(F.linear(x, w).float(), t))
+    for a, b in zip(ours, torch_own):
+        assert torch.allclose(a, b, rtol=tolerance, atol=tolerance * b.abs().max().item()), (a - b).abs().max()
+    with torch.no_grad():
+        assert torch.allclose(loss.linear_cross_entropy(below(h), weight, targets).float(), torch_own[0], rtol=tolerance)
+    wrong = targets.clone()
+    wrong[0] = (targets[0] + 1) % 96
+    assert not torch.allclose(grads(lambda x, w, t: loss.linear_cross_entropy(x, w, wrong))[2], ours[2])
