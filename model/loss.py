@@ -24,37 +24,41 @@ def block_rows(vocab: int, device: torch.device) -> int:
     return max(1, BLOCK_BYTES.get(device.type, BLOCK_BYTES["cuda"]) // (4 * vocab))
 
 
+def _blocks(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, want_x: bool, want_w: bool):
+    """(mean loss, its gradient for x or None, for weight or None): x (N, d), weight (V, d), targets (N,)."""
+    scored = targets >= 0  # a negative target (-100, as torch's cross_entropy ignores) is not scored
+    count = scored.sum().clamp(min=1).float()
+    grad_x = torch.zeros_like(x) if want_x else None
+    grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
+    total = torch.zeros((), dtype=torch.float32, device=x.device)
+    rows = block_rows(weight.size(0), x.device)
+    for start in range(0, x.size(0), rows):
+        xb, tb, keep = x[start:start + rows], targets[start:start + rows], scored[start:start + rows]
+        logits = (xb @ weight.t()).float()
+        target_logit = logits.gather(1, index := tb.clamp(min=0).unsqueeze(1)).squeeze(1)
+        peak = logits.amax(dim=-1, keepdim=True)
+        probs = logits.sub_(peak).exp_()  # one exp per logit, in the logits' own memory
+        sums = probs.sum(dim=-1, keepdim=True)
+        total += ((peak.squeeze(1) + sums.log().squeeze(1) - target_logit) * keep).sum()
+        if not (want_x or want_w):
+            continue
+        probs.div_(sums)  # softmax
+        probs.scatter_add_(1, index, torch.full_like(index, -1, dtype=probs.dtype))  # minus the one-hot
+        dlogits = probs.mul_((keep.float() / count).unsqueeze(1)).to(x.dtype)
+        if want_x:
+            grad_x[start:start + rows] = dlogits @ weight
+        if want_w:
+            grad_w += (dlogits.t() @ xb).float()
+    return total / count, grad_x, grad_w.to(weight.dtype) if want_w else None
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        scored = targets >= 0  # a negative target (-100, as torch's cross_entropy ignores) is not scored
-        count = scored.sum().clamp(min=1).float()
-        grads = any(ctx.needs_input_grad[:2])
-        grad_x = torch.zeros_like(x) if ctx.needs_input_grad[0] else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if ctx.needs_input_grad[1] else None
-        total = torch.zeros((), dtype=torch.float32, device=x.device)
-        rows = block_rows(weight.size(0), x.device)
-        for start in range(0, x.size(0), rows):
-            xb, tb, keep = x[start:start + rows], targets[start:start + rows], scored[start:start + rows]
-            logits = (xb @ weight.t()).float()
-            target_logit = logits.gather(1, index := tb.clamp(min=0).unsqueeze(1)).squeeze(1)
-            peak = logits.amax(dim=-1, keepdim=True)
-            probs = logits.sub_(peak).exp_()  # one exp per logit, in the logits' own memory
-            sums = probs.sum(dim=-1, keepdim=True)
-            lse = (peak + sums.log()).squeeze(1)
-            total += ((lse - target_logit) * keep).sum()
-            if not grads:
-                continue
-            probs.div_(sums)  # softmax
-            probs.scatter_add_(1, index, torch.full_like(index, -1, dtype=probs.dtype))  # minus the one-hot
-            dlogits = probs.mul_((keep.float() / count).unsqueeze(1)).to(x.dtype)
-            if grad_x is not None:
-                grad_x[start:start + rows] = dlogits @ weight
-            if grad_w is not None:
-                grad_w += (dlogits.t() @ xb).float()
+        loss, grad_x, grad_w = _blocks(x, weight, targets, *ctx.needs_input_grad[:2])
         ctx.save_for_backward(grad_x if grad_x is not None else x.new_empty(0),
-                              grad_w.to(weight.dtype) if grad_w is not None else weight.new_empty(0))
-        return total / count
+                              grad_w if grad_w is not None else weight.new_empty(0))
+        return loss
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
@@ -65,5 +69,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
 
 def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     """The mean cross-entropy of `F.linear(x, weight)` against `targets`: x (..., d), weight (V, d), targets
-    (...), without the (..., V) logits ever existing whole. Negative targets are not scored."""
-    return _LinearCrossEntropy.apply(x.reshape(-1, x.size(-1)), weight, targets.reshape(-1))
+    (...), without the (..., V) logits ever existing whole. Negative targets are not scored. Without autograd
+    (evaluation under no_grad) no gradient is computed: a Function's forward would be told its inputs need one."""
+    x, targets = x.reshape(-1, x.size(-1)), targets.reshape(-1)
+    if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
+        return _LinearCrossEntropy.apply(x, weight, targets)
+    return _blocks(x, weight, targets, False, False)[0]

@@ -174,8 +174,11 @@ def test_the_blockwise_loss_is_the_linear_layer_then_cross_entropy(monkeypatch, 
     torch_own = grads(lambda x, w, t: F.cross_entropy(F.linear(x, w).float(), t))
     for a, b in zip(ours, torch_own):
         assert torch.allclose(a, b, rtol=tolerance, atol=tolerance * b.abs().max().item()), (a - b).abs().max()
-    with torch.no_grad():
+    asked, blocks = [], loss._blocks
+    monkeypatch.setattr(loss, "_blocks", lambda *args: asked.append(args[3:]) or blocks(*args))
+    with torch.no_grad():  # evaluation: the loss alone, no gradient computed
         assert torch.allclose(loss.linear_cross_entropy(below(h), weight, targets).float(), torch_own[0], rtol=tolerance)
+    assert asked == [(False, False)]
     wrong = targets.clone()
     wrong[0] = (targets[0] + 1) % 96
     assert not torch.allclose(grads(lambda x, w, t: loss.linear_cross_entropy(x, w, wrong))[2], ours[2])
