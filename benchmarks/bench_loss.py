@@ -70,11 +70,15 @@ def contenders(batch: int, seq: int) -> dict[str, dict[str, callable]]:
             "training step": {"whole logits": step(whole_logits), "blockwise": step(linear_cross_entropy)}}
 
 
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--threads", type=int, default=1, help="torch threads (a proxy worker has one)")
+    p.add_argument("--repeats", type=int, default=20, help="timed calls of each contender, alternating")
+    return p
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--threads", type=int, default=1)
-    parser.add_argument("--repeats", type=int, default=20)
-    args = parser.parse_args(argv)
+    args = parser().parse_args(argv)
     torch.set_num_threads(args.threads)
     print(provenance.header(), flush=True)
     print(f"torch threads: {args.threads}; median of {args.repeats} alternating repeats\n")
