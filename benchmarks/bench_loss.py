@@ -79,8 +79,8 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    torch.set_num_threads(args.threads)
     print(provenance.header(), flush=True)
+    torch.set_num_threads(args.threads)
     print(f"torch threads: {args.threads}; median of {args.repeats} alternating repeats\n")
     print("| shape | what | whole logits (ms) | blockwise (ms) | blockwise / whole |")
     print("|---|---|---|---|---|")

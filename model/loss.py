@@ -25,10 +25,15 @@ def block_rows(vocab: int, device: torch.device) -> int:
 
 
 def _blocks(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, want_x: bool, want_w: bool):
-    """(mean loss, its gradient for x or None, for weight or None): x (N, d), weight (V, d), targets (N,)."""
+    """(mean loss, its gradient for x or None, for weight or None): x (N, d), weight (V, d), targets (N,).
+    The gradients are of the unscaled loss. Under fp16 they are computed and kept in fp32: a loss scaler's factor
+    comes only in backward, and an unscaled fp16 gradient would underflow (what the scaler is there to prevent);
+    bf16 has fp32's range, so its products stay in bf16."""
+    work = torch.float32 if x.dtype == torch.float16 else x.dtype
+    w = weight.to(work)
     scored = targets >= 0  # a negative target (-100, as torch's cross_entropy ignores) is not scored
     count = scored.sum().clamp(min=1).float()
-    grad_x = torch.zeros_like(x) if want_x else None
+    grad_x = torch.zeros(x.shape, dtype=work, device=x.device) if want_x else None
     grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if want_w else None
     total = torch.zeros((), dtype=torch.float32, device=x.device)
     rows = block_rows(weight.size(0), x.device)
@@ -44,27 +49,28 @@ def _blocks(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, want_x
             continue
         probs.div_(sums)  # softmax
         probs.scatter_add_(1, index, torch.full_like(index, -1, dtype=probs.dtype))  # minus the one-hot
-        dlogits = probs.mul_((keep.float() / count).unsqueeze(1)).to(x.dtype)
+        dlogits = probs.mul_((keep.float() / count).unsqueeze(1)).to(work)
         if want_x:
-            grad_x[start:start + rows] = dlogits @ weight
+            grad_x[start:start + rows] = dlogits @ w
         if want_w:
-            grad_w += (dlogits.t() @ xb).float()
-    return total / count, grad_x, grad_w.to(weight.dtype) if want_w else None
+            grad_w += (dlogits.t() @ xb.to(work)).float()
+    return total / count, grad_x, grad_w if want_w else None
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
         loss, grad_x, grad_w = _blocks(x, weight, targets, *ctx.needs_input_grad[:2])
+        ctx.dtypes = (x.dtype, weight.dtype)
         ctx.save_for_backward(grad_x if grad_x is not None else x.new_empty(0),
                               grad_w if grad_w is not None else weight.new_empty(0))
         return loss
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
-        grad_x, grad_w = ctx.saved_tensors
-        return (grad_x * grad_loss.to(grad_x.dtype) if ctx.needs_input_grad[0] else None,
-                grad_w * grad_loss.to(grad_w.dtype) if ctx.needs_input_grad[1] else None, None)
+        grad_x, grad_w = ctx.saved_tensors  # scaled here (by a loss scaler's factor too), then in the inputs' dtypes
+        return ((grad_x * grad_loss.to(grad_x.dtype)).to(ctx.dtypes[0]) if ctx.needs_input_grad[0] else None,
+                (grad_w * grad_loss.float()).to(ctx.dtypes[1]) if ctx.needs_input_grad[1] else None, None)
 
 
 def linear_cross_entropy(x: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:

@@ -182,3 +182,19 @@ def test_the_blockwise_loss_is_the_linear_layer_then_cross_entropy(monkeypatch, 
     wrong = targets.clone()
     wrong[0] = (targets[0] + 1) % 96
     assert not torch.allclose(grads(lambda x, w, t: loss.linear_cross_entropy(x, w, wrong))[2], ours[2])
+
+
+def test_the_blockwise_loss_under_fp16_keeps_small_gradients_for_the_loss_scale(torch_fp16):
+    """Under fp16 the gradients are kept in fp32 until backward applies the loss scale: a 4,096-token vocabulary's
+    per-logit gradients (about 1e-8 here) are under fp16's smallest value unscaled, and would come back as zeros."""
+    from model import loss
+
+    gen = torch.Generator().manual_seed(1)
+    x32, w32 = torch.randn(512, 16, generator=gen), torch.randn(4096, 16, generator=gen) * 0.01
+    targets = torch.randint(0, 4096, (512,), generator=gen)
+    x = x32.half().requires_grad_()
+    (loss.linear_cross_entropy(x, w32.half(), targets) * 2.0 ** 16).backward()
+    reference = x32.clone().requires_grad_()
+    (loss.linear_cross_entropy(reference, w32, targets) * 2.0 ** 16).backward()
+    assert x.grad.dtype == torch.float16 and (x.grad != 0).float().mean() > 0.99
+    torch.testing.assert_close(x.grad.float(), reference.grad, rtol=2e-2, atol=1e-3 * reference.grad.abs().max().item())
