@@ -125,3 +125,10 @@ def over_all(ds, *aggregations) -> dict:
 
     ds.context.shuffle_strategy = ShuffleStrategy.SORT_SHUFFLE_PULL_BASED  # this dataset's own copy of the context
     return ds.aggregate(*aggregations)
+
+
+def largest(ds, column: str) -> int:
+    """The largest value of `column` over the whole dataset (`over_all`), 0 for an empty one."""
+    from ray.data.aggregate import Max
+
+    return over_all(ds, Max(column))[f"max({column})"] or 0

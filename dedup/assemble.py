@@ -27,7 +27,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from core.ray_session import over_all
+from core.ray_session import largest
 from corpus.parts import Parts, parquet_files, rows_in_folder
 from dedup.components import components_in_one_task, components_on_ray
 from dedup.heavy import firsts, lookup
@@ -256,8 +256,6 @@ def assemble_on_ray(graph, labels, shuffles: Shuffles, priority: dict[str, int],
                     removed: str) -> tuple[list[dict], int]:
     """The large graph's path after `components_on_ray`: the three reductions as groupbys of partial results.
     Writes `duplicates/`; returns (the tally rows, the most nodes one join task held)."""
-    from ray.data.aggregate import Max
-
     p = partitions_for(graph.size_bytes())
     rows = graph.map_batches(node_rows, batch_format="pyarrow", fn_kwargs={"priority": priority, "partitions": p})
     rows = rows.map_batches(nodes_reduced, batch_format="pyarrow") \
@@ -279,7 +277,7 @@ def assemble_on_ray(graph, labels, shuffles: Shuffles, priority: dict[str, int],
             write_by_part, batch_format="pyarrow", fn_kwargs={"folder": removed}).materialize()
     tallies = gone.map_batches(tally_removed, batch_format="pyarrow").take_all() \
         + components.map_batches(tally_sizes, batch_format="pyarrow").take_all()
-    return tallies, over_all(gone, Max("held"))["max(held)"] or 0
+    return tallies, largest(gone, "held")
 
 
 def graph_on_ray(candidates: Path, exact: Path, threshold: float, checked: int, copied: int):

@@ -17,7 +17,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from core.ray_session import over_all
+from core.ray_session import largest
 from corpus.parts import run_tasks
 from dedup.config import DedupConfig
 from dedup.heavy import firsts, firsts_mask, heavy_keys, is_heavy, least_of, run_lengths
@@ -164,7 +164,6 @@ def find_candidates(inputs: Inputs, config: DedupConfig, bands: int, rows: int, 
     (dedup/heavy.py), and its pairs are made per unit of its key order. Returns (the folder, the most rows of one
     bucket, or of one bucket's units, that one task grouped)."""
     import ray.data
-    from ray.data.aggregate import Max
 
     run_tasks(band_task, inputs.tasks(BandTask, "bands", config=config, bands=bands, rows=rows, exact=str(exact_rows)))
     pairs = inputs.work / "pairs"
@@ -180,6 +179,6 @@ def find_candidates(inputs: Inputs, config: DedupConfig, bands: int, rows: int, 
         ends = out.map_batches(unit_rows, batch_format="pyarrow", fn_kwargs={"ends": True, "partitions": inputs.partitions})
         found = found.union(shuffles(ends, "candidates").map_groups(boundary_pairs, batch_format="pyarrow"))
     found = found.materialize()
-    held = over_all(found, Max("held"))["max(held)"] or 0
+    held = largest(found, "held")
     found.drop_columns(["held"]).write_parquet(str(pairs))
     return pairs, held

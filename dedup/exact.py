@@ -16,7 +16,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from core.ray_session import over_all
+from core.ray_session import largest
 from corpus.parts import parquet_files, run_tasks
 from dedup.heavy import collect, firsts_mask, heavy_keys, heavy_rows, run_lengths
 from dedup.keys import Inputs, PartTask, Shuffles, keys_by_part, keys_of, kept_rows, write_by_part
@@ -95,7 +95,6 @@ def find_exact(inputs: Inputs, priority: dict[str, int], shuffles: Shuffles, bou
     then on the driver, and sent to every block (dedup/heavy.py). Returns (the copies' folder, the rows' folder,
     the most rows of one text one task grouped)."""
     import ray.data
-    from ray.data.aggregate import Max
 
     run_tasks(index_task, inputs.tasks(IndexTask, "index", priority=priority))
     exact, rows = inputs.work / "exact", inputs.work / "exact_rows"
@@ -109,7 +108,7 @@ def find_exact(inputs: Inputs, priority: dict[str, int], shuffles: Shuffles, bou
         kept = kept_copies(collect(hot.map_batches(kept_copies, batch_format="pyarrow")))
         copies = copies.union(hot.map_batches(heavy_copies, batch_format="pyarrow", fn_kwargs={"kept": kept}))
     copies = copies.materialize()
-    held = over_all(copies, Max("held"))["max(held)"] or 0
+    held = largest(copies, "held")
     copies.drop_columns(["held"]).write_parquet(str(exact))
     rows.mkdir(parents=True)
     if parquet_files(exact):

@@ -21,7 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from core.ray_session import over_all
+from core.ray_session import largest, over_all
 from corpus.parts import parquet_files
 from dedup.candidates import PAIR_SCHEMA
 from dedup.config import DedupConfig
@@ -119,7 +119,7 @@ def verify_candidates(inputs: Inputs, pairs: Path, config: DedupConfig, shuffles
     """Writes every candidate pair with its exact Jaccard under `out`. Returns the number of candidate documents
     and the most documents one verification task held."""
     import ray.data
-    from ray.data.aggregate import Max, Sum
+    from ray.data.aggregate import Sum
 
     if not parquet_files(pairs):  # no shared band key anywhere: nothing to verify
         return {"candidate_documents": 0, "largest_task_documents.verification": 0}
@@ -134,4 +134,4 @@ def verify_candidates(inputs: Inputs, pairs: Path, config: DedupConfig, shuffles
     checked = shuffles(pair_rows.map_batches(pairs_keyed, batch_format="pyarrow", fn_kwargs=unit).union(sent), "verification") \
         .map_groups(verify, batch_format="pyarrow", fn_kwargs=kw).materialize()
     checked.drop_columns(["held"]).write_parquet(str(out))
-    return {"candidate_documents": documents, "largest_task_documents.verification": over_all(checked, Max("held"))["max(held)"] or 0}
+    return {"candidate_documents": documents, "largest_task_documents.verification": largest(checked, "held")}
