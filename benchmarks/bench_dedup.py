@@ -108,17 +108,20 @@ def ray_workers_rss() -> list[int]:
 
 
 def run_pipeline(root: Path, data: Path, tree: Path = ROOT, stages: str = "ingest,normalize,dedup",
-                 workdir: Path | None = None, path: tuple[str, ...] = ()) -> tuple[dict, dict]:
+                 workdir: Path | None = None, path: tuple[str, ...] = (), samples: list | None = None,
+                 config_extra: str = "") -> tuple[dict, dict]:
     """`stages` of the pipeline, with the code in `tree` (and `path` after it on PYTHONPATH); returns (dedup
     manifest, peak MB of memory: the driver's RSS, the largest Ray worker's RSS, all workers' RSS together, the
-    object store (/dev/shm) and the machine's used memory, each above what it was before the run)."""
+    object store (/dev/shm) and the machine's used memory, each above what it was before the run). `samples`, if
+    given, gets every Ray worker's (seconds, pid, title, RSS MB) every 0.5 s, for a caller that attributes them;
+    `config_extra`: YAML lines added to the run's config."""
     root.mkdir(parents=True, exist_ok=True)
     workdir = workdir or root / "work"
     config = root / "bench.yaml"
     # No evaluation set: every document is training, as in the ground truth (the quality's recall counts removals
     # in duplicates/; an evaluation document's near-copies would leave as near_eval instead).
     config.write_text(f"workdir: {workdir}\neval: {{fraction: 0}}\n"
-                      f"sources: [{{name: gen, format: jsonl, id_field: id, paths: ['{data}']}}]\n")
+                      f"sources: [{{name: gen, format: jsonl, id_field: id, paths: ['{data}']}}]\n{config_extra}")
     cmd = [sys.executable, str(tree / "pipelines" / "full.py"), "--config", str(config), "--only", stages, "--force"]
     base, shm_base = psutil.virtual_memory().used, psutil.disk_usage("/dev/shm").used
     peak = dict.fromkeys(["driver", "worker", "workers", "object store", "machine"], 0)
@@ -129,10 +132,16 @@ def run_pipeline(root: Path, data: Path, tree: Path = ROOT, stages: str = "inges
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=tree)
     driver = psutil.Process(proc.pid)
 
+    samples, began = samples if samples is not None else [], time.time()
+
     def watch() -> None:
         while proc.poll() is None:
             try:
-                workers = ray_workers_rss()
+                titled = [(p.pid, (p.info["cmdline"] or [""])[0], p.info["memory_info"].rss)
+                          for p in psutil.process_iter(["cmdline", "memory_info"])
+                          if (p.info["cmdline"] or [""])[0].startswith("ray::") and p.info["memory_info"]]
+                samples.extend((round(time.time() - began, 1), pid, title, rss / 2**20) for pid, title, rss in titled)
+                workers = [rss for _, _, rss in titled]
                 now = {"driver": driver.memory_info().rss, "worker": max(workers, default=0), "workers": sum(workers),
                        "object store": psutil.disk_usage("/dev/shm").used - shm_base,
                        "machine": psutil.virtual_memory().used - base}

@@ -25,6 +25,10 @@ repartitioned to blocks of SORT_BLOCK_BYTES first (core/ray_session.py: groupby)
 partitions, with the shards in the object store and on disk (`ray.disk_shuffle`).
 --small: a small groupby's seconds on each path of core/ray_session.py's groupby (sort; hash on the object store;
 hash on disk), alternating in one Ray session: whether the sort path still earns its place for small inputs.
+--phases: where a worker's memory goes. For each hot cluster size, ingest, normalize and dedup in one run, then dedup
+alone on their output (`--force`); each Ray worker's RSS and title (`ray::MapBatches(verify)`: the function it
+runs) sampled every 0.5 s, and each sample put to the phase whose function the worker runs, or last ran (an idle
+worker holds what its last task left). Reports the largest worker per phase, this commit only.
 """
 
 from __future__ import annotations
@@ -211,6 +215,57 @@ def small_groupby(rows: int = 60_000, blocks: int = 8, repeats: int = 4) -> None
         print(f"| {name} | {xs[0]:.2f} | {statistics.median(xs):.2f} |")
 
 
+# The phase of each function our stages run on Ray (what a worker's title names); the rest are Ray Data's own.
+PHASES = {
+    "ingest": ("read_task", "split_threads_task", "partial"),
+    "normalize": ("normalize_task",),
+    "decontamination": ("index_part", "merge_index", "training_part"),
+    "exact": ("index_task", "exact_groups", "kept_copies", "heavy_copies"),
+    "candidates": ("band_task", "keyed_band_rows", "group_pairs", "unit_rows", "boundary_pairs"),
+    "verification": ("candidate_keys", "shingle_rows", "pairs_keyed", "verify"),
+    "assembly": ("assemble_in_one_task", "near_edges", "copy_edges", "_undirected", "_directed", "star", "heavy_star",
+                 "_star_labels", "node_rows", "nodes_reduced", "label_rows", "component_rows", "components_reduced",
+                 "salted", "joined_rows", "leaving_group", "tally_removed", "tally_sizes"),
+    "output": ("filter_task",),
+}
+PHASE_OF = {name: phase for phase, names in PHASES.items() for name in names}
+BEFORE = "Ray's own, before any task"
+
+
+def by_phase(samples: list) -> dict[str, float]:
+    """run_pipeline's samples -> the largest worker RSS (MB) seen in each phase: a worker's sample counts for the
+    phase of the function its title names, else (idle, reading, shuffling) for the phase of the last it ran."""
+    import re
+
+    last: dict[int, str] = {}
+    peak: dict[str, float] = {}
+    for _, pid, title, mb in sorted(samples):
+        named = [PHASE_OF[w] for w in re.findall(r"\w+", title) if w in PHASE_OF]
+        phase = last[pid] = named[-1] if named else last.get(pid, BEFORE)
+        peak[phase] = max(peak.get(phase, 0.0), mb)
+    return peak
+
+
+def phases(docs: int, hots: list[int], task_documents: int | None, root: Path) -> None:
+    extra = f"dedup: {{task_documents: {task_documents}}}\n" if task_documents else ""
+    order = [BEFORE, *PHASES]
+    print(f"commit {provenance.commit()}; {docs:,} documents (10% planted duplicates) and a hot cluster; dedup.task_documents "
+          f"{task_documents or 'default'}; the largest Ray worker's RSS in MB while each phase ran (or last ran)\n")
+    print(f"| hot cluster | stages | {' | '.join(order)} | dedup s | removed |\n|{'---|' * (len(order) + 4)}")
+    for hot in hots:
+        folder = root / f"n{docs}-hot{hot}"
+        folder.mkdir(parents=True, exist_ok=True)
+        data, work = corpus(folder, docs, hot), folder / "work"
+        for stages in ("ingest,normalize,dedup", "dedup"):
+            samples: list = []
+            manifest, _ = run_pipeline(folder / stages.replace(",", "-"), data, ROOT, stages, work, samples=samples,
+                                       config_extra=extra)
+            peak = by_phase(samples)
+            removed = manifest["counts"]["duplicate"] + manifest["counts"].get("near_eval", 0)
+            print(f"| {hot:,} | {stages} | {' | '.join(f'{peak[p]:,.0f}' if p in peak else '-' for p in order)} "
+                  f"| {manifest['metrics']['seconds']:.1f} | {removed:,} |", flush=True)
+
+
 def parser() -> argparse.ArgumentParser:
     """The command line, built without running anything (tests/test_doc_commands.py checks the docs' commands with it)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -225,6 +280,10 @@ def parser() -> argparse.ArgumentParser:
                                                               "object store and on disk")
     p.add_argument("--small", action="store_true", help="only a small groupby's seconds on each of its paths: "
                                                          "sort, hash on the object store, hash on disk")
+    p.add_argument("--phases", action="store_true", help="only the largest worker per phase, for each of --phase-hot")
+    p.add_argument("--phase-docs", type=int, default=20_000, help="--phases: the corpus's documents before its hot cluster")
+    p.add_argument("--phase-hot", type=int, nargs="+", default=[4_000, 40_000], help="--phases: the hot clusters' sizes")
+    p.add_argument("--task-documents", type=int, help="--phases: dedup.task_documents (default: the config's)")
     return p
 
 
@@ -237,6 +296,8 @@ def main() -> None:
         return hash_references()
     if args.small:
         return small_groupby()
+    if args.phases:
+        return phases(args.phase_docs, args.phase_hot, args.task_documents, Path(args.out) / "phases")
     root = Path(args.out)
     probe = root / "probe"
     probe.mkdir(parents=True, exist_ok=True)

@@ -219,6 +219,8 @@ def run_tasks(fn: Callable[[T], dict], tasks: list[T], num_cpus: float = 1, stag
     def one(row: dict[str, Any]) -> dict[str, Any]:
         return {"index": row["index"], "result": json.dumps(fn(pickle.loads(row["task"])))}
 
+    one.__name__ = one.__qualname__ = fn.__name__  # Ray Data's operator and its workers' titles: Map(band_task)
+
     items = [{"index": i, "task": pickle.dumps(t)} for i, t in enumerate(tasks)]
     rows = []
     with Bar(stage, "tasks", len(items)) if stage else contextlib.nullcontext() as bar:

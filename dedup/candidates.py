@@ -21,7 +21,7 @@ from core.ray_session import largest
 from corpus.parts import run_tasks
 from dedup.config import DedupConfig
 from dedup.heavy import firsts, firsts_mask, heavy_keys, is_heavy, least_of, run_lengths
-from dedup.keys import ROW_BITS, Inputs, PartTask, Shuffles, hasher, kept_rows, part_of, unit_of
+from dedup.keys import Inputs, PartTask, Shuffles, hasher, kept_groups, part_of, unit_of
 from dedup.lsh import band_keys
 
 SMALL_BUCKET = 32  # buckets up to this size give all their pairs
@@ -39,19 +39,19 @@ class BandTask(PartTask):
 
 def band_task(task: BandTask) -> dict:
     """One part -> band rows of its documents that are not exact copies (nor decontamination's): (band, part, key),
-    20 bytes."""
-    cfg = task.config
-    table = pq.read_table(task.path, columns=["text"])
-    keep = kept_rows(task.part, table.num_rows, task.exact, task.skip)
-    bands = task.bands
-    keys = band_keys(hasher(cfg).signatures(table["text"].take(keep).to_pylist()), bands, task.rows, seed=cfg.seed)
-    flat = keys.ravel()  # document-major: doc 0's bands, doc 1's, ...
-    out = pa.table({"band": pa.array(flat, pa.uint64()),
-                    "part": pa.array((flat % np.uint64(task.partitions)).astype(np.int32)),
-                    "key": pa.array(np.repeat((np.int64(task.part) << np.int64(ROW_BITS)) + keep.astype(np.int64), bands))})
+    20 bytes; a row group of text at a time (dedup/keys.py `kept_groups`), hashed a chunk at a time (MinHasher)."""
+    cfg, minhash = task.config, hasher(task.config)
+    bands, keys = [np.zeros(0, np.uint64)], [np.zeros(0, np.int64)]
+    for table, kept in kept_groups(task.path, task.part, ["text"], task.exact, task.skip):
+        signatures = minhash.signatures(table["text"].to_pylist())
+        bands.append(band_keys(signatures, task.bands, task.rows, seed=cfg.seed).ravel())  # doc 0's bands, doc 1's, ...
+        keys.append(np.repeat(kept, task.bands))
+    flat = np.concatenate(bands)
+    out = pa.table({"band": pa.array(flat, pa.uint64()), "part": pa.array((flat % np.uint64(task.partitions)).astype(np.int32)),
+                    "key": pa.array(np.concatenate(keys))})
     Path(task.out).mkdir(parents=True, exist_ok=True)
     pq.write_table(out, Path(task.out) / f"bands-{task.part:05d}.parquet")
-    return {"documents": len(keep), "bytes": out.nbytes}
+    return {"documents": out.num_rows // task.bands, "bytes": out.nbytes}
 
 
 def bucket_pairs(members: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -19,7 +19,7 @@ import pyarrow.parquet as pq
 from core.ray_session import largest
 from corpus.parts import parquet_files, run_tasks
 from dedup.heavy import collect, firsts_mask, heavy_keys, heavy_rows, run_lengths
-from dedup.keys import Inputs, PartTask, Shuffles, keys_by_part, keys_of, kept_rows, write_by_part
+from dedup.keys import Inputs, PartTask, Shuffles, kept_groups, keys_by_part, write_by_part
 
 
 @dataclass(frozen=True)
@@ -27,23 +27,29 @@ class IndexTask(PartTask):
     priority: dict[str, int]  # source -> its rank as the kept copy (the config's order)
 
 
+INDEX_SCHEMA = pa.schema([("part", pa.int32()), ("key", pa.int64()), ("h1", pa.uint64()), ("h2", pa.uint64()),
+                          ("prio", pa.int32()), ("id", pa.string()), ("source", pa.string())])
+
+
 def index_task(task: IndexTask) -> dict:
-    """One part -> its index rows: key, the text's 128-bit hash (two uint64), priority, id, source."""
-    table = pq.read_table(task.path, columns=["id", "source", "text"])
-    keys = keys_of(task.part, table.num_rows)
-    kept = kept_rows(task.part, table.num_rows, task.skip)
-    table, keys, n = table.take(pa.array(kept)), keys[kept], len(kept)
-    digest = b"".join(hashlib.blake2b(t.encode(), digest_size=16).digest() for t in table["text"].to_pylist())
-    h = np.frombuffer(digest, dtype=np.uint64).reshape(n, 2) if n else np.zeros((0, 2), dtype=np.uint64)
-    priority = task.priority
-    prio = [priority.get(s, len(priority)) for s in table["source"].to_pylist()]
-    out = pa.table({"part": pa.array((h[:, 0] % np.uint64(task.partitions)).astype(np.int32)),
-                    "key": pa.array(keys), "h1": pa.array(h[:, 0]), "h2": pa.array(h[:, 1]),
-                    "prio": pa.array(prio, pa.int32()),
-                    "id": table["id"], "source": table["source"]})
+    """One part -> its index rows: key, the text's 128-bit hash (two uint64), priority, id, source; a row group
+    of text at a time."""
+    pieces = [index_rows(table, keys, task) for table, keys in kept_groups(task.path, task.part, ["id", "source", "text"],
+                                                                           task.skip)]
+    out = pa.concat_tables([INDEX_SCHEMA.empty_table(), *pieces])
     Path(task.out).mkdir(parents=True, exist_ok=True)
     pq.write_table(out, Path(task.out) / f"index-{task.part:05d}.parquet")
-    return {"rows": n, "bytes": out.nbytes}
+    return {"rows": out.num_rows, "bytes": out.nbytes}
+
+
+def index_rows(table: pa.Table, keys: np.ndarray, task: IndexTask) -> pa.Table:
+    digest = b"".join(hashlib.blake2b(t.encode(), digest_size=16).digest() for t in table["text"].to_pylist())
+    h = np.frombuffer(digest, dtype=np.uint64).reshape(len(keys), 2)
+    priority = task.priority
+    prio = [priority.get(s, len(priority)) for s in table["source"].to_pylist()]
+    return pa.table({"part": pa.array((h[:, 0] % np.uint64(task.partitions)).astype(np.int32)),
+                     "key": pa.array(keys), "h1": pa.array(h[:, 0]), "h2": pa.array(h[:, 1]),
+                     "prio": pa.array(prio, pa.int32()), "id": table["id"], "source": table["source"]}, schema=INDEX_SCHEMA)
 
 
 TEXT = [("h1", "ascending"), ("h2", "ascending")]

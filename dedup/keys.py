@@ -13,6 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.parquet as pq
 
 from core.ray_session import RayConfig, groupby
 from corpus.parts import parquet_bytes
@@ -43,10 +44,6 @@ def unit_of(keys: np.ndarray, task_documents: int) -> np.ndarray:
 
 def hasher(config: DedupConfig) -> MinHasher:
     return MinHasher(num_perm=config.num_perm, ngram=config.ngram, seed=config.seed, lowercase=config.lowercase)
-
-
-def keys_of(part: int, rows: int) -> np.ndarray:
-    return (np.int64(part) << np.int64(ROW_BITS)) + np.arange(rows, dtype=np.int64)
 
 
 @dataclass(frozen=True)
@@ -87,6 +84,20 @@ def kept_rows(part: int, rows: int, *folders: str) -> np.ndarray:
     """The rows of a part of `rows` rows that none of `folders` (each written by `write_by_part`) lists, sorted."""
     gone = [removed_rows(Path(f), part) for f in folders]
     return np.setdiff1d(np.arange(rows, dtype=np.int64), np.concatenate([np.zeros(0, np.int64), *gone]))
+
+
+def kept_groups(path: str, part: int, columns: list[str], *folders: str):
+    """The rows of one part that none of `folders` lists, a row group at a time: (those rows' `columns`, their
+    keys). A part holds up to PART_BYTES of text and its row groups GROUP_ROWS rows each (corpus/parts.py); a task
+    that reads a group at a time holds one, whatever the part's size or the corpus's."""
+    parquet = pq.ParquetFile(path)
+    kept, start = kept_rows(part, parquet.metadata.num_rows, *folders), 0
+    for i in range(parquet.num_row_groups):
+        end = start + parquet.metadata.row_group(i).num_rows
+        rows = kept[np.searchsorted(kept, start):np.searchsorted(kept, end)]
+        if len(rows):
+            yield parquet.read_row_group(i, columns=columns).take(pa.array(rows - start)), (np.int64(part) << np.int64(ROW_BITS)) + rows
+        start = end
 
 
 def write_by_part(group: pa.Table, folder: str) -> pa.Table:

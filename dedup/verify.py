@@ -52,8 +52,17 @@ def candidate_keys(batch: pa.Table, task_documents: int) -> pa.Table:
 
 
 def read_documents(path: str, keys: np.ndarray, config: DedupConfig) -> tuple[pa.Table, list[np.ndarray]]:
-    """Some documents of one part, by key (sorted, unique): their ids and sources, and their shingle sets."""
-    table = pq.read_table(path, columns=["id", "source", "text"]).take(pa.array(keys & ((1 << ROW_BITS) - 1)))
+    """Some documents of one part, by key (sorted, unique): their ids and sources, and their shingle sets. Only
+    the row groups that hold them are read (a part may be hundreds of MB; a unit's documents are a run of it)."""
+    parquet, rows = pq.ParquetFile(path), keys & ((1 << ROW_BITS) - 1)
+    sizes = np.array([parquet.metadata.row_group(i).num_rows for i in range(parquet.num_row_groups)], np.int64)
+    ends = np.cumsum(sizes)
+    group = np.searchsorted(ends, rows, side="right")
+    needed = np.unique(group)
+    at = np.zeros(len(sizes), np.int64)  # where each needed group starts in what is read
+    at[needed] = np.cumsum(sizes[needed]) - sizes[needed]
+    table = parquet.read_row_groups(needed.tolist(), columns=["id", "source", "text"]) \
+        .take(pa.array(rows - (ends - sizes)[group] + at[group]))
     return table.select(["id", "source"]), hasher(config).shingle_sets(table["text"].to_pylist())
 
 
@@ -105,14 +114,13 @@ def verify(group: pa.Table, paths: list[str], config: DedupConfig) -> pa.Table:
     for k, i, s, x in zip(docs["a_key"].to_pylist(), docs["id"].to_pylist(), docs["source"].to_pylist(),
                           docs["shingles"].to_pylist()):
         known[k] = (i, s, np.frombuffer(x, dtype=np.uint64))
-    out = []
+    rows = []  # a tuple per pair (a dict each held 4x the memory: a unit has up to 2 x bands x task_documents pairs)
     for a, b in pairs.tolist():
         (a_id, a_source, a_set), (b_id, b_source, b_set) = known[a], known[b]
         if (b_id, b_source, b) < (a_id, a_source, a):
             a, b, a_id, b_id, a_source, b_source = b, a, b_id, a_id, b_source, a_source
-        out.append({"a": a_id, "b": b_id, "a_source": a_source, "b_source": b_source,
-                    "jaccard": jaccard_of_sets(a_set, b_set), "a_key": a, "b_key": b, "held": len(known)})
-    return pa.Table.from_pylist(out, schema=VERIFIED_SCHEMA)
+        rows.append((a_id, b_id, a_source, b_source, jaccard_of_sets(a_set, b_set), a, b, len(known)))
+    return pa.table(dict(zip(VERIFIED_SCHEMA.names, map(list, zip(*rows)))), schema=VERIFIED_SCHEMA)
 
 
 def verify_candidates(inputs: Inputs, pairs: Path, config: DedupConfig, shuffles: Shuffles, out: Path) -> dict[str, int]:

@@ -410,3 +410,48 @@ sources:
     assert 50 <= held <= 500, held
     # Its buckets (~1,750 documents each) were never grouped whole: their pairs were made 50 keys a task.
     assert 2 <= manifest["metrics"]["largest_key_rows.candidates"] <= 50, manifest["metrics"]
+
+
+def test_a_parts_tasks_hold_a_row_group_of_it_however_big_the_part(tmp_path):
+    """The exact and candidates phases' per-part tasks (index_task, band_task) read a part a row group at a time
+    and hash its text a chunk at a time, so what they hold does not grow with the part: a part of 200 one-word
+    edits of a 1,000-word text and one of 2,000 (10x the text, 11 MB more), in row groups of 128 documents.
+    Python's traced peak (numpy's arrays and the strings) may grow by a quarter of that; hashing a whole part at
+    once, as before, held about 40 bytes of arrays a byte of text (430 MB more). The band rows are those of the
+    whole part's signatures at once, and the index has every document once."""
+    import tracemalloc
+
+    import numpy as np
+    import pyarrow as pa
+
+    from dedup.candidates import BandTask, band_task
+    from dedup.config import DedupConfig
+    from dedup.exact import IndexTask, index_task
+    from dedup.keys import hasher
+    from dedup.lsh import band_keys, choose_banding
+
+    cfg, none = DedupConfig(), str(tmp_path / "nothing-removed")
+    bands, rows_ = choose_banding(cfg.num_perm, cfg.threshold)
+    base, rng = long_doc(500, words=1000), random.Random(11)
+    peaks, text = {}, {}
+    for n in (200, 2000):
+        docs = [edit(base, [rng.randrange(1000)], 9000 + i) for i in range(n)]
+        text[n] = sum(map(len, docs))
+        path = tmp_path / f"part-{n}.parquet"
+        pq.write_table(pa.table({"id": [f"hot-{i:05d}" for i in range(n)], "source": ["web"] * n, "text": docs}), path,
+                       row_group_size=128)
+        tasks = {"bands": (band_task, BandTask(str(path), 3, str(tmp_path / f"bands-{n}"), 4, none, cfg, bands, rows_, none)),
+                 "index": (index_task, IndexTask(str(path), 3, str(tmp_path / f"index-{n}"), 4, none, {"web": 0}))}
+        for name, (run, task) in tasks.items():
+            tracemalloc.start()
+            run(task)
+            peaks[name, n] = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+        written = pq.read_table(tmp_path / f"bands-{n}" / "bands-00003.parquet")
+        whole = band_keys(hasher(cfg).signatures(docs), bands, rows_, seed=cfg.seed).ravel()
+        assert written["band"].to_numpy().tolist() == whole.tolist()
+        assert written["key"].to_numpy().tolist() == np.repeat((3 << 32) + np.arange(n), bands).tolist()
+        index = pq.read_table(tmp_path / f"index-{n}" / "index-00003.parquet")
+        assert index["id"].to_pylist() == [f"hot-{i:05d}" for i in range(n)] and index["key"][-1].as_py() == (3 << 32) + n - 1
+    for name in ("bands", "index"):
+        assert peaks[name, 2000] - peaks[name, 200] < (text[2000] - text[200]) / 4, (name, peaks, text)
