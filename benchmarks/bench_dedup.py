@@ -107,13 +107,23 @@ def ray_workers_rss() -> list[int]:
             if (p.info["name"] or "").startswith("ray::") and p.info["memory_info"]]
 
 
+def rss_anon(pid: int) -> int:
+    """A process's private resident memory (RssAnon), in bytes; 0 once it has gone."""
+    try:
+        with open(f"/proc/{pid}/status") as fh:
+            return next((int(line.split()[1]) << 10 for line in fh if line.startswith("RssAnon:")), 0)
+    except OSError:
+        return 0
+
+
 def run_pipeline(root: Path, data: Path, tree: Path = ROOT, stages: str = "ingest,normalize,dedup",
                  workdir: Path | None = None, path: tuple[str, ...] = (), samples: list | None = None,
                  config_extra: str = "") -> tuple[dict, dict]:
     """`stages` of the pipeline, with the code in `tree` (and `path` after it on PYTHONPATH); returns (dedup
     manifest, peak MB of memory: the driver's RSS, the largest Ray worker's RSS, all workers' RSS together, the
     object store (/dev/shm) and the machine's used memory, each above what it was before the run). `samples`, if
-    given, gets every Ray worker's (seconds, pid, title, RSS MB) every 0.5 s, for a caller that attributes them;
+    given, gets every Ray worker's (seconds, pid, title, RssAnon MB: its private memory, without the object store's
+    pages it maps) every 0.5 s, for a caller that attributes them;
     `config_extra`: YAML lines added to the run's config."""
     root.mkdir(parents=True, exist_ok=True)
     workdir = workdir or root / "work"
@@ -140,7 +150,7 @@ def run_pipeline(root: Path, data: Path, tree: Path = ROOT, stages: str = "inges
                 titled = [(p.pid, (p.info["cmdline"] or [""])[0], p.info["memory_info"].rss)
                           for p in psutil.process_iter(["cmdline", "memory_info"])
                           if (p.info["cmdline"] or [""])[0].startswith("ray::") and p.info["memory_info"]]
-                samples.extend((round(time.time() - began, 1), pid, title, rss / 2**20) for pid, title, rss in titled)
+                samples.extend((round(time.time() - began, 1), pid, title, rss_anon(pid) / 2**20) for pid, title, _ in titled)
                 workers = [rss for _, _, rss in titled]
                 now = {"driver": driver.memory_info().rss, "worker": max(workers, default=0), "workers": sum(workers),
                        "object store": psutil.disk_usage("/dev/shm").used - shm_base,

@@ -26,7 +26,7 @@ partitions, with the shards in the object store and on disk (`ray.disk_shuffle`)
 --small: a small groupby's seconds on each path of core/ray_session.py's groupby (sort; hash on the object store;
 hash on disk), alternating in one Ray session: whether the sort path still earns its place for small inputs.
 --phases: where a worker's memory goes. For each hot cluster size, ingest, normalize and dedup in one run, then dedup
-alone on their output (`--force`); each Ray worker's RSS and title (`ray::MapBatches(verify)`: the function it
+alone on their output (`--force`); each Ray worker's private memory (RssAnon) and title (`ray::MapBatches(verify)`: the function it
 runs) sampled every 0.5 s, and each sample put to the phase whose function the worker runs, or last ran (an idle
 worker holds what its last task left). Reports the largest worker per phase, this commit only.
 """
@@ -233,7 +233,7 @@ BEFORE = "Ray's own, before any task"
 
 
 def by_phase(samples: list) -> dict[str, float]:
-    """run_pipeline's samples -> the largest worker RSS (MB) seen in each phase: a worker's sample counts for the
+    """run_pipeline's samples -> the largest worker's RssAnon (MB) seen in each phase: a worker's sample counts for the
     phase of the function its title names, else (idle, reading, shuffling) for the phase of the last it ran."""
     import re
 
@@ -250,7 +250,7 @@ def phases(docs: int, hots: list[int], task_documents: int | None, root: Path) -
     extra = f"dedup: {{task_documents: {task_documents}}}\n" if task_documents else ""
     order = [BEFORE, *PHASES]
     print(f"commit {provenance.commit()}; {docs:,} documents (10% planted duplicates) and a hot cluster; dedup.task_documents "
-          f"{task_documents or 'default'}; the largest Ray worker's RSS in MB while each phase ran (or last ran)\n")
+          f"{task_documents or 'default'}; the largest Ray worker's private memory (RssAnon, MB) while each phase ran (or last ran)\n")
     print(f"| hot cluster | stages | {' | '.join(order)} | dedup s | removed |\n|{'---|' * (len(order) + 4)}")
     for hot in hots:
         folder = root / f"n{docs}-hot{hot}"
