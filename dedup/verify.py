@@ -52,18 +52,19 @@ def candidate_keys(batch: pa.Table, task_documents: int) -> pa.Table:
 
 
 def read_documents(path: str, keys: np.ndarray, config: DedupConfig) -> tuple[pa.Table, list[np.ndarray]]:
-    """Some documents of one part, by key (sorted, unique): their ids and sources, and their shingle sets. Only
-    the row groups that hold them are read (a part may be hundreds of MB; a unit's documents are a run of it)."""
-    parquet, rows = pq.ParquetFile(path), keys & ((1 << ROW_BITS) - 1)
+    """Some documents of one part, by key (sorted, unique): their ids and sources, and their shingle sets. Read a
+    row group at a time, only those that hold them: what a task keeps is the sets (8 bytes a distinct shingle),
+    and one row group's text at most."""
+    parquet, rows, minhash = pq.ParquetFile(path), keys & ((1 << ROW_BITS) - 1), hasher(config)
     sizes = np.array([parquet.metadata.row_group(i).num_rows for i in range(parquet.num_row_groups)], np.int64)
-    ends = np.cumsum(sizes)
-    group = np.searchsorted(ends, rows, side="right")
-    needed = np.unique(group)
-    at = np.zeros(len(sizes), np.int64)  # where each needed group starts in what is read
-    at[needed] = np.cumsum(sizes[needed]) - sizes[needed]
-    table = parquet.read_row_groups(needed.tolist(), columns=["id", "source", "text"]) \
-        .take(pa.array(rows - (ends - sizes)[group] + at[group]))
-    return table.select(["id", "source"]), hasher(config).shingle_sets(table["text"].to_pylist())
+    starts = np.cumsum(sizes) - sizes
+    group = np.searchsorted(starts + sizes, rows, side="right")
+    names, sets = [pa.table({"id": pa.array([], pa.string()), "source": pa.array([], pa.string())})], []
+    for g in np.unique(group):
+        table = parquet.read_row_group(int(g), columns=["id", "source", "text"]).take(pa.array(rows[group == g] - starts[g]))
+        names.append(table.select(["id", "source"]))
+        sets.extend(minhash.shingle_sets(table["text"].to_pylist()))
+    return pa.concat_tables(names), sets
 
 
 def shingle_rows(group: pa.Table, paths: list[str], config: DedupConfig) -> pa.Table:
