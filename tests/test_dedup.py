@@ -351,7 +351,7 @@ def test_exact_copies_a_hot_bucket_and_chains_merge_as_brute_force_does_with_eit
 
     root, cfg, truth = crowded
     results = []
-    for one_task_edges in (dedup.assemble.EDGES_PER_TASK_DOCUMENT, 0):
+    for one_task_edges in (1 << 20, 0):  # every edge in one task (its ~200 are over 4 x 16), then none
         monkeypatch.setattr(dedup.assemble, "EDGES_PER_TASK_DOCUMENT", one_task_edges)
         assert main(["--config", str(cfg), "--only", "ingest,normalize,dedup", "--force"]) == 0
         manifest = json.loads((root / "work" / "dedup" / "manifest.json").read_text())
