@@ -417,8 +417,8 @@ def test_a_parts_tasks_hold_a_row_group_of_it_however_big_the_part(tmp_path):
     and hash its text a chunk at a time, so what they hold does not grow with the part: a part of 200 one-word
     edits of a 1,000-word text and one of 2,000 (10x the text, 11 MB more), in row groups of 128 documents.
     Python's traced peak (numpy's arrays and the strings) may grow by a quarter of that; hashing a whole part at
-    once, as before, held about 40 bytes of arrays a byte of text (430 MB more). The band rows are those of the
-    whole part's signatures at once, and the index has every document once."""
+    once, as before, it grew 290 MB. The band rows are those of the whole part's signatures at once, and the
+    index has every document once."""
     import tracemalloc
 
     import numpy as np
