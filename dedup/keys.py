@@ -86,18 +86,26 @@ def kept_rows(part: int, rows: int, *folders: str) -> np.ndarray:
     return np.setdiff1d(np.arange(rows, dtype=np.int64), np.concatenate([np.zeros(0, np.int64), *gone]))
 
 
-def kept_groups(path: str, part: int, columns: list[str], *folders: str):
-    """The rows of one part that none of `folders` lists, a row group at a time: (those rows' `columns`, their
-    keys). A part holds up to PART_BYTES of text and its row groups GROUP_ROWS rows each (corpus/parts.py); a task
-    that reads a group at a time holds one, whatever the part's size or the corpus's."""
+def rows_by_group(path: str, rows: np.ndarray, columns: list[str]):
+    """Some rows of one part (sorted, unique), a row group at a time, reading only the groups that hold them:
+    (those rows' `columns`, the rows). A part holds up to PART_BYTES of text in row groups of GROUP_ROWS rows
+    (corpus/parts.py): a task that reads this way holds one group's text, whatever the part's size."""
     parquet = pq.ParquetFile(path)
-    kept, start = kept_rows(part, parquet.metadata.num_rows, *folders), 0
-    for i in range(parquet.num_row_groups):
-        end = start + parquet.metadata.row_group(i).num_rows
-        rows = kept[np.searchsorted(kept, start):np.searchsorted(kept, end)]
-        if len(rows):
-            yield parquet.read_row_group(i, columns=columns).take(pa.array(rows - start)), (np.int64(part) << np.int64(ROW_BITS)) + rows
-        start = end
+    sizes = np.array([parquet.metadata.row_group(i).num_rows for i in range(parquet.num_row_groups)], np.int64)
+    starts = np.cumsum(sizes) - sizes
+    group = np.searchsorted(starts + sizes, rows, side="right")
+    cuts = np.flatnonzero(np.diff(group)) + 1
+    for these, g in zip(np.split(rows, cuts), np.split(group, cuts)):
+        if len(these):
+            yield parquet.read_row_group(int(g[0]), columns=columns).take(pa.array(these - starts[g[0]])), these
+
+
+def kept_groups(path: str, part: int, columns: list[str], *folders: str):
+    """The rows of one part that none of `folders` lists, a row group at a time (`rows_by_group`): (those rows'
+    `columns`, their keys)."""
+    rows = kept_rows(part, pq.ParquetFile(path).metadata.num_rows, *folders)
+    for table, these in rows_by_group(path, rows, columns):
+        yield table, (np.int64(part) << np.int64(ROW_BITS)) + these
 
 
 def write_by_part(group: pa.Table, folder: str) -> pa.Table:

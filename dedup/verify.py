@@ -19,13 +19,12 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from core.ray_session import largest, over_all
 from corpus.parts import parquet_files
 from dedup.candidates import PAIR_SCHEMA
 from dedup.config import DedupConfig
-from dedup.keys import ROW_BITS, Inputs, Shuffles, hasher, unit_of
+from dedup.keys import ROW_BITS, Inputs, Shuffles, hasher, rows_by_group, unit_of
 from dedup.minhash import jaccard_of_sets
 
 CANDIDATE_SCHEMA = pa.schema([("a", pa.string()), ("b", pa.string()), ("a_source", pa.string()),
@@ -53,15 +52,11 @@ def candidate_keys(batch: pa.Table, task_documents: int) -> pa.Table:
 
 def read_documents(path: str, keys: np.ndarray, config: DedupConfig) -> tuple[pa.Table, list[np.ndarray]]:
     """Some documents of one part, by key (sorted, unique): their ids and sources, and their shingle sets. Read a
-    row group at a time, only those that hold them: what a task keeps is the sets (8 bytes a distinct shingle),
-    and one row group's text at most."""
-    parquet, rows, minhash = pq.ParquetFile(path), keys & ((1 << ROW_BITS) - 1), hasher(config)
-    sizes = np.array([parquet.metadata.row_group(i).num_rows for i in range(parquet.num_row_groups)], np.int64)
-    starts = np.cumsum(sizes) - sizes
-    group = np.searchsorted(starts + sizes, rows, side="right")
+    row group at a time (`rows_by_group`): a task keeps the sets (8 bytes a distinct shingle), and one row group's
+    text at most."""
+    minhash = hasher(config)
     names, sets = [pa.table({"id": pa.array([], pa.string()), "source": pa.array([], pa.string())})], []
-    for g in np.unique(group):
-        table = parquet.read_row_group(int(g), columns=["id", "source", "text"]).take(pa.array(rows[group == g] - starts[g]))
+    for table, _ in rows_by_group(path, keys & ((1 << ROW_BITS) - 1), ["id", "source", "text"]):
         names.append(table.select(["id", "source"]))
         sets.extend(minhash.shingle_sets(table["text"].to_pylist()))
     return pa.concat_tables(names), sets
