@@ -86,9 +86,9 @@ def kept_rows(part: int, rows: int, *folders: str) -> np.ndarray:
     return np.setdiff1d(np.arange(rows, dtype=np.int64), np.concatenate([np.zeros(0, np.int64), *gone]))
 
 
-def rows_by_group(path: str, rows: np.ndarray, columns: list[str]):
+def rows_by_group(path: str, rows: np.ndarray, columns: list[str] | None):
     """Some rows of one part (sorted, unique), a row group at a time, reading only the groups that hold them:
-    (those rows' `columns`, the rows). A part holds up to PART_BYTES of text in row groups of GROUP_ROWS rows
+    (those rows' `columns`, all with None; the rows). A part holds up to PART_BYTES of text in row groups of GROUP_ROWS rows
     (corpus/parts.py): a task that reads this way holds one group's text, whatever the part's size."""
     parquet = pq.ParquetFile(path)
     sizes = np.array([parquet.metadata.row_group(i).num_rows for i in range(parquet.num_row_groups)], np.int64)

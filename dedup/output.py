@@ -9,11 +9,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 import pyarrow.parquet as pq
 
 from corpus.parts import DOCUMENT_SCHEMA, Parts, run_tasks
-from dedup.keys import Inputs, removed_rows
+from dedup.keys import Inputs, removed_rows, rows_by_group
 
 
 @dataclass(frozen=True)
@@ -30,17 +29,13 @@ def filter_task(task: FilterTask) -> dict:
     """One part minus its removed rows (by row number, against the part's sorted array), a row group at a time."""
     by_reason = {reason: removed_rows(Path(folder), task.part) for reason, folder in task.removed.items()}
     gone = np.sort(np.concatenate(list(by_reason.values())))
+    n = pq.ParquetFile(task.path).metadata.num_rows
     docs = Parts(task.output, task.stem, DOCUMENT_SCHEMA)
-    parquet, start = pq.ParquetFile(task.path), 0
-    for i in range(parquet.num_row_groups):
-        table = parquet.read_row_group(i)
-        keep = np.ones(table.num_rows, dtype=bool)
-        keep[gone[(gone >= start) & (gone < start + table.num_rows)] - start] = False
-        for row in table.filter(pa.array(keep)).to_pylist():
+    for table, _ in rows_by_group(task.path, np.setdiff1d(np.arange(n, dtype=np.int64), gone), None):
+        for row in table.to_pylist():
             docs.add(row, len(row["text"]))
-        start += table.num_rows
     docs.close()
-    return {"rows_in": start, "rows_out": start - len(gone), **{reason: len(rows) for reason, rows in by_reason.items()}}
+    return {"rows_in": n, "rows_out": n - len(gone), **{reason: len(rows) for reason, rows in by_reason.items()}}
 
 
 def write_output(inputs: Inputs, removed: dict[str, str], output: Path) -> collections.Counter:
