@@ -101,10 +101,17 @@ def generate(path: Path, docs: int, seed: int = 5, planted: float = 0.2) -> dict
     return kinds
 
 
+def ray_workers() -> list[tuple[int, str, int]]:
+    """(pid, title, RSS) of every Ray worker process on this machine: a worker titles itself `ray::<what it runs>`
+    (`ray::MapBatches(verify)`, `ray::IDLE`)."""
+    return [(p.pid, p.info["cmdline"][0], p.info["memory_info"].rss)
+            for p in psutil.process_iter(["cmdline", "memory_info"])
+            if (p.info["cmdline"] or [""])[0].startswith("ray::") and p.info["memory_info"]]
+
+
 def ray_workers_rss() -> list[int]:
-    """The RSS of every Ray worker process on this machine (they name themselves `ray::...`)."""
-    return [p.info["memory_info"].rss for p in psutil.process_iter(["name", "memory_info"])
-            if (p.info["name"] or "").startswith("ray::") and p.info["memory_info"]]
+    """The RSS of every Ray worker process on this machine."""
+    return [rss for _, _, rss in ray_workers()]
 
 
 def rss_anon(pid: int) -> int:
@@ -147,9 +154,7 @@ def run_pipeline(root: Path, data: Path, tree: Path = ROOT, stages: str = "inges
     def watch() -> None:
         while proc.poll() is None:
             try:
-                titled = [(p.pid, (p.info["cmdline"] or [""])[0], p.info["memory_info"].rss)
-                          for p in psutil.process_iter(["cmdline", "memory_info"])
-                          if (p.info["cmdline"] or [""])[0].startswith("ray::") and p.info["memory_info"]]
+                titled = ray_workers()
                 samples.extend((round(time.time() - began, 1), pid, title, rss_anon(pid) / 2**20) for pid, title, _ in titled)
                 workers = [rss for _, _, rss in titled]
                 now = {"driver": driver.memory_info().rss, "worker": max(workers, default=0), "workers": sum(workers),
