@@ -80,7 +80,7 @@ def shingle_rows(group: pa.Table, paths: list[str], config: DedupConfig) -> pa.T
     n = len(routes)
     return pa.table({"part": pa.array(routes[:, 1]), "kind": pa.array(["doc"] * n), "a_key": pa.array(unique[routes[:, 0]]),
                      "b_key": pa.nulls(n, pa.int64()), "id": names["id"].take(at), "source": names["source"].take(at),
-                     "shingles": pa.array([sets[i].tobytes() if i is not None else None for i in at.to_pylist()], pa.binary()),
+                     "shingles": binary_of([None if i is None else sets[i] for i in at.to_pylist()]),
                      "first": pa.array(first.astype(np.int64))}, schema=JOIN_SCHEMA)
 
 
@@ -97,7 +97,10 @@ def verify(group: pa.Table, paths: list[str], config: DedupConfig) -> pa.Table:
     """One unit's pairs (each once, though several bands may have proposed it) and the shingle sets of their
     first documents held in other parts -> each pair's exact Jaccard, and on every row the documents the task
     held (`held`: what bounds its memory). The part's own documents are read from the part; a pair is written
-    (a, b) in (id, source) order."""
+    (a, b) in (id, source) order.
+
+    Beside the sets, a task holds arrays, not a Python object per pair: a unit of a hot cluster has up to
+    2 x bands x task_documents pairs: a tuple each held about 360 bytes, the arrays 66 (tests/test_dedup.py)."""
     docs = group.filter(pc.equal(group["kind"], "doc"))
     pairs = np.unique(np.stack([c.to_numpy() for c in group.filter(pc.equal(group["kind"], "pair"))
                                 .select(["a_key", "b_key"]).columns], axis=1), axis=0)
@@ -105,18 +108,45 @@ def verify(group: pa.Table, paths: list[str], config: DedupConfig) -> pa.Table:
         return VERIFIED_SCHEMA.empty_table()
     part = int(pairs[0, 1] >> ROW_BITS)
     local = np.unique(pairs[(pairs >> ROW_BITS) == part])
-    names, sets = read_documents(paths[part], local, config)
-    known = {k: (i, s, x) for k, i, s, x in zip(local.tolist(), names["id"].to_pylist(), names["source"].to_pylist(), sets)}
-    for k, i, s, x in zip(docs["a_key"].to_pylist(), docs["id"].to_pylist(), docs["source"].to_pylist(),
-                          docs["shingles"].to_pylist()):
-        known[k] = (i, s, np.frombuffer(x, dtype=np.uint64))
-    rows = []  # a tuple per pair (a dict each held 4x the memory: a unit has up to 2 x bands x task_documents pairs)
-    for a, b in pairs.tolist():
-        (a_id, a_source, a_set), (b_id, b_source, b_set) = known[a], known[b]
-        if (b_id, b_source, b) < (a_id, a_source, a):
-            a, b, a_id, b_id, a_source, b_source = b, a, b_id, a_id, b_source, a_source
-        rows.append((a_id, b_id, a_source, b_source, jaccard_of_sets(a_set, b_set), a, b, len(known)))
-    return pa.table(dict(zip(VERIFIED_SCHEMA.names, map(list, zip(*rows)))), schema=VERIFIED_SCHEMA)
+    names, local_sets = read_documents(paths[part], local, config)
+    keys, first = np.unique(np.concatenate([local, docs["a_key"].to_numpy()]), return_index=True)
+    ids = pa.concat_arrays([*names["id"].chunks, *docs["id"].chunks]).take(first)
+    sources = pa.concat_arrays([*names["source"].chunks, *docs["source"].chunks]).take(first)
+    sets = local_sets + sets_of(docs["shingles"])
+    rank = np.empty(len(keys), np.int64)  # each document's place in (id, source, key) order
+    order = [("id", "ascending"), ("source", "ascending"), ("key", "ascending")]
+    rank[pc.sort_indices(pa.table({"id": ids, "source": sources, "key": keys}), sort_keys=order).to_numpy()] = np.arange(len(keys))
+    a, b = np.searchsorted(keys, pairs[:, 0]), np.searchsorted(keys, pairs[:, 1])
+    a, b = np.where(rank[b] < rank[a], b, a), np.where(rank[b] < rank[a], a, b)
+    at_a, at_b = first[a], first[b]
+    jaccard = np.fromiter((jaccard_of_sets(sets[i], sets[j]) for s in range(0, len(a), 4096)
+                           for i, j in zip(at_a[s : s + 4096].tolist(), at_b[s : s + 4096].tolist())), np.float64, len(a))
+    return pa.table({"a": ids.take(a), "b": ids.take(b), "a_source": sources.take(a), "b_source": sources.take(b),
+                     "jaccard": jaccard, "a_key": keys[a], "b_key": keys[b], "held": np.full(len(a), len(keys))},
+                    schema=VERIFIED_SCHEMA)
+
+
+def binary_of(sets: list[np.ndarray | None]) -> pa.Array:
+    """uint64 arrays (None: a null) as one binary column, from their bytes at once: no Python bytes object
+    per row."""
+    offsets = np.concatenate([[0], np.cumsum([0 if x is None else x.nbytes for x in sets], dtype=np.int64)])
+    if offsets[-1] >= 1 << 31:
+        raise ValueError(f"{offsets[-1]} bytes of shingle sets in one column: over Arrow binary's 2 GiB")
+    offsets = offsets.astype(np.int32)
+    data = np.concatenate([np.zeros(0, np.uint64), *(x for x in sets if x is not None)])
+    valid = pa.array([x is not None for x in sets], pa.bool_()).buffers()[1]
+    return pa.Array.from_buffers(pa.binary(), len(sets), [valid, pa.py_buffer(offsets), pa.py_buffer(data)])
+
+
+def sets_of(column: pa.ChunkedArray) -> list[np.ndarray]:
+    """`binary_of`'s column -> each row's uint64 set, a view of the column's own bytes (no copy)."""
+    out = []
+    for chunk in column.chunks:
+        _, offsets, data = chunk.buffers()
+        at = np.frombuffer(offsets, np.int32)[chunk.offset : chunk.offset + len(chunk) + 1].tolist()
+        data = np.frombuffer(data, np.uint8) if data is not None else np.zeros(0, np.uint8)
+        out.extend(data[s:e].view(np.uint64) for s, e in zip(at[:-1], at[1:]))
+    return out
 
 
 def verify_candidates(inputs: Inputs, pairs: Path, config: DedupConfig, shuffles: Shuffles, out: Path) -> dict[str, int]:

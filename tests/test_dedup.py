@@ -455,3 +455,60 @@ def test_a_parts_tasks_hold_a_row_group_of_it_however_big_the_part(tmp_path):
         assert index["id"].to_pylist() == [f"hot-{i:05d}" for i in range(n)] and index["key"][-1].as_py() == (3 << 32) + n - 1
     for name in ("bands", "index"):
         assert peaks[name, 2000] - peaks[name, 200] < (text[2000] - text[200]) / 4, (name, peaks, text)
+
+
+def test_verification_holds_arrays_not_an_object_per_pair(tmp_path, monkeypatch):
+    """A unit of a hot cluster has many pairs per document (up to 2 x bands). `verify` holds a few arrays per pair
+    beside its documents' shingle sets: under 120 bytes a pair of Python's traced memory past the part's read (a
+    tuple per pair, as before: about 360). Its rows are each pair's brute-force Jaccard, (a, b) in (id, source)
+    order, for documents of its own part and for those another part sends (as `shingle_rows` sends them)."""
+    import tracemalloc
+
+    import numpy as np
+    import pyarrow as pa
+
+    from dedup import verify as v
+    from dedup.config import DedupConfig
+    from dedup.keys import hasher
+    from dedup.minhash import jaccard_of_sets
+
+    cfg, rng, n, away = DedupConfig(), random.Random(5), 1200, 40
+    base = long_doc(501, words=500)
+    docs = [edit(base, rng.sample(range(500), rng.choice([1, 1, 8])), 7000 + i) for i in range(n + away)]  # 8 words: below 0.95
+    ids = [f"hot-{n - i:05d}" for i in range(n)] + [f"away-{i:03d}" for i in range(away)]  # ids run against the keys
+    path = tmp_path / "part-1.parquet"
+    pq.write_table(pa.table({"id": ids[:n], "source": ["web"] * n, "text": docs[:n]}), path, row_group_size=256)
+    keys = [(1 << 32) + i for i in range(n)] + list(range(away))  # the sent documents are part 0's
+    sets = hasher(cfg).shingle_sets(docs)
+    pairs = sorted({(keys[rng.randrange(j) if rng.random() < 0.9 else n + rng.randrange(away)], keys[j])
+                    for j in range(1, n) for _ in range(12)})
+    sent = sorted({a for a, _ in pairs if a < (1 << 32)})
+    pair_rows = v.pairs_keyed(pa.table({"a_key": [a for a, _ in pairs], "b_key": [b for _, b in pairs]}), cfg.task_documents)
+    doc_rows = pa.table({"part": [1 << 32] * len(sent), "kind": ["doc"] * len(sent), "a_key": sent,
+                         "b_key": pa.nulls(len(sent), pa.int64()),
+                         "id": [ids[n + k] for k in sent], "source": ["news"] * len(sent),
+                         "shingles": v.binary_of([sets[n + k] for k in sent]), "first": [1] * len(sent)}, schema=v.JOIN_SCHEMA)
+    read = v.read_documents
+    after_read = []
+
+    def measured_read(*args):
+        out = read(*args)
+        after_read.append(tracemalloc.get_traced_memory()[0])
+        tracemalloc.reset_peak()
+        return out
+
+    monkeypatch.setattr(v, "read_documents", measured_read)
+    tracemalloc.start()
+    checked = v.verify(pa.concat_tables([pair_rows, doc_rows]), [str(tmp_path / "unused"), str(path)], cfg)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert (peak - after_read[0]) / len(pairs) < 120, (peak - after_read[0]) / len(pairs)
+    place = {k: i for i, k in enumerate(keys)}
+    source = {k: "web" if k >= 1 << 32 else "news" for k in keys}
+    truth = []
+    for a, b in pairs:
+        (a_id, a_src, a), (b_id, b_src, b) = sorted([(ids[place[a]], source[a], a), (ids[place[b]], source[b], b)])
+        truth.append((a_id, b_id, a_src, b_src, jaccard_of_sets(sets[place[a]], sets[place[b]]), a, b, n + len(sent)))
+    assert sorted(zip(*[checked[c].to_pylist() for c in v.VERIFIED_SCHEMA.names])) == sorted(truth)
+    assert len(truth) > 10_000 and 0 < sum(r[4] < 0.95 for r in truth) < len(truth)  # both sides of the threshold
+    assert np.unique([v.sets_of(doc_rows["shingles"])[i].sum() for i in range(len(sent))]).size > 1
