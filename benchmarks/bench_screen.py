@@ -137,7 +137,8 @@ def screen_corpus(folder: Path, seed: int, planted: dict[str, int], composition:
 def summary(m: dict, seed: int, planted: dict[str, int], composition: str) -> dict:
     """A screen's decisions and every proxy run's score; also the score before this work (spike_score: the mean
     excess over the neighbourhood's median plus growth) from the same runs' grad norms, for the old rule."""
-    from screen.score import read_grad_norms, read_run, roughness, spike_score
+    from screen.score import roughness
+    from train.spikes import read_grad_norms, read_run, spike_score
 
     stage = Path(m["output"]).parent
     before, unadjusted = {}, {}

@@ -37,19 +37,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
-import signal
-import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import provenance  # noqa: E402  (benchmarks/provenance.py: a script's folder is on sys.path)
+from chaos_cluster import Cluster  # noqa: E402
 from train import goodput  # noqa: E402
 
 DEFAULT = "crash@4:1,slow@2:2,hang@9:2,unhealthy@10:1,crash@12:1,error@20:2"
@@ -67,66 +64,6 @@ def parse(spec: str) -> list[dict]:
                              "node 1 or 2)")
         faults.append({"kind": kind, "step": int(step), "node": int(node or 1)})
     return faults
-
-
-class Cluster:
-    """Ray's test cluster on this machine: a head without CPUs for workers, two one-CPU nodes, and the
-    autoscaler's part: a drained node replaced by a new one."""
-
-    def __init__(self):
-        import ray
-        from ray.cluster_utils import Cluster as RayCluster
-
-        self.cluster = RayCluster(initialize_head=True, head_node_args={"num_cpus": 0})
-        self.nodes = {k: self.cluster.add_node(num_cpus=1, resources={f"chaos_node_{k}": 1}) for k in (1, 2)}
-        ray.init(address=self.cluster.address, logging_level=logging.WARNING)
-        self.cluster.wait_for_nodes()
-        self.ids = {k: node.node_id for k, node in self.nodes.items()}
-        self.head = self.cluster.head_node.node_id
-        self.replaced: dict[str, str] = {}
-        self.session = ray._private.worker._global_node.get_session_dir_path()  # every process of it names it
-
-    def node_id(self, k: int) -> str:
-        return self.ids[k]
-
-    def start_node(self, resource: str) -> str:
-        """A new node joins, as the autoscaler would launch it (`ray start`: from any thread, unlike add_node)."""
-        import ray
-
-        subprocess.run([str(Path(sys.executable).parent / "ray"), "start", f"--address={self.cluster.address}",
-                        "--num-cpus=1", f"--resources={json.dumps({resource: 1})}", "--disable-usage-stats"],
-                       check=True, capture_output=True, timeout=120)
-        deadline = time.time() + 60
-        while time.time() < deadline:
-            found = [n["NodeID"] for n in ray.nodes() if n["Alive"] and resource in n["Resources"]]
-            if found:
-                return found[0]
-            time.sleep(0.5)
-        raise RuntimeError(f"the replacement node ({resource}) did not join")
-
-    def replace_drained(self, run_dir: Path) -> None:
-        """Each node the run drained (health.jsonl: a failed check; stragglers.jsonl: a straggler's, at a
-        checkpoint), replaced once: a fresh node joins, the drained one leaves. A drain refused: not replaced."""
-        from train.health import drained_nodes
-
-        failed = set(drained_nodes(run_dir))
-        for k, node_id in list(self.ids.items()):
-            if node_id in failed and node_id not in self.replaced:
-                self.replaced[node_id] = self.start_node(f"chaos_node_{k}_replacement")
-                self.ids[k] = self.replaced[node_id]  # the drained node stays, taking nothing new
-
-    def shutdown(self) -> None:
-        """The cluster, and the nodes `ray start` added (their processes name the session's folder)."""
-        import ray
-
-        ray.shutdown()
-        self.cluster.shutdown()
-        for entry in Path("/proc").iterdir():
-            try:
-                if entry.name.isdigit() and self.session in (entry / "cmdline").read_bytes().decode(errors="replace"):
-                    os.kill(int(entry.name), signal.SIGKILL)
-            except (OSError, ProcessLookupError):
-                pass
 
 
 def overrides(steps: int, inject: list[dict]) -> list[str]:

@@ -92,7 +92,7 @@ def kill_at(cluster, root: Path, stage: str, phase: str, done: threading.Event, 
 def drill(stage: str, phase: str, docs: int, out: Path, overrides: list[str]) -> dict:
     sys.path.insert(0, str(ROOT / "benchmarks"))
     from bench_dedup import generate
-    from chaos import Cluster
+    from chaos_cluster import Cluster
 
     out.mkdir(parents=True, exist_ok=True)
     data = out / "gen.jsonl"

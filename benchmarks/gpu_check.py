@@ -152,7 +152,7 @@ def check_fp16_overflow(out: Path, shards: Path, s: dict, device: str) -> Verdic
     config validation refuses there."""
     from pipelines.config import load_config
     from pipelines.config import CHECKS
-    from screen.score import read_grad_norms, spike_score
+    from train.spikes import read_grad_norms, spike_score
     from train.loop.config import loop_config
     from train.stage import fit
 

@@ -114,8 +114,16 @@ class PipelineConfig:
 
 
 def training_rules(config: PipelineConfig) -> None:
-    """train/rules.py's rules (what needs the model's sizes or the GPU tables) on both training sections."""
-    train_rules.check_config(config.screen.proxy, config.train, config.tokenize.seq_len)
+    """train/rules.py's rules (what needs the model's sizes or the GPU tables) on both training sections, here where
+    they meet: screen.proxy and then train (the order the sections are read in). The proxy's batch splits over its
+    replicas at its own seq_len; train's over its data-parallel workers at tokenize.seq_len."""
+    proxy, train, seq_len = config.screen.proxy, config.train, config.tokenize.seq_len
+    train_rules.check_section("screen.proxy", proxy.model, proxy.parallel.tensor, proxy.parallel.pipeline, proxy.gpus_per_worker)
+    train_rules.check_batch("screen.proxy", proxy.model, proxy.global_batch_tokens, proxy.seq_len, proxy.micro_batch_size,
+                            proxy.num_workers // proxy.parallel.model_parallel)
+    train_rules.check_section("train", train.model, train.parallel.tensor, train.parallel.pipeline, train.gpus_per_worker)
+    train_rules.check_batch("train", train.model, train.global_batch_tokens, seq_len, train.micro_batch_size,
+                            train.data_parallel, seq_len_key="tokenize.seq_len")
 
 
 # What a run's config is checked with beyond each section's own validation (load_config's `checks`).

@@ -11,7 +11,8 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from screen.score import BASELINE, DROP, INCONCLUSIVE, KEEP, Decision, effects, read_run
+from screen.score import BASELINE, DROP, INCONCLUSIVE, KEEP, Decision, effects
+from train.spikes import read_run
 
 COLOURS = {DROP: "tab:red", KEEP: "tab:green", INCONCLUSIVE: "tab:orange"}
 MAX_CURVES = 4  # grad-norm panels at most (the subsets not kept with the largest effects)

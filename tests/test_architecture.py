@@ -2,7 +2,9 @@
 
 core/ is the ground: it imports no stage package and nothing of model/ or pipelines/. model/ is a library
 that imports nothing of ours but itself. The stage packages (corpus, dedup, screen, train) never import
-pipelines/, the top. And no function of ours runs past MAX_FUNCTION_LINES (one, until its issue splits it).
+pipelines/, the top. More generally no import runs up a floor (FLOORS), and no two files import each other
+through any chain (type-only imports count: they are a cycle a reader must hold too). And no function of
+ours runs past MAX_FUNCTION_LINES.
 """
 
 from __future__ import annotations
@@ -23,18 +25,21 @@ def sources(package: str) -> list[Path]:
     return sorted((ROOT / package).rglob("*.py"))
 
 
-def imports(path: Path) -> list[tuple[int, str]]:
-    """(line, the top-level package) of every import in the file, at any depth (inside functions too)."""
+def imports(path: Path, root: Path = ROOT, names: bool = False) -> list[tuple[int, str]]:
+    """(line, the dotted name imported) of every import in the file, at any depth (inside functions too). With
+    `names`, `from a import b` also gives `a.b` (b may be a module)."""
     found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
             found += [(node.lineno, alias.name) for alias in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.level == 0:
-            found.append((node.lineno, node.module))
-        elif isinstance(node, ast.ImportFrom):  # relative: resolved against the file's own package
-            package = path.relative_to(ROOT).parent.parts
-            base = package[:len(package) - (node.level - 1)]
-            found.append((node.lineno, ".".join([*base, *([node.module] if node.module else [])])))
+        elif isinstance(node, ast.ImportFrom):
+            if node.level == 0:
+                module = node.module
+            else:  # relative: resolved against the file's own package
+                package = path.relative_to(root).parent.parts
+                module = ".".join([*package[:len(package) - (node.level - 1)], *([node.module] if node.module else [])])
+            found.append((node.lineno, module))
+            found += [(node.lineno, f"{module}.{alias.name}") for alias in node.names if names]
     return found
 
 
@@ -43,6 +48,80 @@ def broken(packages: tuple[str, ...], refused: set[str]) -> list[str]:
     return [f"{path.relative_to(ROOT)}:{line} imports {name}"
             for package in packages for path in sources(package)
             for line, name in imports(path) if name.split(".")[0] in refused]
+
+
+# Who may import whom: a package imports only from its own floor or below.
+FLOORS = {"core": 0, "model": 0, "corpus": 1, "dedup": 2, "train": 3, "screen": 4, "pipelines": 5, "benchmarks": 6}
+
+
+def module_graph(root: Path = ROOT) -> dict[str, dict[str, int]]:
+    """Each module of ours (`train.rules`; a package is its `__init__`) -> the modules of ours it imports, each
+    with the line of its first import there. A benchmark imports its siblings by their bare names."""
+    modules = {".".join(p.relative_to(root).with_suffix("").parts).removesuffix(".__init__"): p
+               for package in FLOORS for p in sorted((root / package).rglob("*.py"))}
+    graph: dict[str, dict[str, int]] = {}
+    for name, path in modules.items():
+        graph[name] = {}
+        for line, imported in imports(path, root, names=True):
+            if name.startswith("benchmarks.") and f"benchmarks.{imported}" in modules:  # a script's folder is on sys.path
+                imported = f"benchmarks.{imported}"
+            parts = (imported or "").split(".")
+            while parts and ".".join(parts) not in modules:  # `from train.spikes import x` -> train.spikes
+                parts.pop()
+            target = ".".join(parts)
+            if target and target != name:
+                graph[name].setdefault(target, line)
+    return graph
+
+
+def cycles(graph: dict[str, dict[str, int]]) -> list[list[str]]:
+    """The import graph's strongly connected components of more than one module (Tarjan's), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, {}):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while not component or component[-1] != v:
+                component.append(stack.pop())
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_runs_up_a_floor():
+    up = [f"{m.replace('.', '/')}.py:{line} imports {t}" for m, targets in module_graph().items()
+          for t, line in targets.items() if FLOORS[t.split(".")[0]] > FLOORS[m.split(".")[0]]]
+    assert up == []
+
+
+def test_no_two_files_import_each_other_through_any_chain():
+    assert cycles(module_graph()) == []
+
+
+def test_the_cycle_rule_finds_a_planted_cycle(tmp_path):
+    (tmp_path / "core").mkdir()
+    (tmp_path / "core" / "a.py").write_text("from core.b import x\n")
+    (tmp_path / "core" / "b.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import core.c\n")
+    (tmp_path / "core" / "c.py").write_text("def f():\n    from core import a\n")
+    (tmp_path / "core" / "d.py").write_text("import core.a\n")
+    graph = module_graph(tmp_path)
+    assert graph["core.a"] == {"core.b": 1} and graph["core.d"] == {"core.a": 1}
+    assert cycles(graph) == [["core.a", "core.b", "core.c"]]
 
 
 def test_the_packages_are_where_the_rules_look():
@@ -64,7 +143,7 @@ def test_stage_packages_never_import_pipelines():
 
 def test_the_rules_see_imports_inside_functions(tmp_path):
     path = tmp_path / "x.py"
-    path.write_text("import os\n\ndef f():\n    from train.rules import check_config\n    import pipelines.full\n")
+    path.write_text("import os\n\ndef f():\n    from train.rules import check_batch\n    import pipelines.full\n")
     assert sorted(imports(path)) == [(1, "os"), (4, "train.rules"), (5, "pipelines.full")]
 
 

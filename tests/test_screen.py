@@ -18,6 +18,7 @@ from screen.config import ScreenConfig
 from pipelines.config import load_config as load_ground
 from pipelines.config import CHECKS
 from screen import score
+from train import spikes
 from screen.stage import candidates, screened_sources
 
 
@@ -36,7 +37,7 @@ def smooth(n: int = 100, seed: int = 0) -> np.ndarray:
 
 def test_a_smooth_curve_scores_near_zero_whatever_its_level_or_slope():
     for level in (0.1, 1.0, 50.0):
-        found = score.spike_score(list(level * smooth()))
+        found = spikes.spike_score(list(level * smooth()))
         assert found.spikes == 0 and found.score < 1.0 and found.growth < 0
 
 
@@ -45,24 +46,24 @@ def test_spikes_are_counted_and_sized_relative_to_their_neighbours():
     spiked = g.copy()
     for at in (30, 50, 70):
         spiked[at] *= 1.5  # +50% over the neighbourhood
-    clean, found = score.spike_score(list(g)), score.spike_score(list(spiked))
+    clean, found = spikes.spike_score(list(g)), spikes.spike_score(list(spiked))
     assert clean.excess == 0 and clean.spikes == 0
     # A spike moves its window's median one step up the slope: each counts ~0.5 (1.5 / e^(1/60) - 1).
     assert found.spikes == 3 and found.excess == pytest.approx(3 * (1.5 * np.exp(-1 / 60) - 1))
     assert found.score == pytest.approx(100 * found.excess / 90)  # 90 scored steps; the curve falls: no growth term
     noisy = smooth()
     noisy[[30, 50, 70]] *= 1.5
-    assert score.spike_score(list(noisy)).spikes == 3
-    assert score.spike_score(list(spiked), burn_in=75).spikes == 0  # the burn-in is not scored
+    assert spikes.spike_score(list(noisy)).spikes == 3
+    assert spikes.spike_score(list(spiked), burn_in=75).spikes == 0  # the burn-in is not scored
 
 
 def test_growth_and_non_finite_norms():
     rising = np.exp(np.arange(100) / 100)  # e-fold over the run
-    found = score.spike_score(list(rising), burn_in=0)
+    found = spikes.spike_score(list(rising), burn_in=0)
     assert found.growth == pytest.approx(math.e - 1, rel=0.05) and found.score >= 100 * found.growth
     broken = list(smooth())
     broken[40] = float("nan")
-    assert score.spike_score(broken).score == math.inf
+    assert spikes.spike_score(broken).score == math.inf
 
 
 def test_overflow_skipped_steps_are_left_out_of_a_runs_grad_norms(tmp_path):
@@ -73,9 +74,9 @@ def test_overflow_skipped_steps_are_left_out_of_a_runs_grad_norms(tmp_path):
     rows.append({"step": 13, "eval.bpb": 5.0})  # other rows pass by
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    norms = score.read_grad_norms(path)
+    norms = spikes.read_grad_norms(path)
     assert len(norms) == 29 and all(math.isfinite(n) for n in norms)
-    assert math.isfinite(score.spike_score(norms).score)
+    assert math.isfinite(spikes.spike_score(norms).score)
 
 
 def composed(share: np.ndarray, beta: float, noise: float = 0.02, seed: int = 0) -> np.ndarray:
@@ -301,8 +302,8 @@ def test_a_proxy_run_is_reproducible(sample_run, tmp_path):
     ray.get([queue.put.remote([{"key": "again", "config": config}]), queue.close.remote()])
     fit(train_cfg, ProxyJob(queue, job=0, runs=2), tmp_path / "job", loop=proxy_loop)  # ends when the queue is empty
     assert ray.get(queue.finished.remote()) == {"again"}
-    before = score.read_run(stage_dir / record["run_dir"] / "metrics.jsonl")
-    batches, norms = score.read_run(tmp_path / "again" / "metrics.jsonl")
+    before = spikes.read_run(stage_dir / record["run_dir"] / "metrics.jsonl")
+    batches, norms = spikes.read_run(tmp_path / "again" / "metrics.jsonl")
     assert len(norms) == cfg.steps and np.array_equal(batches, before[0]) and np.array_equal(norms, before[1])
     again = score.roughness(batches, norms, subset_shares(mixture, batches, 32, record["seed"]), burn_in=cfg.burn_in)
     assert again.score == record["score"]

@@ -2,21 +2,16 @@
 checks, train/config.py), DeepSpeed's loss-scale floor, and the config rules that need the model's sizes
 (model/configs.py) or the GPU tables (train/plan/hardware.py).
 
-The last run when a config is loaded with them (pipelines/config.py's CHECKS). Each rule is applied to
-every training section, train and screen.proxy, with the same keys and messages.
+They take plain values, not config objects: train/config.py imports this module. They run last when a config is
+loaded (pipelines/config.py's `training_rules`, where the train and screen.proxy sections meet), on each of the
+two with the same keys and messages.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 from core.config import ConfigError
 from model.configs import CONFIGS, OPTConfig, param_count
 from train.plan.hardware import NODES
-
-if TYPE_CHECKING:  # train/config.py imports this module
-    from screen.config import ProxyConfig
-    from train.config import EngineConfig, TrainConfig
 
 def layout_rule(tensor: int, pipeline: int, zero_stage: int, precision: str) -> tuple[str, str] | None:
     """The first rule of this project's training stage that a layout breaks, as (its key within a training
@@ -50,34 +45,23 @@ DEEPSPEED_MIN_LOSS_SCALE = 1
 TENSOR_ONLY_MAX_PARAMS = 20e9
 
 
-def check_config(proxy: ProxyConfig, train: TrainConfig, seq_len: int) -> None:
-    """Every rule of this module that needs a model or a node, on screen.proxy and then train (the order the
-    sections are read in); `seq_len` is tokenize.seq_len, the training stage's."""
-    check_section("screen.proxy", proxy)
-    check_batch("screen.proxy", proxy.model, proxy.global_batch_tokens, proxy.seq_len, proxy.micro_batch_size,
-                proxy.num_workers // proxy.parallel.model_parallel)
-    check_section("train", train)
-    check_batch("train", train.model, train.global_batch_tokens, seq_len, train.micro_batch_size,
-                train.data_parallel, seq_len_key="tokenize.seq_len")
-
-
-def check_section(key: str, section: EngineConfig) -> None:
-    """A training section's layout against its model's layers and widths and against the largest node."""
-    t, p = section.parallel.tensor, section.parallel.pipeline
-    model = CONFIGS.get(section.model)  # an unknown model is check_batch's error
+def check_section(key: str, name: str, t: int, p: int, gpus_per_worker: float | None) -> None:
+    """A training section's layout (tensor `t`, pipeline `p`) against its model's layers and widths and against
+    the largest node."""
+    model = CONFIGS.get(name)  # an unknown model is check_batch's error
     if model is not None and p > model.n_layer:
-        raise ConfigError(f"{key}.parallel.pipeline", f"{p} stages for the {section.model} model's {model.n_layer} "
+        raise ConfigError(f"{key}.parallel.pipeline", f"{p} stages for the {name} model's {model.n_layer} "
                           "layers: every stage needs at least one")
     for what in ("n_head", "ffn_dim", "vocab_size"):
         if model is not None and getattr(model, what) % t:
-            raise ConfigError(f"{key}.parallel.tensor", f"{t} does not divide the {section.model} model's {what} "
+            raise ConfigError(f"{key}.parallel.tensor", f"{t} does not divide the {name} model's {what} "
                               f"({getattr(model, what)})")
     split = model is not None and tensor_only_problem(model, t, p)
     if split:
         raise ConfigError(f"{key}.parallel.pipeline", split)
     per_node = max(node.gpus for node in NODES.values())
-    if section.gpus_per_worker and t * section.gpus_per_worker > per_node:
-        raise ConfigError(f"{key}.parallel.tensor", f"a tensor group of {t} workers x {section.gpus_per_worker:g} GPUs "
+    if gpus_per_worker and t * gpus_per_worker > per_node:
+        raise ConfigError(f"{key}.parallel.tensor", f"a tensor group of {t} workers x {gpus_per_worker:g} GPUs "
                           f"would span nodes of {per_node} GPUs: its all-reduces, two per layer, would cross the network")
 
 

@@ -32,6 +32,7 @@ from train.follow import Follower
 from train.loader import read_index
 from train.loop.config import LoopConfig, loop_config
 from train.plot import plot_run
+from train.spikes import read_grad_norms, spike_score
 
 
 def run_dir(ctx: StageContext) -> Path:
@@ -141,11 +142,9 @@ def run(ctx: StageContext) -> StageResult:
 
 
 def curve_summary(metrics_file: Path) -> dict[str, float]:
-    """The grad-norm spikes of the run as trained (the screen's measure, screen/score.py: steps > 25% above their
+    """The grad-norm spikes of the run as trained (train/spikes.py: steps > 25% above their
     neighbourhood's median, and the mean excess in percent; not its growth term, which a whole run's warmup and
     plateau would dominate): what `pipelines/compare.py` puts side by side."""
-    from screen.score import read_grad_norms, spike_score
-
     found = spike_score(read_grad_norms(metrics_file))
     return {"spikes": found.spikes, "spike_excess": 100.0 * found.excess / max(1, found.scored_steps)}
 
