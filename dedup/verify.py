@@ -117,7 +117,8 @@ def verify(group: pa.Table, paths: list[str], config: DedupConfig) -> pa.Table:
     order = [("id", "ascending"), ("source", "ascending"), ("key", "ascending")]
     rank[pc.sort_indices(pa.table({"id": ids, "source": sources, "key": keys}), sort_keys=order).to_numpy()] = np.arange(len(keys))
     a, b = np.searchsorted(keys, pairs[:, 0]), np.searchsorted(keys, pairs[:, 1])
-    a, b = np.where(rank[b] < rank[a], b, a), np.where(rank[b] < rank[a], a, b)
+    swap = rank[b] < rank[a]
+    a, b = np.where(swap, b, a), np.where(swap, a, b)
     at_a, at_b = first[a], first[b]
     jaccard = np.fromiter((jaccard_of_sets(sets[i], sets[j]) for s in range(0, len(a), 4096)
                            for i, j in zip(at_a[s : s + 4096].tolist(), at_b[s : s + 4096].tolist())), np.float64, len(a))
