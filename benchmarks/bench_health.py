@@ -21,6 +21,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import provenance  # noqa: E402
+from train import records  # noqa: E402
 
 
 def parser() -> argparse.ArgumentParser:
@@ -57,8 +58,8 @@ def main() -> int:
         checked = health.check(run, nodes, 0.5, population=len(nodes), max_fraction=0.25)
         print(f"check of {len(nodes)} node(s): {time.perf_counter() - began:.1f} s; excluded {checked.excluded}, "
               f"refused {checked.refused}, systemic {checked.systemic}")
-        for line in (run / "health.jsonl").read_text().splitlines():
-            print(json.dumps(json.loads(line)))
+        for row in records.read(run, records.PROBE):
+            print(json.dumps(row))
     finally:
         ray.shutdown()
     return 0

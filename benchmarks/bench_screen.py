@@ -143,7 +143,7 @@ def summary(m: dict, seed: int, planted: dict[str, int], composition: str) -> di
     stage = Path(m["output"]).parent
     before, unadjusted = {}, {}
     for r in m["proxy_runs"]:
-        key, metrics = f"{r['subset']}\0{r['seed']}", stage / r["run_dir"] / "metrics.jsonl"
+        key, metrics = f"{r['subset']}\0{r['seed']}", stage / r["run_dir"]
         before[key] = spike_score(read_grad_norms(metrics)).score
         unadjusted[key] = roughness(*read_run(metrics)).score  # no composition term
     return {"seed": seed, "planted": planted, "composition": composition, "seconds": m["metrics"]["seconds"],

@@ -18,7 +18,6 @@ On a GPU machine `--device cuda --precision bf16` measures the same on one GPU a
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import os
 import shutil
@@ -37,6 +36,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from bench_tokenize import make_shards  # noqa: E402
 from model.configs import flops_per_token, get  # noqa: E402
 from model.opt import OPT  # noqa: E402
+from train import records  # noqa: E402
 from train.loop.metrics import peak_tflops  # noqa: E402
 from train.optim import adamw  # noqa: E402
 
@@ -80,8 +80,8 @@ def ours(name: str, shards: Path, out: Path, steps: int, cpus: int, device: str,
         f"train.micro_batch_size={setup['micro']}", f"train.global_batch_tokens={setup['batch'] * setup['seq_len']}",
         f"train.max_steps={steps}", f"train.checkpoint_every={steps}", "train.eval_every=0", "train.warmup_tokens=0", "train.seeds=1",
         *overrides])
-    rows = [json.loads(line) for line in (output / "metrics.jsonl").read_text().splitlines()]
-    return [r["tokens_per_second"] for r in rows if "tokens_per_second" in r][2:], rows
+    rows = records.read(output, records.STEP)
+    return [r["tokens_per_second"] for r in rows][2:], rows
 
 
 def bare(name: str, vocab: int, steps: int, threads: int, device: str, precision: str) -> list[float]:

@@ -47,7 +47,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 import provenance  # noqa: E402  (benchmarks/provenance.py: a script's folder is on sys.path)
 from chaos_cluster import Cluster  # noqa: E402
-from train import goodput  # noqa: E402
+from train import goodput, records  # noqa: E402
 
 DEFAULT = "crash@4:1,slow@2:2,hang@9:2,unhealthy@10:1,crash@12:1,error@20:2"
 SLOW = 2.0  # a straggler's compute, as a factor of its own
@@ -102,8 +102,8 @@ def run(out: Path, label: str, shards: Path, extra: list[str]) -> tuple[Path, st
 def judge(faults: list[dict], run_dir: Path, stopped: str | None, cluster: Cluster, exclude: bool) -> list[dict]:
     """Each fault, handled or not, and what the run did about it (`exclude`: train.stragglers.exclude was set, so a
     straggler's node must also have been drained at a checkpoint and replaced)."""
-    failed, stragglers, probes, incidents = (goodput.read_jsonl(run_dir / name) for name in (
-        "failures.jsonl", "stragglers.jsonl", "health.jsonl", "incidents.jsonl"))
+    failed, probes, incidents = (records.read(run_dir, kind) for kind in (records.FAILURE, records.PROBE, records.INCIDENT))
+    named, drains = records.read(run_dir, records.STRAGGLER), records.read(run_dir, records.DRAIN)
     out = []
     for f in faults:
         node = f["node_id"]
@@ -112,8 +112,8 @@ def judge(faults: list[dict], run_dir: Path, stopped: str | None, cluster: Clust
             seen = [x for x in failed if x["primary"] and x["kind"] == kind and x["step"] == f["step"] and x["node"] == node]
             handled, action = bool(seen), (f"recorded as {kind} on rank {seen[0]['rank']}, restarted" if seen else "not seen")
         elif f["kind"] == "slow":
-            seen = [s for s in stragglers if s["node"] == node and "drained" not in s]
-            left = [s for s in stragglers if s["node"] == node and s.get("drained")]
+            seen = [s for s in named if s["node"] == node]
+            left = [s for s in drains if s["node"] == node and s["drained"]]
             handled = bool(seen) and (not exclude or (bool(left) and node in cluster.replaced))
             action = f"rank {seen[0]['rank']} named a straggler at step {seen[0]['step']}" if seen else "not named"
             if exclude:
@@ -121,7 +121,7 @@ def judge(faults: list[dict], run_dir: Path, stopped: str | None, cluster: Clust
                     "; its node NOT drained"
         elif f["kind"] == "unhealthy":
             seen = [p for p in probes if p["node"] == node and p["failed"]]
-            refused = [p for p in seen if not p.get("drained")]
+            refused = [p for p in seen if not p["drained"]]
             late = found_late(seen, failed, incidents, node)
             handled = bool(seen) and not late and (node in cluster.replaced or bool(refused and stopped))
             action = (f"failed its health check ({seen[0]['failed']}), "
@@ -199,9 +199,9 @@ def main() -> int:
         done.set()
         cluster.shutdown()
     report = summarize(results, clean_dir, run_dir, excluded, stopped)
-    probes = goodput.read_jsonl(run_dir / "health.jsonl")
+    probes = records.read(run_dir, records.PROBE)
     report.update(probed_nodes=sorted({p["node"] for p in probes}), head_node=head, clean_drained=sorted(false_alarms),
-                  drains_refused=sum(1 for p in probes if p["failed"] and not p.get("drained")))
+                  drains_refused=sum(1 for p in probes if p["failed"] and not p["drained"]))
     if args.json:
         print(json.dumps(report))
     else:
@@ -213,26 +213,26 @@ def main() -> int:
 
 def losses(run_dir: Path) -> dict[int, float]:
     """Each step's loss; none when the run stopped before its first step."""
-    return {r["step"]: r["loss"] for r in goodput.read_jsonl(run_dir / "metrics.jsonl") if "loss" in r}
+    return {r["step"]: r["loss"] for r in records.read(run_dir, records.STEP)}
 
 
 def summarize(results: list[dict], clean_dir: Path, run_dir: Path, excluded: list[str], stopped: str | None) -> dict:
     clean, faulty = losses(clean_dir), losses(run_dir)
     last = max(faulty, default=None)
     account = goodput.account(run_dir)
-    stragglers = goodput.read_jsonl(run_dir / "stragglers.jsonl")
+    stragglers = records.read(run_dir, records.STRAGGLER, records.DRAIN)
     return {"faults": results, "final_step": last, "final_loss": faulty.get(last), "clean_loss": clean.get(last),
             "loss_matches": last is not None and abs(faulty[last] - clean[last]) <= 1e-6 * abs(clean[last]),
             "ettr": account["ettr"],
             "goodput": {k: v for k, v in account.items() if k.endswith("_seconds")}, "excluded_nodes": excluded,
             "stragglers": [{"rank": s["rank"], "node": s["node"], "step": s["step"], **({"drained": s["drained"]}
-                                                                                     if "drained" in s else {})}
+                                                                                     if s["record"] == records.DRAIN.name else {})}
                            for s in stragglers],
             "stopped": stopped.splitlines()[0] if stopped else None,
             # ranks the clean run named, with no fault injected: false alarms (each drained with stragglers.exclude)
             "clean_stragglers": [{"rank": s["rank"], "step": s["step"], "seconds": s["seconds"],
                                   "others_seconds": s["others_seconds"]}
-                                 for s in goodput.read_jsonl(clean_dir / "stragglers.jsonl") if "seconds" in s]}
+                                 for s in records.read(clean_dir, records.STRAGGLER)]}
 
 
 def print_table(report: dict) -> None:

@@ -45,6 +45,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import provenance  # noqa: E402
 from core.ray_session import init_ray  # noqa: E402
+from train import records  # noqa: E402
 from bench_tokenize import FORMAT, INDEX, write_rows  # noqa: E402
 from bench_train import train_stage  # noqa: E402
 
@@ -82,12 +83,7 @@ def learnable_shards(folder: Path, sequences: int, seq_len: int, vocab: int) -> 
 
 
 def steps_of(output: Path) -> list[dict]:
-    return [r for r in map(json.loads, (output / "metrics.jsonl").read_text().splitlines()) if "loss_scale" in r]
-
-
-def lines(output: Path, name: str) -> list[dict]:
-    path = output / name
-    return [json.loads(line) for line in path.read_text().splitlines()] if path.is_file() else []
+    return records.read(output, records.STEP)
 
 
 def base_overrides(s: dict, device: str) -> list[str]:
@@ -177,9 +173,9 @@ def check_fp16_overflow(out: Path, shards: Path, s: dict, device: str) -> Verdic
         out / "fp16-ray", loop=fp16_on_cpu_loop if device == "cpu" else None)
     rows = steps_of(output)
     burst = [r for r in rows if r["overflow"]]
-    book = lines(output, "logbook.jsonl")
-    incidents = [r["what"] for r in lines(output, "incidents.jsonl")]
-    score = spike_score(read_grad_norms(output / "metrics.jsonl"))
+    book = records.read(output, records.ENTRY)
+    incidents = [r["what"] for r in records.read(output, records.INCIDENT)]
+    score = spike_score(read_grad_norms(output))
     scales = [r["loss_scale"] for r in burst]
     problems = []
     # DeepSpeed's scaler (hysteresis 2): the first overflow spends the hysteresis, each further one halves the scale.
@@ -215,7 +211,7 @@ def check_kill_resume(output: Path, s: dict, seconds: float) -> Verdict:
     first, again = {}, {}
     for r in steps_of(output):
         (again if r["step"] in first else first)[r["step"]] = r["loss"]
-    incidents = [r["what"] for r in lines(output, "incidents.jsonl")]
+    incidents = [r["what"] for r in records.read(output, records.INCIDENT)]
     resumed = [int(w.rsplit("-", 1)[1]) for w in incidents if w.startswith("resumed from step-")]
     problems = []
     if len(resumed) != 1 or resumed[0] % every or not resumed[0] < kill or \

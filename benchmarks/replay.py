@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 
 import provenance  # noqa: E402  (benchmarks/provenance.py: a script's folder is on sys.path)
+from train import records  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,10 +51,9 @@ def run(out: Path, steps: int, inject: list[dict]) -> dict:
            "--set", f"train.inject={json.dumps(inject)}"]
     proc = subprocess.run(cmd, capture_output=True, text=True, cwd=out)
     (folder,) = set(runs.iterdir()) - before
-    read = lambda name: [json.loads(line) for line in (folder / name).read_text().splitlines()] if (folder / name).exists() else []  # noqa: E731
-    summary = json.loads((folder / "summary.json").read_text()) if (folder / "summary.json").exists() else {}
-    return {"rc": proc.returncode, "summary": summary, "logbook": read("logbook.jsonl"),
-            "incidents": read("incidents.jsonl"), "metrics": read("metrics.jsonl"), "folder": folder}
+    return {"rc": proc.returncode, "summary": records.read_summary(folder), "logbook": records.read(folder, records.ENTRY),
+            "incidents": records.read(folder, records.INCIDENT), "metrics": records.read(folder, records.STEP),
+            "folder": folder}
 
 
 def skipped_at(metrics: list[dict], step: int) -> bool:
@@ -117,7 +117,7 @@ def main() -> None:
     print(f"- false alarms on the clean run: {len(clean['logbook'])}")
     if replay["summary"].get("stopped"):
         print(f"- stopped: {replay['summary']['stopped']}")
-    print(f"- logbook: {replay['folder'] / 'LOGBOOK.md'}; chart: the train stage's output/training.png")
+    print(f"- logbook: {replay['folder'] / records.LOGBOOK_MD}; chart: the train stage's output/training.png")
 
 
 if __name__ == "__main__":

@@ -56,7 +56,7 @@ def decision_chart(decisions: dict[str, Decision], runs: list[dict], stage_folde
         for name, colour in ((BASELINE, "grey"), (d.subset, COLOURS[d.outcome])):
             record = by.get((name, seed))
             if record is not None:
-                batches, norms = read_run(stage_folder / record["run_dir"] / "metrics.jsonl")
+                batches, norms = read_run(stage_folder / record["run_dir"])
                 curve.plot(batches + 1, norms, color=colour, linewidth=1, label=f"{name} seed {seed}")
         curve.set_ylabel("grad norm", fontsize=8)
         curve.legend(fontsize=7, loc="upper right")

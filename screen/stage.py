@@ -225,7 +225,7 @@ def run_proxies(ctx: StageContext, pool: ProxyJobs, jobs: list[dict]) -> None:
                 stage_run.finish(job["run_id"], "FAILED")
             raise
     for job in jobs:
-        batches, grad_norms = read_run(job["folder"] / "metrics.jsonl")
+        batches, grad_norms = read_run(job["folder"])
         shares = None if job["subset"] == BASELINE else \
             mixture.subset_shares(job["shards"], batches, job["global_batch"], job["seed"])
         job["score"] = score.roughness(batches, grad_norms, shares, burn_in=cfg.burn_in, spike_ratio=cfg.spike_ratio)

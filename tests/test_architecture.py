@@ -160,8 +160,8 @@ def long_functions(package: str, limit: int = MAX_FUNCTION_LINES) -> list[str]:
 
 
 def test_no_function_of_ours_is_longer_than_80_lines():
-    """Every package, the sample generator included (benchmarks and tests are scripts, not the product)."""
-    assert [f for package in sorted(OURS) for f in long_functions(package)] == []
+    """Every package, the sample generator and the benchmarks included (tests are not held to it)."""
+    assert [f for package in sorted(OURS | {"benchmarks"}) for f in long_functions(package)] == []
 
 
 def test_the_dedup_stage_reads_like_its_phases():

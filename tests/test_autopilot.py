@@ -7,7 +7,8 @@ import math
 import random
 
 from train.config import AutopilotConfig
-from train.autopilot_policy import Detectors, Incident, Logbook, SimulatedScaler, State, apply_to_state, decide
+from train import records
+from train.autopilot_policy import Detectors, Incident, SimulatedScaler, State, apply_to_state, decide
 
 
 def clean(steps: int, seed: int = 0):
@@ -99,10 +100,9 @@ def test_policy_escalates_then_stops():
 def test_state_round_trip_and_logbook(tmp_path):
     state = State(interventions=2, level=2, skip_ranges=[[1, 5]], lr_factor=0.5, clip=0.3)
     assert State.from_dict(state.to_dict()) == state
-    book = Logbook(tmp_path)
-    book.append({"time": 0, "step": 81, "kind": "loss_spike", "detail": "loss 7.6 > ...", "actions": ["rollback", "skip"],
-                 "why": "first incident", "rolled_back_to": 50, "skipped_batches": [50, 91]})
-    assert [e["step"] for e in book.entries()] == [81]
+    records.log_entry(tmp_path, time=0, step=81, kind="loss_spike", detail="loss 7.6 > ...", actions=["rollback", "skip"],
+                      why="first incident", rolled_back_to=50, skipped_batches=[50, 91])
+    assert [e["step"] for e in records.read(tmp_path, records.ENTRY)] == [81]
     text = (tmp_path / "LOGBOOK.md").read_text()
     assert "## Step 81: loss_spike" in text and "- Done: rollback, skip" in text and "rolled back to: 50" in text
 

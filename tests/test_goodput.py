@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from train import goodput
+from train import goodput, records
 
 
 def test_every_second_of_the_wall_time_is_in_one_part_and_ettr_counts_only_kept_steps(tmp_path):
@@ -21,7 +21,7 @@ def test_every_second_of_the_wall_time_is_in_one_part_and_ettr_counts_only_kept_
               ("start", 136), ("built", 136.5), ("ready", 137), ("export", 139, 2.0),
               ("seed_runs", 143, 3.0), ("finish", 143)]  # the other seeds' evaluation-only runs, after the export
     lines = [{"event": e[0], "time": e[1], **({"seconds": e[2]} if len(e) > 2 else {})} for e in events]
-    (tmp_path / goodput.TIMELINE).write_text("".join(json.dumps(line) + "\n" for line in lines))
+    (tmp_path / records.TIMELINE).write_text("".join(json.dumps(line) + "\n" for line in lines))
     rows = [{"step": s, "loss": 5.0, "seconds": 1.0, "time": t} for s, t in ((1, 107), (2, 108), (3, 109),
                                                                             (3, 116), (4, 117), (5, 133))]
     rows += [{"step": 5, "eval.bpb": 5.0, "eval_seconds": 1.0, "time": 134},
@@ -41,6 +41,6 @@ def test_a_run_stopped_by_its_first_health_check_has_the_checks_wall_time(tmp_pa
     """Every node failed the check before the first start and none was drained (the cause looked systemic): the run
     ends at the check, and its wall time is the check's, not zero."""
     lines = [{"event": "launch", "time": 100.0}, {"event": "health", "time": 111.0, "seconds": 10.0}]
-    (tmp_path / goodput.TIMELINE).write_text("".join(json.dumps(line) + "\n" for line in lines))
+    (tmp_path / records.TIMELINE).write_text("".join(json.dumps(line) + "\n" for line in lines))
     report = goodput.account(tmp_path)
     assert (report["wall_seconds"], report["health_check_seconds"], report["other_seconds"]) == (11.0, 10.0, 1.0)

@@ -246,10 +246,10 @@ def test_metrics_are_rank_0s_a_line_per_step_validation_and_a_summary(shards, tm
         metrics.close(4, 5.5, None)
     rows = [json.loads(line) for line in (tmp_path / "leader" / "metrics.jsonl").read_text().splitlines()]
     assert all(time.time() - row.pop("time") < 60 for row in rows)
-    assert rows[0] == {"step": 4, "loss": 5.5, "lr": 2e-4, "grad_norm": None, "loss_scale": 2.0, "overflow": 1,
+    assert rows[0] == {"record": "step", "step": 4, "loss": 5.5, "lr": 2e-4, "grad_norm": None, "loss_scale": 2.0, "overflow": 1,
                        "skipped_steps": 1, "activation_norm": 2.0, "tokens_per_second": 4 * SEQ / 0.5, "batch": 3, "seconds": 0.5,
                        "tflops_per_device": 2.0}
-    assert rows[1] == {"step": 4, "eval.bpb": 1.25, "eval.bpb.web": 1.5, "eval_seconds": 1.5}
+    assert rows[1] == {"record": "evaluation", "step": 4, "eval.bpb": 1.25, "eval.bpb.web": 1.5, "eval_seconds": 1.5}
     assert json.loads((tmp_path / "leader" / "summary.json").read_text()) == {"steps": 4, "final_loss": 5.5,
                                                                              "stopped": None}
     assert list((tmp_path / "other").iterdir()) == []

@@ -74,7 +74,7 @@ def test_overflow_skipped_steps_are_left_out_of_a_runs_grad_norms(tmp_path):
     rows.append({"step": 13, "eval.bpb": 5.0})  # other rows pass by
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    norms = spikes.read_grad_norms(path)
+    norms = spikes.read_grad_norms(tmp_path)
     assert len(norms) == 29 and all(math.isfinite(n) for n in norms)
     assert math.isfinite(spikes.spike_score(norms).score)
 
@@ -302,8 +302,8 @@ def test_a_proxy_run_is_reproducible(sample_run, tmp_path):
     ray.get([queue.put.remote([{"key": "again", "config": config}]), queue.close.remote()])
     fit(train_cfg, ProxyJob(queue, job=0, runs=2), tmp_path / "job", loop=proxy_loop)  # ends when the queue is empty
     assert ray.get(queue.finished.remote()) == {"again"}
-    before = spikes.read_run(stage_dir / record["run_dir"] / "metrics.jsonl")
-    batches, norms = spikes.read_run(tmp_path / "again" / "metrics.jsonl")
+    before = spikes.read_run(stage_dir / record["run_dir"])
+    batches, norms = spikes.read_run(tmp_path / "again")
     assert len(norms) == cfg.steps and np.array_equal(batches, before[0]) and np.array_equal(norms, before[1])
     again = score.roughness(batches, norms, subset_shares(mixture, batches, 32, record["seed"]), burn_in=cfg.burn_in)
     assert again.score == record["score"]

@@ -25,10 +25,8 @@ from __future__ import annotations
 import json
 import math
 import os
-import time
 from collections import deque
 from dataclasses import asdict, dataclass, field
-from pathlib import Path
 
 from train.config import AutopilotConfig
 
@@ -229,37 +227,7 @@ def apply_to_state(state: State, decision: Decision, s: AutopilotConfig, target_
         state.rewarm_from = target_step
 
 
-# --------------------------------------------------------------------------- the logbook and the saved state
-
-
-class Logbook:
-    """logbook.jsonl (one JSON object per incident: step, kind, actions, ...) and a readable LOGBOOK.md."""
-
-    def __init__(self, run_dir):
-        self.jsonl, self.md = Path(run_dir) / "logbook.jsonl", Path(run_dir) / "LOGBOOK.md"
-
-    def entries(self) -> list[dict]:
-        if not self.jsonl.exists():
-            return []
-        return [json.loads(line) for line in self.jsonl.read_text().splitlines() if line.strip()]
-
-    def append(self, entry: dict) -> None:
-        with open(self.jsonl, "a") as f:
-            f.write(json.dumps(entry) + "\n")
-        self.md.write_text(render_markdown(self.entries()))
-
-
-def render_markdown(entries: list[dict]) -> str:
-    lines = ["# Logbook", "", "What the autopilot saw and did, in order. (Written by train/autopilot_policy.py.)", ""]
-    for e in entries:
-        when = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime(e["time"]))
-        lines += [f"## Step {e['step']}: {e['kind']} ({when} UTC)", "", f"- Seen: {e['detail']}",
-                  f"- Done: {', '.join(e['actions']) or 'nothing'}", f"- Why: {e['why']}"]
-        for key in ("rolled_back_to", "skipped_batches", "lr_factor", "clip"):
-            if e.get(key) is not None:
-                lines.append(f"- {key.replace('_', ' ')}: {e[key]}")
-        lines.append("")
-    return "\n".join(lines)
+# --------------------------------------------------------------------------- the saved state
 
 
 def save_state(path, state: State, extra: dict) -> None:

@@ -29,7 +29,7 @@ from pathlib import Path
 from ray.train import UserCallback
 from ray.train.v2._internal.execution.callback import WorkerGroupCallback
 
-FAILURES = "failures.jsonl"
+from train import records
 
 # What a failure was, judged from the exception: a restart on other hardware may help (hardware, hang,
 # preemption), fewer sequences per GPU may (oom), or nothing will but a fix (software).
@@ -93,31 +93,27 @@ def describe_exception(error: BaseException, step: int | None, phase: str, rank:
 
 def write_identity(run_dir: Path, rank: int, node: str | None) -> None:
     """ranks/rank-R.json: the node this rank runs on, for failures that leave no exception behind."""
-    folder = run_dir / "ranks"
-    folder.mkdir(exist_ok=True)
-    (folder / f"rank-{rank}.json").write_text(json.dumps({"node": node, "host": socket.gethostname()}))
+    path = records.rank_file(run_dir, rank)
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps({"node": node, "host": socket.gethostname()}))
 
 
 def write_exit(run_dir: Path, rank: int, kind: str, step: int | None, message: str, waiting: bool = False) -> None:
     """exits/rank-R.json: why this process is about to end itself (its watchdog: a hang; `waiting`: in a
     collective, for a peer)."""
-    folder = run_dir / "exits"
-    folder.mkdir(exist_ok=True)
-    (folder / f"rank-{rank}.json").write_text(json.dumps({"kind": kind, "step": step, "message": message,
-                                                          "waiting": waiting}))
+    path = records.rank_file(run_dir, rank, records.EXITS)
+    path.parent.mkdir(exist_ok=True)
+    path.write_text(json.dumps({"kind": kind, "step": step, "message": message, "waiting": waiting}))
 
 
 def history(run_dir: Path) -> list[Failure]:
-    path = Path(run_dir) / FAILURES
-    if not path.exists():
-        return []
-    return [Failure(**json.loads(line)) for line in path.read_text().splitlines() if line.strip()]
+    return [Failure(**records.without_record(row)) for row in records.read(run_dir, records.FAILURE)]
 
 
 def failure_of(rank: int, error: Exception, attempt: int, run_dir: Path) -> Failure:
     """One rank's failure, from its exception and what it wrote before it ended."""
     said = getattr(error, "train_failure", None) or {}
-    exit_file, identity = run_dir / "exits" / f"rank-{rank}.json", run_dir / "ranks" / f"rank-{rank}.json"
+    exit_file, identity = records.rank_file(run_dir, rank, records.EXITS), records.rank_file(run_dir, rank)
     exited = json.loads(exit_file.read_text()) if exit_file.exists() else None
     who = json.loads(identity.read_text()) if identity.exists() else {}
     type_name, message = type(error).__name__, str(error).strip().splitlines()[0][:500] if str(error).strip() else ""
@@ -136,7 +132,7 @@ def failure_of(rank: int, error: Exception, attempt: int, run_dir: Path) -> Fail
 def last_step_since(run_dir: Path, since: float) -> tuple[int | None, str]:
     """The step under way on a process that died without a word: the one after the last step rank 0 logged in
     this attempt (since the rank started), or start-up if it logged none."""
-    path = run_dir / "metrics.jsonl"
+    path = run_dir / records.METRICS
     if not path.exists():
         return None, "start-up"
     with open(path, "rb") as f:
@@ -144,7 +140,7 @@ def last_step_since(run_dir: Path, since: float) -> tuple[int | None, str]:
         f.seek(start)
         lines = f.read().decode(errors="replace").splitlines()[1 if start else 0:]
     rows = [json.loads(line) for line in lines if line.strip()]
-    steps = [r["step"] for r in rows if "loss" in r and r.get("time", 0) >= since]
+    steps = [r["step"] for r in rows if records.classify(records.METRICS, r) == records.STEP.name and r["time"] >= since]
     return (steps[-1] + 1, "step") if steps else (None, "start-up")
 
 
@@ -162,13 +158,10 @@ class FailureRecorder(UserCallback):
         if any(f.primary and not PEER_LOST.search(f.message) for f in failures):
             for f in failures:
                 f.primary = f.primary and not PEER_LOST.search(f.message)
-        with open(run_dir / FAILURES, "a") as f:
-            for failure in failures:
-                f.write(json.dumps(dataclasses.asdict(failure)) + "\n")
-        with open(run_dir / "incidents.jsonl", "a") as f:
-            for failure in failures:
-                f.write(json.dumps({"time": failure.time, "step": failure.step or 0, "rank": failure.rank,
-                                    "what": f"attempt {attempt} failed: {failure.line()}"}) + "\n")
+        records.append(run_dir, records.FAILURE, *map(dataclasses.asdict, failures))
+        for failure in failures:
+            records.incident(run_dir, failure.step or 0, failure.rank, f"attempt {attempt} failed: {failure.line()}",
+                             when=failure.time)
 
 
 class RestartHealthCheck(WorkerGroupCallback):

@@ -15,6 +15,7 @@ import threading
 from pathlib import Path
 
 from core.console import Bar, note
+from train import records
 
 
 class _Tail:
@@ -22,9 +23,9 @@ class _Tail:
     where the file ended when the tail was made: a resumed run's earlier lines were seen by the
     driver that ran it."""
 
-    def __init__(self, path: Path):
-        self.path = path
-        self.offset = path.stat().st_size if path.exists() else 0
+    def __init__(self, folder: Path, file: str):
+        self.path, self.file = Path(folder) / file, file
+        self.offset = self.path.stat().st_size if self.path.exists() else 0
 
     def lines(self) -> list[dict]:
         try:
@@ -38,9 +39,10 @@ class _Tail:
         out = []
         for line in data[:end].splitlines():
             try:
-                out.append(json.loads(line))
+                row = json.loads(line)
             except ValueError:
-                pass  # not ours to judge here: the stage reads these files again when the run is over
+                continue  # not ours to judge here: the stage reads these files again when the run is over
+            out.append({**row, "record": records.classify(self.file, row)})
         return out
 
 
@@ -50,7 +52,7 @@ class Follower:
 
     def __init__(self, stage: str, runs: dict[str, Path], bar: Bar, every: float = 0.5):
         self.stage, self.bar, self.every = stage, bar, every
-        self.runs = {label: (_Tail(Path(d) / "metrics.jsonl"), _Tail(Path(d) / "incidents.jsonl")) for label, d in runs.items()}
+        self.runs = {label: (_Tail(d, records.METRICS), _Tail(d, records.INCIDENTS)) for label, d in runs.items()}
         self.steps = {label: 0 for label in runs}
         self.loss: float | None = None
         self._stop = threading.Event()
@@ -59,7 +61,7 @@ class Follower:
     def poll(self) -> None:
         for label, (metrics, incidents) in self.runs.items():
             for row in metrics.lines():
-                if "loss" in row:
+                if row["record"] == records.STEP.name:
                     self.steps[label], self.loss = row["step"], row["loss"]
             for row in incidents.lines():
                 where = f"{label}: " if label else ""

@@ -20,46 +20,41 @@ worker's start is `scheduling`.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 
-TIMELINE = "timeline.jsonl"
+from train import records
+
 PARTS = ("kept", "lost", "scheduling", "health_check", "startup_build", "startup_load", "restart", "planned_restart", "hang",
          "checkpoint_blocked", "evaluation", "export", "seed_runs", "other")
 
 
 def mark(run_dir: Path | str, event: str, **fields) -> None:
     """One event on the run's timeline (a line appended: the driver, rank 0 and any watchdog write here)."""
-    with open(Path(run_dir) / TIMELINE, "a") as f:
-        f.write(json.dumps({"event": event, "time": time.time(), **fields}) + "\n")
-
-
-def read_jsonl(path: Path) -> list[dict]:
-    """A run folder's JSON-lines record (timeline, metrics, health, stragglers); [] when there is none yet."""
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    records.append(run_dir, records.EVENT, {"event": event, "time": time.time(), **fields})
 
 
 def account(run_dir: Path | str) -> dict:
     """The breakdown in seconds (PARTS), `wall_seconds` and `ettr`, over the driver launches so far; the
     intervals behind it in `spans` for the chart."""
     run_dir = Path(run_dir)
-    events, rows = read_jsonl(run_dir / TIMELINE), read_jsonl(run_dir / "metrics.jsonl")
+    events = records.read(run_dir, records.EVENT)
+    rows = records.read(run_dir, records.STEP, records.EVALUATION, records.CHECKPOINT)
     seconds = dict.fromkeys(PARTS, 0.0)
     spans: list[tuple[str, float, float]] = []
-    steps = [r for r in rows if "loss" in r and "seconds" in r]
+    steps = [r for r in rows if r["record"] == records.STEP.name]
     last_of = {r["step"]: i for i, r in enumerate(steps)}
     for i, r in enumerate(steps):
         part = "kept" if last_of[r["step"]] == i else "lost"
         seconds[part] += r["seconds"]
         spans.append((part, r["time"] - r["seconds"], r["time"]))
+    waits = {records.EVALUATION.name: ("eval_seconds", "evaluation"),
+             records.CHECKPOINT.name: ("checkpoint.blocked_seconds", "checkpoint_blocked")}
     for r in rows:
-        for key, part in (("eval_seconds", "evaluation"), ("checkpoint.blocked_seconds", "checkpoint_blocked")):
-            if key in r:
-                seconds[part] += r[key]
-                spans.append((part, r["time"] - r[key], r["time"]))
+        if r["record"] in waits:
+            key, part = waits[r["record"]]
+            seconds[part] += r[key]
+            spans.append((part, r["time"] - r[key], r["time"]))
     wall = _walk(events, rows, seconds, spans)
     seconds["other"] = max(0.0, wall - sum(v for k, v in seconds.items() if k != "other"))
     return {**{f"{k}_seconds": round(v, 3) for k, v in seconds.items()}, "wall_seconds": round(wall, 3),
@@ -70,7 +65,7 @@ def _walk(events: list[dict], rows: list[dict], seconds: dict, spans: list) -> f
     """The timeline's events in order: start-ups, the gaps between attempts, hangs, exports; the wall time."""
     wall, launched, last, started, built, hang_until, checking, planned = 0.0, None, None, None, None, 0.0, 0.0, False
     latest = None  # the launch's last record, health checks included (a run stopped by its first check ends there)
-    times = sorted([(e["time"], e) for e in events] + [(r["time"], {"event": "row"}) for r in rows if "time" in r],
+    times = sorted([(e["time"], e) for e in events] + [(r["time"], {"event": "row"}) for r in rows],
                    key=lambda pair: pair[0])
     for t, e in times:
         kind = e["event"]

@@ -36,11 +36,12 @@ incidents and the logbook.
 from __future__ import annotations
 
 import dataclasses
-import json
 import socket
 import statistics
 import time
 from pathlib import Path
+
+from train import records
 
 MATMUL_SECONDS = 0.5  # per device, after the warm-up: long enough to be a rate, short enough for every check
 WARMUP_MATMULS = 3  # untimed, first: cuBLAS's start-up (an H100's first 0.3 s read 0.64-0.72 of its warm rate)
@@ -200,7 +201,7 @@ def probe_here(run_dir: str, memory_mb: int, collective: bool) -> dict:
 
 def marker(run_dir, node: str) -> Path:
     """The file that makes `node` fail its health checks in this run: a drill's `unhealthy` fault (train.inject)."""
-    return Path(run_dir) / "inject" / f"unhealthy-{node}"
+    return Path(run_dir) / records.INJECT / f"unhealthy-{node}"
 
 
 def mark_unhealthy(run_dir, node: str) -> None:
@@ -352,6 +353,24 @@ def drains_allowed(population: int, max_fraction: float) -> int:
     return max(1, int(max_fraction * population))
 
 
+@dataclasses.dataclass(frozen=True)
+class DrainLimit:
+    """The run's one limit on drains, for health checks and stragglers alike: `allowed` of the `population` of
+    nodes training can use (health.max_excluded_fraction), of which `done` were drained within the window."""
+
+    done: int
+    allowed: int
+    population: int
+
+    def refuses(self, more: int) -> bool:
+        """Whether draining `more` nodes now would pass the limit."""
+        return self.done + more > self.allowed
+
+
+def drain_limit(run_dir: Path, population: int, max_fraction: float, window_seconds: float | None) -> DrainLimit:
+    return DrainLimit(drained(run_dir, window_seconds), drains_allowed(population, max_fraction), population)
+
+
 def exclude(node: str, why: str, by: str = "health check") -> bool:
     """Drain `node`: Ray schedules nothing new on it, the autoscaler may replace it. Whether the GCS accepted."""
     import ray
@@ -397,26 +416,24 @@ def check(run_dir: Path, nodes: list[str], min_fraction: float, collective: bool
     from train import goodput
 
     run_dir, began = Path(run_dir), time.monotonic()
-    earlier = _probes(run_dir / "health.jsonl")
-    drained_before = drained(run_dir, window_seconds)
+    earlier = _probes(run_dir)
+    population = population or len(nodes)
+    limit = drain_limit(run_dir, population, max_fraction, window_seconds)
     probes = probe(nodes, run_dir, collective=collective)
     if collective:  # between nodes: the ring of the nodes probed now (one node after its failures: none)
         pairs = pair_bandwidths([p.node for p in probes if p.error is None])
         probes = [dataclasses.replace(p, pair_gbps=pairs.get(p.node, 0.0)) for p in probes]
     found = verdicts(probes, min_fraction, reference=[p for p in earlier if p.node not in nodes])
     failing = [p for p in probes if found[p.node] is not None]
-    population = population or len(nodes)
-    allowed = drains_allowed(population, max_fraction)
     systemic = None
-    if failing and drained_before + len(failing) > allowed:
-        systemic = (f"{len(failing)} of {len(probes)} nodes probed failed{f' ({drained_before} drained before)' if drained_before else ''}"
-                    f": more than the {allowed} of {population} a run may drain (health.max_excluded_fraction "
+    if failing and limit.refuses(len(failing)):
+        systemic = (f"{len(failing)} of {len(probes)} nodes probed failed{f' ({limit.done} drained before)' if limit.done else ''}"
+                    f": more than the {limit.allowed} of {population} a run may drain (health.max_excluded_fraction "
                     f"{max_fraction:g}); the cause looks systemic (an image, a driver, an NCCL setting, the probe), "
                     "so none is drained")
     rows = [{**dataclasses.asdict(p), "failed": found[p.node], "drained": found[p.node] is not None and systemic is None}
             for p in probes]
-    with open(run_dir / "health.jsonl", "a") as f:
-        f.writelines(json.dumps(row) + "\n" for row in rows)
+    records.append(run_dir, records.PROBE, *rows)
     result = Checked([], [], systemic, rows)
     for p in failing:
         if systemic is None:
@@ -441,26 +458,22 @@ def drained_nodes(run_dir: Path, within: float | None = None) -> list[str]:
     A window, not the whole run: the autoscaler replaces a drained node, and over a run of weeks hardware fails
     node by node (Llama 3: about 8 interruptions a day on 2,000 nodes), so a limit over the whole run would
     stop draining a bad node long before anything systemic happened."""
-    from train.goodput import read_jsonl
-
     now = time.time()
-    return [r["node"] for name in ("health.jsonl", "stragglers.jsonl") for r in read_jsonl(Path(run_dir) / name)
-            if r.get("drained") and (within is None or now - r.get("time", now) <= within)]
+    return [r["node"] for r in records.read(run_dir, records.PROBE) + records.read(run_dir, records.DRAIN)
+            if r["drained"] and (within is None or now - r["time"] <= within)]
 
 
 def last_checked(run_dir: Path) -> dict[str, float]:
     """When each node was last probed (health.jsonl)."""
     out: dict[str, float] = {}
-    for p in _probes(Path(run_dir) / "health.jsonl"):
+    for p in _probes(run_dir):
         out[p.node] = max(out.get(p.node, 0.0), p.time)
     return out
 
 
-def _probes(path: Path) -> list[Probe]:
+def _probes(run_dir: Path) -> list[Probe]:
     """The probes recorded in health.jsonl."""
-    from train.goodput import read_jsonl
-
-    return [_probe(row) for row in read_jsonl(path)]
+    return [_probe(row) for row in records.read(run_dir, records.PROBE)]
 
 
 def _probe(row: dict) -> Probe:
@@ -471,8 +484,6 @@ def _probe(row: dict) -> Probe:
 
 
 def _write_down(run_dir: Path, p: Probe, why: str, accepted: bool, refused: str | None = None) -> None:
-    from train.autopilot_policy import Logbook
-
     if refused:
         what = f"node {p.node} ({p.host}) failed its health check, not drained: {why}"
         entry = {"kind": "drain-refused", "actions": [], "why": refused}
@@ -480,6 +491,5 @@ def _write_down(run_dir: Path, p: Probe, why: str, accepted: bool, refused: str 
         what = f"node {p.node} ({p.host}) excluded: {why}" + ("" if accepted else " (Ray did not accept the drain)")
         entry = {"kind": "node-excluded", "actions": ["drain node"],
                  "why": "a node that fails its health check fails the run again"}
-    with open(run_dir / "incidents.jsonl", "a") as f:
-        f.write(json.dumps({"time": time.time(), "step": 0, "rank": -1, "what": what}) + "\n")
-    Logbook(run_dir).append({"time": time.time(), "step": 0, "detail": what, "node": p.node, **entry})
+    records.incident(run_dir, 0, -1, what)
+    records.log_entry(run_dir, time=time.time(), step=0, detail=what, node=p.node, **entry)

@@ -3,33 +3,30 @@ each restart or rollback a new segment, every autopilot intervention marked."""
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 PANELS = (("loss", "loss"), ("grad_norm", "grad norm"), ("loss_scale", "loss scale"), ("lr", "learning rate"))
 
 
 def segments(rows: list[dict]) -> list[list[dict]]:
-    """metrics.jsonl rows in the order written, cut wherever the step goes back (a rollback or restart)."""
+    """A run's step rows in the order written, cut wherever the step goes back (a rollback or restart)."""
     out: list[list[dict]] = []
     for row in rows:
-        if "loss" not in row:
-            continue
         if not out or row["step"] <= out[-1][-1]["step"]:
             out.append([])
         out[-1].append(row)
     return out
 
 
-def plot_run(metrics_path: Path, logbook: list[dict], out: Path) -> Path:
+def plot_run(steps: list[dict], logbook: list[dict], out: Path) -> Path:
+    """`steps`: the run's step rows (train/records.py); `logbook`: its logbook entries."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
     fig, axes = plt.subplots(len(PANELS), 1, figsize=(10, 9), sharex=True)
-    for i, segment in enumerate(segments(rows)):
+    for i, segment in enumerate(segments(steps)):
         for ax, (key, _) in zip(axes, PANELS):
             points = [(r["step"], r[key]) for r in segment if r.get(key) is not None]
             if points:

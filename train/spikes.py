@@ -5,12 +5,13 @@ reads its proxy runs with. Here, below both the training stage and the screen, s
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
+
+from train import records
 
 
 @dataclass(frozen=True)
@@ -25,28 +26,28 @@ class SpikeScore:
         return asdict(self)
 
 
-def read_run(metrics_file: Path) -> tuple[np.ndarray, np.ndarray]:
-    """(global batch numbers, grad norms) of a run's steps from its metrics.jsonl, in step order (a step
+def read_run(folder: Path) -> tuple[np.ndarray, np.ndarray]:
+    """(global batch numbers, grad norms) of the steps of the run in `folder`, in step order (a step
     redone after a rollback or restart: its last value; a missing norm: NaN). Steps the fp16 loss scaler
     skipped for an overflow are left out: their gradients overflowed in the scaled fp16 copy, which says
     how high the loss scale was, not how the run behaves (DeepSpeed reports their norm as inf; one would
     make a candidate's score infinite, or a baseline seed's)."""
+    if not (Path(folder) / records.METRICS).exists():
+        raise FileNotFoundError(f"{Path(folder) / records.METRICS}: the run in {folder} recorded no step")
     by_step: dict[int, tuple[int, float]] = {}
-    for line in Path(metrics_file).read_text().splitlines():
-        row = json.loads(line)
-        if "grad_norm" in row:
-            if row.get("overflow"):
-                by_step.pop(row["step"], None)
-            else:
-                by_step[row["step"]] = (row.get("batch", row["step"] - 1), row["grad_norm"])
+    for row in records.read(folder, records.STEP):
+        if row.get("overflow"):
+            by_step.pop(row["step"], None)
+        else:
+            by_step[row["step"]] = (row.get("batch", row["step"] - 1), row["grad_norm"])
     rows = [by_step[s] for s in sorted(by_step)]
     batches = np.asarray([b for b, _ in rows], dtype=np.int64)
     return batches, np.asarray([math.nan if g is None else g for _, g in rows], dtype=np.float64)
 
 
-def read_grad_norms(metrics_file: Path) -> list[float | None]:
+def read_grad_norms(folder: Path) -> list[float | None]:
     """read_run's grad norms alone, as a list (None where a step had none), for `spike_score`."""
-    return [None if math.isnan(g) else float(g) for g in read_run(metrics_file)[1]]
+    return [None if math.isnan(g) else float(g) for g in read_run(folder)[1]]
 
 
 def spike_score(grad_norms: list[float | None], *, window: int = 9, spike_ratio: float = 0.25,

@@ -21,13 +21,12 @@ ablations from the noise between seeds.
 from __future__ import annotations
 
 import dataclasses
-import json
 from pathlib import Path
 
 from train.config import TrainConfig
 from core.console import Bar, note
 from core.dag import StageContext, StageResult
-from train import autopilot_policy, goodput, health
+from train import goodput, health, records
 from train.follow import Follower
 from train.loader import read_index
 from train.loop.config import LoopConfig, loop_config
@@ -94,7 +93,7 @@ def run(ctx: StageContext) -> StageResult:
     shards = str(ctx.input_output("tokenize"))
     config = loop_config(cfg, shards, folder, export_dir=str(export_dir(ctx.output, cfg.seed, cfg.seed)),
                          tracking_uri=ctx.config.mlflow.tracking_uri, mlflow_run_id=ctx.mlflow_run_id)
-    config.write(folder / "loop_config.json")
+    config.write(folder / records.LOOP_CONFIG)
     others = seed_runs(cfg, shards, folder, ctx.output)
     ctx.log.info("run folder %s: %d steps of %d sequences x %d tokens on %d workers", folder, config.max_steps,
                  config.global_batch, config.seq_len, cfg.num_workers)
@@ -113,27 +112,28 @@ def run(ctx: StageContext) -> StageResult:
         fit(cfg, [config, *others.values()], folder, loop=seeds_loop)
     goodput.mark(folder, "finish")
     time_spent = goodput.account(folder)
-    summary = json.loads((folder / "summary.json").read_text())
-    for name in ("metrics.jsonl", "incidents.jsonl", "failures.jsonl", "stragglers.jsonl", "health.jsonl", "loop_config.json", "logbook.jsonl", "LOGBOOK.md", "train.log"):
+    summary = records.read_summary(folder)
+    for name in records.COPIED:
         if (folder / name).exists():
             (ctx.output / name).write_bytes((folder / name).read_bytes())
-    logbook = autopilot_policy.Logbook(folder).entries()
-    with open(ctx.output / "LOGBOOK.md", "a") as f:
+    logbook = records.read(folder, records.ENTRY)
+    with open(ctx.output / records.LOGBOOK_MD, "a") as f:
         f.write(("\n" if f.tell() else "# Logbook\n\n") + goodput.summary(time_spent))
-    charts = [plot_run(folder / "metrics.jsonl", logbook, ctx.output / "training.png")] if (folder / "metrics.jsonl").exists() else []
+    steps = records.read(folder, records.STEP)
+    charts = [plot_run(steps, logbook, ctx.output / "training.png")] if steps else []
     charts.append(goodput.plot(time_spent, ctx.output / "goodput.png"))
-    track_logbook(ctx, logbook, charts + [ctx.output / n for n in ("LOGBOOK.md", "logbook.jsonl", "failures.jsonl")
+    track_logbook(ctx, logbook, charts + [ctx.output / n for n in (records.LOGBOOK_MD, records.LOGBOOK, records.FAILURES)
                                           if (ctx.output / n).exists()])
     if summary.get("stopped"):
-        raise RuntimeError(f"{summary['stopped']} (logbook: {folder / 'LOGBOOK.md'})")
+        raise RuntimeError(f"{summary['stopped']} (logbook: {folder / records.LOGBOOK_MD})")
     index = read_index(config.shards)
     evaluations, tags = track_seeds(cfg, index, {cfg.seed: folder, **{s: Path(c.run_dir) for s, c in others.items()}})
     sequences = summary["steps"] * config.global_batch
-    incidents = (folder / "incidents.jsonl").read_text().splitlines() if (folder / "incidents.jsonl").exists() else []
+    incidents = records.read(folder, records.INCIDENT)
     metrics = {"steps": summary["steps"], "final_loss": summary["final_loss"], "sequences_trained": sequences,
                "tokens_trained": sequences * config.seq_len, "incidents": len(incidents),
-               "interventions": len(interventions(logbook)), "stragglers": sum("drained" not in r for r in goodput.read_jsonl(folder / "stragglers.jsonl")), **curve_summary(folder / "metrics.jsonl"),
-               **{f"goodput.{k}": v for k, v in time_spent.items() if k != "spans"}, **checkpoint_times(folder / "metrics.jsonl"),
+               "interventions": len(interventions(logbook)), "stragglers": len(records.read(folder, records.STRAGGLER)), **curve_summary(folder),
+               **{f"goodput.{k}": v for k, v in time_spent.items() if k != "spans"}, **checkpoint_times(folder),
                **evaluations}
     return StageResult(index["sequences"], index["sequences"], {}, metrics, tags=tags,
                        fields={"steps": summary["steps"], "final_loss": summary["final_loss"], "run_dir": str(folder),
@@ -141,17 +141,17 @@ def run(ctx: StageContext) -> StageResult:
                                "interventions": [{k: e[k] for k in ("step", "kind", "actions")} for e in interventions(logbook)]})
 
 
-def curve_summary(metrics_file: Path) -> dict[str, float]:
+def curve_summary(folder: Path) -> dict[str, float]:
     """The grad-norm spikes of the run as trained (train/spikes.py: steps > 25% above their
     neighbourhood's median, and the mean excess in percent; not its growth term, which a whole run's warmup and
     plateau would dominate): what `pipelines/compare.py` puts side by side."""
-    found = spike_score(read_grad_norms(metrics_file))
+    found = spike_score(read_grad_norms(folder))
     return {"spikes": found.spikes, "spike_excess": 100.0 * found.excess / max(1, found.scored_steps)}
 
 
-def last_evaluation(metrics_file: Path) -> dict[str, float]:
+def last_evaluation(folder: Path) -> dict[str, float]:
     """A run's last evaluation: its `eval.*` metrics ({} when it had none)."""
-    rows = [r for r in goodput.read_jsonl(metrics_file) if "eval.bpb" in r]
+    rows = records.read(folder, records.EVALUATION)
     return {k: v for k, v in rows[-1].items() if k.startswith("eval.")} if rows else {}
 
 
@@ -164,7 +164,7 @@ def track_seeds(cfg: TrainConfig, index: dict, folders: dict[int, Path]) -> tupl
 
     out: dict[str, float] = {**evalset.sizes(index["eval"].get("units", []))}
     for seed, folder in folders.items():
-        found = last_evaluation(folder / "metrics.jsonl")
+        found = last_evaluation(folder)
         if seed == cfg.seed:
             out.update(found)
         out.update({f"seed{seed}/{k}": v for k, v in found.items()})
@@ -189,9 +189,9 @@ def check_nodes(ctx: StageContext, cfg: TrainConfig, folder: Path) -> None:
                            max_fraction=cfg.health.max_excluded_fraction, window_seconds=cfg.health.window_seconds)
     ctx.log.info("health check: %d nodes probed, %d excluded", len(nodes), len(checked.excluded))
     if checked.systemic:
-        raise RuntimeError(f"health check: {checked.systemic}\n{checked.table()}\n(see {folder / 'health.jsonl'})")
+        raise RuntimeError(f"health check: {checked.systemic}\n{checked.table()}\n(see {folder / records.HEALTH})")
     if len(checked.excluded) == len(nodes):
-        raise RuntimeError(f"every node failed its health check (see {folder / 'health.jsonl'})")
+        raise RuntimeError(f"every node failed its health check (see {folder / records.HEALTH})")
 
 
 def interventions(logbook: list[dict]) -> list[dict]:
@@ -200,10 +200,10 @@ def interventions(logbook: list[dict]) -> list[dict]:
     return [e for e in logbook if e["kind"] not in ("straggler", "straggler_kept")]
 
 
-def checkpoint_times(metrics_file: Path) -> dict[str, float]:
+def checkpoint_times(folder: Path) -> dict[str, float]:
     """The saves' blocked and write seconds, summed over the run (each save's are in metrics.jsonl and MLflow)."""
-    rows = goodput.read_jsonl(metrics_file)
-    return {key: round(sum(r[key] for r in rows if key in r), 3)
+    rows = records.read(folder, records.CHECKPOINT)
+    return {key: round(sum(r[key] for r in rows), 3)
             for key in ("checkpoint.blocked_seconds", "checkpoint.write_seconds")}
 
 
@@ -213,11 +213,11 @@ def track_logbook(ctx: StageContext, logbook: list[dict], files: list[Path]) -> 
     from core.tracking import StageRun
 
     stage_run = StageRun(ctx.config.mlflow.tracking_uri, ctx.mlflow_run_id)
-    probes = goodput.read_jsonl(ctx.output / "health.jsonl")
+    probes = [records.without_record(p) for p in records.read(ctx.output, records.PROBE)]
     if probes:  # the health checks as a table in MLflow's artifact view, a row per node probed
         stage_run.log_table({k: [p.get(k) for p in probes] for k in probes[0]}, "health_checks.json")
-    for straggler in goodput.read_jsonl(ctx.output / "stragglers.jsonl"):  # named, then (stragglers.exclude) drained
-        if "drained" in straggler:
+    for straggler in records.read(ctx.output, records.STRAGGLER, records.DRAIN):  # named, then (stragglers.exclude) drained
+        if straggler["record"] == records.DRAIN.name:
             stage_run.set_tag(f"straggler.rank{straggler['rank']}.drain", f"step {straggler['step']}: " + (
                 "drained" if straggler["drained"] else f"not drained: {straggler['refused'] or 'Ray refused'}"))
         else:

@@ -7,11 +7,10 @@ screen's proxy jobs and in tests.
 
 from __future__ import annotations
 
-import json
 import logging
 from pathlib import Path
 
-from train import failures, goodput
+from train import failures, goodput, records
 from train.loop.config import LoopConfig
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -31,7 +30,7 @@ def train_loop(config: LoopConfig):
     train_ctx = ray.train.get_context()
     handler = None
     if train_ctx.get_world_rank() == 0:
-        handler = logging.FileHandler(Path(config.run_dir) / "train.log")
+        handler = logging.FileHandler(Path(config.run_dir) / records.TRAIN_LOG)
         handler.setFormatter(logging.Formatter(FORMAT))
         logging.getLogger().addHandler(handler)
     rank, node, trainer = train_ctx.get_world_rank(), ray.get_runtime_context().get_node_id(), None
@@ -83,11 +82,10 @@ def stop_before_starting(ctx, why: str) -> None:
     (summary.json's `stopped`, incidents.jsonl, the logbook); every rank returns, so Ray Train ends the run."""
     import time
 
-    from train.autopilot_policy import Logbook
     from train.loop.context import incident
 
     if ctx.leader:
         incident(ctx, 0, why.splitlines()[0])
-        Logbook(ctx.run_dir).append({"time": time.time(), "step": 0, "kind": "repeated-error", "detail": why,
-                                     "actions": ["stop the run"], "why": "a restart would fail the same way"})
-        (ctx.run_dir / "summary.json").write_text(json.dumps({"steps": 0, "final_loss": None, "stopped": why}))
+        records.log_entry(ctx.run_dir, time=time.time(), step=0, kind="repeated-error", detail=why,
+                          actions=["stop the run"], why="a restart would fail the same way")
+        records.write_summary(ctx.run_dir, 0, None, why)

@@ -2,11 +2,9 @@
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import random
-import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from train import records
 from train.parallel.groups import Groups
 
 log = logging.getLogger("train")
@@ -52,14 +51,13 @@ class Context:
 
     @property
     def ckpt_dir(self) -> Path:
-        return self.run_dir / "checkpoints"
+        return self.run_dir / records.CHECKPOINTS
 
 
 def incident(ctx: Context, step: int, what: str) -> None:
     """One line in the run's incidents.jsonl (and the worker's log): what happened to the run, and when."""
     log.warning("step %d: %s", step, what)
-    with open(ctx.run_dir / "incidents.jsonl", "a") as f:
-        f.write(json.dumps({"time": time.time(), "step": step, "rank": ctx.rank, "what": what}) + "\n")
+    records.incident(ctx.run_dir, step, ctx.rank, what)
 
 
 PIPELINE_SEED_STRIDE = 100  # Megatron's offset per pipeline rank (megatron/training/initialize.py, _set_random_seed)

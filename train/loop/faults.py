@@ -16,7 +16,7 @@ import threading
 import time
 
 from train.config import InjectConfig
-from train import goodput
+from train import goodput, records
 from train.failures import write_exit
 from train.health import mark_unhealthy
 from train.loop.context import Context, incident
@@ -89,7 +89,7 @@ def restarts_without_progress(ctx: Context, resumed_step: int | None, limit: int
     restarting forever would burn the cluster. Every start-up is appended to the run's `starts.json`
     (the step it resumed from, 0 for a fresh start); every rank reads it before rank 0 appends, so all
     reach the same answer. 0: never stop."""
-    path = ctx.run_dir / "starts.json"
+    path = ctx.run_dir / records.STARTS
     starts = json.loads(path.read_text()) if path.exists() else []
     barrier()
     starts.append(resumed_step or 0)
@@ -126,7 +126,7 @@ class Faults:
     """`train.inject`: each fault fires once; fired ones are recorded in the run folder first."""
 
     def __init__(self, faults: list[InjectConfig], ctx: Context):
-        self.ctx, self.path = ctx, ctx.run_dir / "injected.json"
+        self.ctx, self.path = ctx, ctx.run_dir / records.INJECTED
         self.faults = [dict(dataclasses.asdict(f), factor=f.times, index=i) for i, f in enumerate(faults)]
         self.overflow_until = 0  # the last step of an overflow burst under way
 

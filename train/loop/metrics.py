@@ -3,7 +3,6 @@ throughput, MFU on a GPU), a progress line in the worker's log, and the run's su
 
 from __future__ import annotations
 
-import json
 import logging
 import math
 import queue
@@ -12,6 +11,7 @@ import time
 
 import torch
 
+from train import records
 from train.loop.config import LoopConfig
 from train.loop.context import Context
 from train.loop.step import StepResult
@@ -33,16 +33,15 @@ class MetricSink:
     """Rank 0's metrics: appended to metrics.jsonl at once, sent to MLflow from a background thread."""
 
     def __init__(self, ctx: Context, tracking_uri: str | None, run_id: str | None):
-        self.file = open(ctx.run_dir / "metrics.jsonl", "a")
+        self.run_dir = ctx.run_dir
         self.queue: queue.Queue = queue.Queue()
         self.thread = None
         if tracking_uri and run_id:
             self.thread = threading.Thread(target=self._send, args=(tracking_uri, run_id), daemon=True)
             self.thread.start()
 
-    def log(self, step: int, metrics: dict[str, float]) -> None:
-        self.file.write(json.dumps({"step": step, **metrics, "time": round(time.time(), 3)}) + "\n")
-        self.file.flush()
+    def log(self, kind: records.Kind, step: int, metrics: dict[str, float]) -> None:
+        records.append(self.run_dir, kind, {"step": step, **metrics, "time": round(time.time(), 3)})
         if self.thread is not None:
             self.queue.put((step, metrics))
 
@@ -72,7 +71,6 @@ class MetricSink:
                 client.log_batch(run_id, metrics=batch[i:i + 1000])
 
     def close(self) -> None:
-        self.file.close()
         if self.thread is not None:
             self.queue.put(None)
             self.thread.join(timeout=60)
@@ -98,7 +96,7 @@ class Metrics:
                    "tflops_per_device": self.flops_per_step / result.seconds / self.ctx.world / 1e12}
         if self.peak:
             metrics["mfu"] = metrics["tflops_per_device"] / self.peak
-        self.sink.log(step, metrics)
+        self.sink.log(records.STEP, step, metrics)
         if time.monotonic() - self.progress_at > PROGRESS_SECONDS or step == self.cfg.max_steps:
             self.progress_at = time.monotonic()
             log.info("step %d/%d loss %.4f lr %.2e tokens/s %s", step, self.cfg.max_steps, result.loss, result.lr,
@@ -106,17 +104,16 @@ class Metrics:
 
     def evaluation(self, step: int, metrics: dict[str, float], seconds: float) -> None:
         if self.sink is not None and metrics:
-            self.sink.log(step, {**metrics, "eval_seconds": seconds})
+            self.sink.log(records.EVALUATION, step, {**metrics, "eval_seconds": seconds})
 
     def checkpoint(self, step: int, blocked_seconds: float, write_seconds: float) -> None:
         """A save of step `step` published: how long training waited for it, and how long its write took."""
         if self.sink is not None:
-            self.sink.log(step, {"checkpoint.blocked_seconds": blocked_seconds, "checkpoint.write_seconds": write_seconds})
+            self.sink.log(records.CHECKPOINT, step, {"checkpoint.blocked_seconds": blocked_seconds, "checkpoint.write_seconds": write_seconds})
 
     def close(self, steps: int, final_loss: float, stopped: str | None) -> None:
         """summary.json, which the stage reads when the workers are done."""
         if self.sink is None:
             return
-        (self.ctx.run_dir / "summary.json").write_text(json.dumps({"steps": steps, "final_loss": final_loss,
-                                                                   "stopped": stopped}))
+        records.write_summary(self.ctx.run_dir, steps, final_loss, stopped)
         self.sink.close()

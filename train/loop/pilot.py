@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import time
 
-from train import autopilot_policy
+from train import autopilot_policy, records
 from train.loader import Loader
 from train.loop.checkpointer import Checkpointer
 from train.loop.config import LoopConfig
@@ -61,10 +61,9 @@ class Pilot:
         real_fp16 = cfg.train.precision == "fp16"
         self.scaler = autopilot_policy.SimulatedScaler() if not real_fp16 and simulate_overflow else None
         self.fp16 = real_fp16 or self.scaler is not None
-        self.state_file = ctx.run_dir / "autopilot.json"
+        self.state_file = ctx.run_dir / records.AUTOPILOT
         self.state = autopilot_policy.State()
         self.detectors = autopilot_policy.Detectors(self.settings)
-        self.logbook = autopilot_policy.Logbook(ctx.run_dir)
         self.clean_steps = 0  # steps since the last incident: a checkpoint is healthy after a window of them
         self.saved = autopilot_policy.load_state(self.state_file)  # written before every intervention: newer than any checkpoint
         if self.saved is not None:  # a rollback decided before a crash: its abandoned checkpoints stay out
@@ -118,8 +117,8 @@ class Pilot:
     def stop(self, step: int, decision: autopilot_policy.Decision) -> str:
         found = decision.incident
         if self.ctx.leader:
-            self.logbook.append({"time": time.time(), "step": step, "kind": found.kind, "detail": found.detail,
-                                 "actions": ["stop"], "why": decision.why})
+            records.log_entry(self.ctx.run_dir, time=time.time(), step=step, kind=found.kind, detail=found.detail,
+                              actions=["stop"], why=decision.why)
         return f"autopilot stopped the run at step {step}: {found.kind} ({found.detail}); {decision.why}"
 
     def intervene(self, decision: autopilot_policy.Decision, batch: int, loader: Loader) -> dict:
@@ -146,11 +145,11 @@ class Pilot:
     def _write_down(self, decision: autopilot_policy.Decision, target_step: int, decided_at: float) -> None:
         state = self.state
         autopilot_policy.save_state(self.state_file, state, {"rolled_back_to": target_step, "decided_at": decided_at})
-        self.logbook.append({
-            "time": decided_at, "step": decision.incident.step, "kind": decision.incident.kind,
-            "detail": decision.incident.detail, "actions": list(decision.actions), "why": decision.why,
-            "rolled_back_to": target_step, "skipped_batches": state.skip_ranges[-1] if "skip" in decision.actions else None,
-            "lr_factor": state.lr_factor, "clip": state.clip, "intervention": state.interventions})
+        records.log_entry(
+            self.ctx.run_dir, time=decided_at, step=decision.incident.step, kind=decision.incident.kind,
+            detail=decision.incident.detail, actions=list(decision.actions), why=decision.why,
+            rolled_back_to=target_step, skipped_batches=state.skip_ranges[-1] if "skip" in decision.actions else None,
+            lr_factor=state.lr_factor, clip=state.clip, intervention=state.interventions)
         incident(self.ctx, decision.incident.step, f"autopilot: {decision.incident.kind}: "
                                                    f"{', '.join(decision.actions)} (back to step {target_step})")
 

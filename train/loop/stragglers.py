@@ -25,7 +25,7 @@ import json
 import statistics
 import time
 
-from train.autopilot_policy import Logbook
+from train import records
 from train.loop.context import Context, incident
 from train.parallel.collectives import all_gather_float, all_ok
 
@@ -72,10 +72,9 @@ class Stragglers:
         incident(self.ctx, step, what)
         record = {"time": time.time(), "step": step, "rank": rank, **where, "seconds": medians[rank],
                   "others_seconds": others}
-        with open(self.ctx.run_dir / "stragglers.jsonl", "a") as f:
-            f.write(json.dumps(record) + "\n")
-        Logbook(self.ctx.run_dir).append({"time": record["time"], "step": step, "kind": "straggler", "detail": what,
-                                          "actions": ["named"], "why": "one slow rank sets the pace of all"})
+        records.append(self.ctx.run_dir, records.STRAGGLER, record)
+        records.log_entry(self.ctx.run_dir, time=record["time"], step=step, kind="straggler", detail=what,
+                          actions=["named"], why="one slow rank sets the pace of all")
 
     def replace(self, step: int, ranks: set[int], limits, worker: tuple[float, float]) -> str | None:
         """At a published checkpoint, with `train.stragglers.exclude`: the named ranks' nodes drained, within the
@@ -87,26 +86,24 @@ class Stragglers:
         why = None
         if self.ctx.leader:
             nodes = {self._node_of(r)["node"]: r for r in sorted(ranks)}
-            allowed = health.drains_allowed(len(health.trainable_nodes(*worker)), limits.max_excluded_fraction)
+            population = len(health.trainable_nodes(*worker))
             for node, rank in nodes.items():
-                done = health.drained(self.ctx.run_dir, limits.window_seconds)
-                refused = ("its node is not known" if not node else None if done < allowed else
-                           f"the run has drained {done} of the {allowed} nodes it may within "
+                limit = health.drain_limit(self.ctx.run_dir, population, limits.max_excluded_fraction, limits.window_seconds)
+                refused = ("its node is not known" if not node else None if not limit.refuses(1) else
+                           f"the run has drained {limit.done} of the {limit.allowed} nodes it may within "
                            f"health.window_seconds ({limits.window_seconds:g})")
                 accepted = refused is None and health.exclude(node, f"rank {rank} a straggler", by="straggler check")
                 record = {"time": time.time(), "step": step, "rank": rank, **self._node_of(rank), "drained": accepted,
                           "refused": refused}
-                with open(self.ctx.run_dir / "stragglers.jsonl", "a") as f:
-                    f.write(json.dumps(record) + "\n")
+                records.append(self.ctx.run_dir, records.DRAIN, record)
                 what = (f"straggler rank {rank}'s node {node} drained at the checkpoint of step {step}: "
                         "a planned restart from it" if accepted else
                         f"straggler rank {rank}'s node {node} not drained: {refused or 'Ray refused the drain'}")
                 incident(self.ctx, step, what)
-                Logbook(self.ctx.run_dir).append({"time": record["time"], "step": step, "kind": "straggler_replaced"
-                                                  if accepted else "straggler_kept", "detail": what,
-                                                  "actions": ["drain", "restart"] if accepted else ["none"],
-                                                  "why": "one slow rank sets the pace of all; the checkpoint makes the "
-                                                         "restart exact"})
+                records.log_entry(self.ctx.run_dir, time=record["time"], step=step,
+                                  kind="straggler_replaced" if accepted else "straggler_kept", detail=what,
+                                  actions=["drain", "restart"] if accepted else ["none"],
+                                  why="one slow rank sets the pace of all; the checkpoint makes the restart exact")
                 if accepted:
                     why = what
             if why:
@@ -115,5 +112,5 @@ class Stragglers:
         return (why or "a straggler's node was drained") if restart else None
 
     def _node_of(self, rank: int) -> dict:
-        path = self.ctx.run_dir / "ranks" / f"rank-{rank}.json"
+        path = records.rank_file(self.ctx.run_dir, rank)
         return json.loads(path.read_text()) if path.exists() else {"node": None, "host": None}
