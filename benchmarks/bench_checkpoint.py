@@ -62,7 +62,7 @@ def measure(engine, folder: Path, background: bool, saves: int, seq: int) -> lis
     folder.mkdir(parents=True)
     ctx = Context(rank=0, world=1, run_dir=folder, device=torch.device("cpu"))
     out: list[dict] = []
-    saver = Checkpointer(engine, ctx, every=1, keep=2, keep_healthy=0, max_steps=10**9, background=background,
+    saver = Checkpointer(engine, ctx, every=1, keep=2, keep_healthy=0, last_step=10**9, background=background,
                          on_written=lambda s, blocked, write: out.append({"step": s, "blocked": blocked, "write": write}))
     for i in range(1, saves + 1):
         saver.save(i, {"loader": {"step": i}})

@@ -22,6 +22,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import provenance  # noqa: E402
 from train import records  # noqa: E402
+from train.config import HealthConfig  # noqa: E402
 
 
 def parser() -> argparse.ArgumentParser:
@@ -55,7 +56,7 @@ def main() -> int:
         nodes = health.trainable_nodes(1, 1 if gpus else 0)
         run = Path(tempfile.mkdtemp())
         began = time.perf_counter()
-        checked = health.check(run, nodes, 0.5, population=len(nodes), max_fraction=0.25)
+        checked = health.check(run, nodes, HealthConfig(min_fraction=0.5, max_excluded_fraction=0.25), population=len(nodes))
         print(f"check of {len(nodes)} node(s): {time.perf_counter() - began:.1f} s; excluded {checked.excluded}, "
               f"refused {checked.refused}, systemic {checked.systemic}")
         for row in records.read(run, records.PROBE):

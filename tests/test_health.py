@@ -10,6 +10,7 @@ import time
 
 import pytest
 
+from train.config import HealthConfig
 from train.health import Probe, drains_allowed, ring_rounds, verdicts
 
 
@@ -63,7 +64,8 @@ def test_past_the_guard_no_node_is_drained_and_each_refusal_is_written_down(ray_
     earlier = {"node": "f" * 56, "host": "gone", "device": "cpu", "matmul_tflops": 0.0, "memory_ok": False,
                "allreduce_gbps": 0.0, "failed": "memory test read back wrong values (device 0)", "drained": True}
     (tmp_path / "health.jsonl").write_text(json.dumps(earlier) + "\n")
-    checked = health.check(tmp_path, [node], 0.5, collective=False, population=2, max_fraction=0.25)
+    checked = health.check(tmp_path, [node], HealthConfig(min_fraction=0.5, collective=False, max_excluded_fraction=0.25),
+                           population=2)
     assert checked.excluded == [] and checked.refused == [node]
     assert checked.systemic.startswith("1 of 1 nodes probed failed (1 drained before): more than the 1 of 2")
     row = json.loads((tmp_path / "health.jsonl").read_text().splitlines()[-1])
@@ -99,7 +101,6 @@ def test_a_restart_probes_every_node_that_can_host_a_worker_unless_told_to_probe
     for: `restart_probe: all` probes every node training can use but the drained ones, once per restart (not at the
     first start, which the stage probes itself, nor twice for one failure). `implicated` keeps the old rule: only a
     node with `failures` failures of its own."""
-    from train.config import HealthConfig
     from train.failures import Failure, to_probe
 
     now = time.time()

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from train.config import AutopilotConfig, InjectConfig, TrainConfig
+from train.config import AutopilotConfig, InjectConfig, StragglerConfig, TrainConfig
 from corpus.tokenize import FORMAT, INDEX, write_rows
 from train.loader import Loader
 from train.loop.checkpointer import Checkpointer
@@ -76,15 +76,15 @@ def context(tmp_path, rank: int = 0) -> Context:
 def test_the_loop_config_is_typed_derived_from_the_shards_and_travels(shards, tmp_path):
     cfg = loop_config(section(global_batch_tokens=8 * SEQ), shards, tmp_path, export_dir=None, tracking_uri=None,
                       mlflow_run_id=None)
-    assert (cfg.seq_len, cfg.global_batch, cfg.accumulation, cfg.max_steps, cfg.total_steps) == (SEQ, 8, 4, 6, 50)
-    assert cfg.warmup_steps == 1 and cfg.lr == 1e-3 and cfg.eval_micro_batch == 8  # the tiny model's LR; 4 x micro
-    assert cfg.model.vocab_size == 512 and cfg.model.dropout == 0.0
+    assert (cfg.seq_len, cfg.global_batch, cfg.accumulation, cfg.last_step, cfg.total_steps) == (SEQ, 8, 4, 6, 50)
+    assert cfg.warmup_steps == 1 and cfg.peak_lr == 1e-3 and cfg.eval_micro_batch == 8  # the tiny model's LR; 4 x micro
+    assert cfg.architecture.vocab_size == 512 and cfg.architecture.dropout == 0.0
     # 6 of the schedule's 50 steps: the rate still high at the end, which a person is told (a run of all 50 is not)
     assert cfg.cut_short().startswith("max_steps 6 stops the run at 91% of its peak learning rate, which decays over 50")
-    assert dataclasses.replace(cfg, max_steps=50).cut_short() is None
+    assert dataclasses.replace(cfg, last_step=50).cut_short() is None
     assert pickle.loads(pickle.dumps(cfg)) == cfg  # what Ray Train ships to the workers
     with pytest.raises(dataclasses.FrozenInstanceError):
-        cfg.max_steps = 7
+        cfg.last_step = 7
     cfg.write(tmp_path / "loop_config.json")
     written = json.loads((tmp_path / "loop_config.json").read_text())
     assert written["accumulation"] == 4 and written["train"]["parallel"]["pipeline"] == 1
@@ -155,9 +155,9 @@ def train_once(engine, seed: int) -> None:
 def test_the_checkpointer_saves_prunes_rolls_back_and_resumes(engines, tmp_path):
     cfg, built = engines[1]
     ctx = context(tmp_path)
-    ckpt = Checkpointer(built.engine, ctx, every=2, keep=1, keep_healthy=1, max_steps=5)
+    ckpt = Checkpointer(built.engine, ctx, every=2, keep=1, keep_healthy=1, last_step=5)
     assert [s for s in range(1, 6) if ckpt.due(s)] == [2, 4, 5]
-    assert not Checkpointer(built.engine, ctx, every=0, keep=1, keep_healthy=1, max_steps=5).due(5)
+    assert not Checkpointer(built.engine, ctx, every=0, keep=1, keep_healthy=1, last_step=5).due(5)
     weights = {}
     for step, healthy in ((0, True), (2, True), (4, False)):
         train_once(built.engine, step)  # a different model at each save
@@ -170,7 +170,7 @@ def test_the_checkpointer_saves_prunes_rolls_back_and_resumes(engines, tmp_path)
     names = sorted(p.name for p in ctx.ckpt_dir.iterdir())
     assert len(names) == 2 and re.fullmatch(r"abandoned-step-00000004-\d+", names[0]) and names[1] == "step-00000002"
     train_once(built.engine, 9)
-    assert Checkpointer(built.engine, ctx, every=2, keep=1, keep_healthy=1, max_steps=5).resume()["step"] == 2
+    assert Checkpointer(built.engine, ctx, every=2, keep=1, keep_healthy=1, last_step=5).resume()["step"] == 2
     assert all(torch.equal(a, b) for a, b in zip(weights[2], built.model.parameters()))
     assert "resumed from step-00000002" in (tmp_path / "incidents.jsonl").read_text()
 
@@ -184,7 +184,7 @@ def test_a_wait_for_the_previous_write_is_counted_once_in_the_blocked_seconds(en
     monkeypatch.setattr(checkpoint_files.Write, "run", lambda self: (time.sleep(0.3), write(self)))
     cfg, built = engines[1]
     blocked = []
-    ckpt = Checkpointer(built.engine, context(tmp_path), every=1, keep=5, keep_healthy=5, max_steps=3, background=True,
+    ckpt = Checkpointer(built.engine, context(tmp_path), every=1, keep=5, keep_healthy=5, last_step=3, background=True,
                         on_written=lambda step, seconds, written: blocked.append(seconds))
     waited = 0.0
     for step in (1, 2, 3):
@@ -204,8 +204,8 @@ def test_the_pilot_rolls_back_and_skips_on_a_spike_writing_it_down_first_and_sto
     cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, autopilot=dataclasses.replace(
         cfg.train.autopilot, budget=1)))
     ctx = context(tmp_path)
-    ckpt = Checkpointer(built.engine, ctx, every=2, keep=3, keep_healthy=3, max_steps=10)
-    pilot = Pilot(cfg, ctx, built.engine, Schedule(cfg.lr, 1, 100, 0.1), ckpt, simulate_overflow=False)
+    ckpt = Checkpointer(built.engine, ctx, every=2, keep=3, keep_healthy=3, last_step=10)
+    pilot = Pilot(cfg, ctx, built.engine, Schedule(cfg.peak_lr, 1, 100, 0.1), ckpt, simulate_overflow=False)
     pilot.resume(None)
     loader = Loader(shards, cfg.global_batch, seed=0)
 
@@ -483,7 +483,7 @@ def test_a_rank_slower_than_the_others_median_in_windows_in_a_row_is_named_once_
     monkeypatch.setattr(module, "all_gather_float", lambda value: next(windows))
     ctx = Context(rank=0, world=4, run_dir=tmp_path, device=torch.device("cpu"))
     failures.write_identity(tmp_path, 2, "node-b")
-    watch = module.Stragglers(ctx, window=3, margin=0.5, patience=2)
+    watch = module.Stragglers(ctx, StragglerConfig(window=3, margin=0.5, patience=2))
     named = [watch.observe(step, 0.1) for step in range(1, 10)]
     assert named == [[], [], [], [], [], [2], [], [], []]  # rank 1 was slow in the second window only
     (row,) = [json.loads(line) for line in (tmp_path / "stragglers.jsonl").read_text().splitlines()]
@@ -502,6 +502,6 @@ def test_one_stalled_step_does_not_hide_a_straggler(tmp_path, monkeypatch):
     gathered = []
     monkeypatch.setattr(module, "all_gather_float", lambda value: gathered.append(value) or [value, 0.040])
     watch = module.Stragglers(Context(rank=0, world=2, run_dir=tmp_path, device=torch.device("cpu")),
-                              window=4, margin=0.5, patience=1)
+                              StragglerConfig(window=4, margin=0.5, patience=1))
     named = [watch.observe(step, seconds) for step, seconds in enumerate([0.010, 0.2, 0.011, 0.009], 1)]
     assert gathered == [pytest.approx(0.0105)] and named == [[], [], [], [1]]

@@ -69,8 +69,8 @@ def test_growth_and_non_finite_norms():
 def test_overflow_skipped_steps_are_left_out_of_a_runs_grad_norms(tmp_path):
     """fp16: DeepSpeed reports an overflow-skipped step's grad norm as inf; such a step says how high the loss
     scale was, not how the run behaves, so it is not scored (else one overflow makes a score infinite)."""
-    rows = [{"step": s, "grad_norm": 1.0 + s / 100, "overflow": 0} for s in range(1, 31)]
-    rows[11] = {"step": 12, "grad_norm": float("inf"), "overflow": 1}
+    rows = [{"step": s, "loss": 5.0, "grad_norm": 1.0 + s / 100, "overflow": 0} for s in range(1, 31)]
+    rows[11] = {"step": 12, "loss": 5.0, "grad_norm": float("inf"), "overflow": 1}
     rows.append({"step": 13, "eval.bpb": 5.0})  # other rows pass by
     path = tmp_path / "metrics.jsonl"
     path.write_text("".join(json.dumps(r) + "\n" for r in rows))

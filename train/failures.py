@@ -189,9 +189,7 @@ class RestartHealthCheck(WorkerGroupCallback):
         suspects = to_probe(self.health, history(run_dir), health.last_checked(run_dir), trainable,
                             health.drained_nodes(run_dir))
         if suspects:
-            health.check(run_dir, suspects, self.health.min_fraction, self.health.collective,
-                         population=len(trainable), max_fraction=self.health.max_excluded_fraction,
-                         window_seconds=self.health.window_seconds)
+            health.check(run_dir, suspects, self.health, population=len(trainable))
 
 
 def to_probe(health, failures: list[Failure], checked: dict[str, float], trainable: list[str],

@@ -42,6 +42,7 @@ import time
 from pathlib import Path
 
 from train import records
+from train.config import HealthConfig
 
 MATMUL_SECONDS = 0.5  # per device, after the warm-up: long enough to be a rate, short enough for every check
 WARMUP_MATMULS = 3  # untimed, first: cuBLAS's start-up (an H100's first 0.3 s read 0.64-0.72 of its warm rate)
@@ -367,8 +368,11 @@ class DrainLimit:
         return self.done + more > self.allowed
 
 
-def drain_limit(run_dir: Path, population: int, max_fraction: float, window_seconds: float | None) -> DrainLimit:
-    return DrainLimit(drained(run_dir, window_seconds), drains_allowed(population, max_fraction), population)
+def drain_limit(run_dir: Path, population: int, settings: HealthConfig) -> DrainLimit:
+    """The limit now (`settings`: the run's health section): drains within its window_seconds, against its
+    max_excluded_fraction of the `population`."""
+    return DrainLimit(drained(run_dir, settings.window_seconds), drains_allowed(population, settings.max_excluded_fraction),
+                      population)
 
 
 def exclude(node: str, why: str, by: str = "health check") -> bool:
@@ -407,29 +411,28 @@ class Checked:
                           f"{'yes' if r['drained'] else 'no'} |" for r in self.rows])
 
 
-def check(run_dir: Path, nodes: list[str], min_fraction: float, collective: bool = True, population: int | None = None,
-          max_fraction: float = 1.0, window_seconds: float | None = None) -> Checked:
-    """Probe `nodes`, record every result; then, every verdict known, drain the ones that fail unless the run
-    would then have drained more than `max_fraction` of the `population` of nodes training can use (default:
-    the nodes probed) within `window_seconds` (None: over the run): then none is, each refusal is written down,
-    and the cause is called systemic."""
+def check(run_dir: Path, nodes: list[str], settings: HealthConfig, population: int | None = None) -> Checked:
+    """Probe `nodes` (`settings`: the run's health section), record every result; then, every verdict known,
+    drain the ones that fail unless the run would then pass its limit on drains (`drain_limit`, over the
+    `population` of nodes training can use; default: the nodes probed): then none is, each refusal is written
+    down, and the cause is called systemic."""
     from train import goodput
 
     run_dir, began = Path(run_dir), time.monotonic()
     earlier = _probes(run_dir)
     population = population or len(nodes)
-    limit = drain_limit(run_dir, population, max_fraction, window_seconds)
-    probes = probe(nodes, run_dir, collective=collective)
-    if collective:  # between nodes: the ring of the nodes probed now (one node after its failures: none)
+    limit = drain_limit(run_dir, population, settings)
+    probes = probe(nodes, run_dir, collective=settings.collective)
+    if settings.collective:  # between nodes: the ring of the nodes probed now (one node after its failures: none)
         pairs = pair_bandwidths([p.node for p in probes if p.error is None])
         probes = [dataclasses.replace(p, pair_gbps=pairs.get(p.node, 0.0)) for p in probes]
-    found = verdicts(probes, min_fraction, reference=[p for p in earlier if p.node not in nodes])
+    found = verdicts(probes, settings.min_fraction, reference=[p for p in earlier if p.node not in nodes])
     failing = [p for p in probes if found[p.node] is not None]
     systemic = None
     if failing and limit.refuses(len(failing)):
         systemic = (f"{len(failing)} of {len(probes)} nodes probed failed{f' ({limit.done} drained before)' if limit.done else ''}"
                     f": more than the {limit.allowed} of {population} a run may drain (health.max_excluded_fraction "
-                    f"{max_fraction:g}); the cause looks systemic (an image, a driver, an NCCL setting, the probe), "
+                    f"{settings.max_excluded_fraction:g}); the cause looks systemic (an image, a driver, an NCCL setting, the probe), "
                     "so none is drained")
     rows = [{**dataclasses.asdict(p), "failed": found[p.node], "drained": found[p.node] is not None and systemic is None}
             for p in probes]
@@ -460,7 +463,7 @@ def drained_nodes(run_dir: Path, within: float | None = None) -> list[str]:
     stop draining a bad node long before anything systemic happened."""
     now = time.time()
     return [r["node"] for r in records.read(run_dir, records.PROBE) + records.read(run_dir, records.DRAIN)
-            if r["drained"] and (within is None or now - r["time"] <= within)]
+            if r["drained"] and (within is None or now - r.get("time", now) <= within)]
 
 
 def last_checked(run_dir: Path) -> dict[str, float]:

@@ -95,7 +95,7 @@ def run(ctx: StageContext) -> StageResult:
                          tracking_uri=ctx.config.mlflow.tracking_uri, mlflow_run_id=ctx.mlflow_run_id)
     config.write(folder / records.LOOP_CONFIG)
     others = seed_runs(cfg, shards, folder, ctx.output)
-    ctx.log.info("run folder %s: %d steps of %d sequences x %d tokens on %d workers", folder, config.max_steps,
+    ctx.log.info("run folder %s: %d steps of %d sequences x %d tokens on %d workers", folder, config.last_step,
                  config.global_batch, config.seq_len, cfg.num_workers)
     if cut := config.cut_short():
         note("train", cut)
@@ -108,7 +108,7 @@ def run(ctx: StageContext) -> StageResult:
     from train.loop import seeds_loop
 
     followed = {"": folder, **{f"seed {seed}": Path(c.run_dir) for seed, c in others.items()}}
-    with Bar("train", "steps", config.max_steps * cfg.seeds) as bar, Follower("train", followed, bar):
+    with Bar("train", "steps", config.last_step * cfg.seeds) as bar, Follower("train", followed, bar):
         fit(cfg, [config, *others.values()], folder, loop=seeds_loop)
     goodput.mark(folder, "finish")
     time_spent = goodput.account(folder)
@@ -185,8 +185,7 @@ def check_nodes(ctx: StageContext, cfg: TrainConfig, folder: Path) -> None:
     """Every node that can host a training worker probed before the first start; the ones that fail drained,
     unless so many fail that the cause looks systemic: then none is, and the run stops here saying so."""
     nodes = health.trainable_nodes(cfg.cpus_per_worker, cfg.gpus_per_worker)
-    checked = health.check(folder, nodes, cfg.health.min_fraction, cfg.health.collective, population=len(nodes),
-                           max_fraction=cfg.health.max_excluded_fraction, window_seconds=cfg.health.window_seconds)
+    checked = health.check(folder, nodes, cfg.health, population=len(nodes))
     ctx.log.info("health check: %d nodes probed, %d excluded", len(nodes), len(checked.excluded))
     if checked.systemic:
         raise RuntimeError(f"health check: {checked.systemic}\n{checked.table()}\n(see {folder / records.HEALTH})")

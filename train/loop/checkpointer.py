@@ -19,10 +19,10 @@ class Checkpointer:
     while the previous save, if still being written, finishes); the files are written, hashed and published
     by a thread. The previous checkpoint stays the newest until the new one is published."""
 
-    def __init__(self, engine, ctx: Context, *, every: int, keep: int, keep_healthy: int, max_steps: int,
+    def __init__(self, engine, ctx: Context, *, every: int, keep: int, keep_healthy: int, last_step: int,
                  background: bool = False, on_written=None):
         self.engine, self.ctx, self.dir = engine, ctx, ctx.ckpt_dir
-        self.every, self.keep, self.keep_healthy, self.max_steps = every, keep, keep_healthy, max_steps
+        self.every, self.keep, self.keep_healthy, self.last_step = every, keep, keep_healthy, last_step
         self.background = background
         self.on_written = on_written  # on_written(step, blocked_seconds, write_seconds), every rank
         self.pending: tuple | None = None  # (Write, blocked seconds, the loss to report or None)
@@ -33,7 +33,7 @@ class Checkpointer:
         return self.ctx.groups.data if self.ctx.groups else None
 
     def due(self, step: int) -> bool:
-        return bool(self.every) and (step % self.every == 0 or step == self.max_steps)
+        return bool(self.every) and (step % self.every == 0 or step == self.last_step)
 
     def save(self, step: int, meta: dict, report_loss: float | None = None) -> None:
         """Every rank writes its shard; rank 0 publishes, then prunes beyond the newest `keep` and `keep_healthy`.

@@ -23,17 +23,17 @@ from train.optim import Schedule
 @dataclass(frozen=True)
 class LoopConfig:
     train: TrainConfig  # the section as validated (train, or a screen proxy run's)
-    model: OPTConfig  # the named model with the shards' vocabulary, the section's dropout and recompute
+    architecture: OPTConfig  # train.model, with the shards' vocabulary, the section's dropout and recompute
     run_dir: str  # checkpoints, metrics.jsonl, incidents.jsonl, the logbook: the run's home across restarts
     shards: str  # the tokenize stage's output (or a proxy run's mixture)
     export_dir: str | None  # the Hugging Face export; None: none (proxy runs)
     seq_len: int
     global_batch: int  # sequences per step, over all data-parallel ranks
     accumulation: int  # micro-batches per data-parallel rank per step
-    lr: float  # the peak LR: the section's, or the model's from OPT's Table 1
+    peak_lr: float  # train.lr, or the model's from OPT's Table 1
     warmup_steps: int
     total_steps: int  # the schedule's length (total_tokens' worth of steps)
-    max_steps: int  # where this run stops (max_steps, or total_steps)
+    last_step: int  # where this run stops (train.max_steps, or total_steps)
     eval_micro_batch: int
     tracking_uri: str | None
     mlflow_run_id: str | None
@@ -49,17 +49,17 @@ class LoopConfig:
 
     def schedule(self) -> Schedule:
         """The run's learning-rate schedule, from its steps and the section's final ratio."""
-        return Schedule(self.lr, self.warmup_steps, self.total_steps, self.train.final_lr_ratio)
+        return Schedule(self.peak_lr, self.warmup_steps, self.total_steps, self.train.final_lr_ratio)
 
     def cut_short(self) -> str | None:
         """What a person must know of a run that stops before its learning rate has decayed (None: it has). Its
         final weights follow its last large updates: the laptop's seeds, cut at 84% of the peak rate, were 30x as
         spread and in two clusters, and compare.py's verdicts missed their stated rate on them (docs/benchmarks.md,
         "Ablation verdicts, measured")."""
-        if self.max_steps >= self.total_steps:
+        if self.last_step >= self.total_steps:
             return None
-        rate = self.schedule().lr(self.max_steps) / self.lr
-        return (f"max_steps {self.max_steps} stops the run at {rate:.0%} of its peak learning rate, which decays over "
+        rate = self.schedule().lr(self.last_step) / self.peak_lr
+        return (f"max_steps {self.last_step} stops the run at {rate:.0%} of its peak learning rate, which decays over "
                 f"{self.total_steps} steps (total_tokens): seeds cut before their decay are noisier, and compare.py's "
                 f"verdicts on them less sure than stated; for an ablation, set train.total_tokens to the tokens it trains")
 
@@ -86,8 +86,8 @@ def loop_config(cfg: TrainConfig, shards: str, folder: Path, *, export_dir: str 
     tokens_per_step = global_batch * seq_len
     total_steps = max(1, cfg.total_tokens // tokens_per_step)
     return LoopConfig(
-        train=cfg, model=model, run_dir=str(folder), shards=str(shards), export_dir=export_dir, seq_len=seq_len,
-        global_batch=global_batch, accumulation=global_batch // per_rank, lr=cfg.lr or model.lr,
+        train=cfg, architecture=model, run_dir=str(folder), shards=str(shards), export_dir=export_dir, seq_len=seq_len,
+        global_batch=global_batch, accumulation=global_batch // per_rank, peak_lr=cfg.lr or model.lr,
         warmup_steps=cfg.warmup_tokens // tokens_per_step, total_steps=total_steps,
-        max_steps=cfg.max_steps or total_steps, eval_micro_batch=cfg.eval_micro_batch_size or 4 * cfg.micro_batch_size,
+        last_step=cfg.max_steps or total_steps, eval_micro_batch=cfg.eval_micro_batch_size or 4 * cfg.micro_batch_size,
         tracking_uri=tracking_uri, mlflow_run_id=mlflow_run_id, launched_at=time.time())

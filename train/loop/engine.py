@@ -50,14 +50,14 @@ def build_engine(cfg: LoopConfig, ctx: Context, *, spans_nodes: bool) -> Built:
                                  grad_clip=t.grad_clip, pipeline=ctx.pipelined)
     if ctx.pipelined:  # only this stage's layers, each drawn from its own streams (the same weights as built whole)
         deepspeed.init_distributed(dist_backend=backend())  # PipelineModule asks DeepSpeed's comm for ranks
-        model = pipeline.pipeline_module(cfg.model, ctx.groups, seed=t.seed,
-                                         activation_checkpointing=cfg.model.activation_checkpointing)
+        model = pipeline.pipeline_module(cfg.architecture, ctx.groups, seed=t.seed,
+                                         activation_checkpointing=cfg.architecture.activation_checkpointing)
     else:
-        model = build(cfg.model, ds_config, seed=t.seed, rank=ctx.rank)
+        model = build(cfg.architecture, ds_config, seed=t.seed, rank=ctx.rank)
         if ctx.groups:  # built whole from the seed (ZeRO 0-2), then this rank's shard of it kept
             parallelize(model, ctx.groups)
     engine, _, _, _ = deepspeed.initialize(  # a pipeline's engine takes its module's own process grid as mpu
-        model=model, optimizer=adamw(model, cfg.lr, t.weight_decay), config=ds_config,
+        model=model, optimizer=adamw(model, cfg.peak_lr, t.weight_decay), config=ds_config,
         mpu=None if ctx.pipelined else ctx.groups)
     if backend() == "nccl":  # its communicator exists by now (DeepSpeed's initialize broadcast the weights)
         problem = efa_problem(spans_nodes=spans_nodes)

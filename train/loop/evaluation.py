@@ -23,7 +23,7 @@ class Evaluation:
 
     def due(self, step: int) -> bool:
         every = self.cfg.train.eval_every
-        return bool(self.units) and (bool(every and step % every == 0) or step == self.cfg.max_steps)
+        return bool(self.units) and (bool(every and step % every == 0) or step == self.cfg.last_step)
 
     def __call__(self) -> dict[str, float]:
         nll = unit_nll(self.engine, self.cfg.shards, len(self.units), self.cfg.eval_micro_batch, self.pad, self.eos,

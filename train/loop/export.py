@@ -37,14 +37,14 @@ def export(engine, model, cfg: LoopConfig, ctx: Context) -> None:
     save = partial(save_pretrained, out_dir=cfg.export_dir, save_tokenizer=save_tokenizer)
 
     if ctx.pipelined:
-        pipeline.export_model(engine.module, ctx.groups, cfg.model, cfg.export_dir, save_tokenizer)
+        pipeline.export_model(engine.module, ctx.groups, cfg.architecture, cfg.export_dir, save_tokenizer)
         return
     if ctx.groups:
         if ctx.data_rank != 0:  # the other replicas hold the same weights
             return
         whole = full_state_dict(model, ctx.groups)
         if ctx.leader:
-            unsplit = OPT(cfg.model)
+            unsplit = OPT(cfg.architecture)
             unsplit.load_state_dict(whole)
             save(unsplit)
         return

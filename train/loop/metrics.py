@@ -97,9 +97,9 @@ class Metrics:
         if self.peak:
             metrics["mfu"] = metrics["tflops_per_device"] / self.peak
         self.sink.log(records.STEP, step, metrics)
-        if time.monotonic() - self.progress_at > PROGRESS_SECONDS or step == self.cfg.max_steps:
+        if time.monotonic() - self.progress_at > PROGRESS_SECONDS or step == self.cfg.last_step:
             self.progress_at = time.monotonic()
-            log.info("step %d/%d loss %.4f lr %.2e tokens/s %s", step, self.cfg.max_steps, result.loss, result.lr,
+            log.info("step %d/%d loss %.4f lr %.2e tokens/s %s", step, self.cfg.last_step, result.loss, result.lr,
                      f"{tokens_per_second:,.0f}")
 
     def evaluation(self, step: int, metrics: dict[str, float], seconds: float) -> None:

@@ -26,13 +26,14 @@ import statistics
 import time
 
 from train import records
+from train.config import StragglerConfig
 from train.loop.context import Context, incident
 from train.parallel.collectives import all_gather_float, all_ok
 
 
 class Stragglers:
-    def __init__(self, ctx: Context, window: int, margin: float, patience: int):
-        self.ctx, self.window, self.margin, self.patience = ctx, window, margin, patience
+    def __init__(self, ctx: Context, settings: StragglerConfig):
+        self.ctx, self.window, self.margin, self.patience = ctx, settings.window, settings.margin, settings.patience
         self.seconds: list[float] = []  # this rank's compute at each step of the window so far
         self.streak: dict[int, int] = {}
         self.named: set[int] = set()
@@ -88,7 +89,7 @@ class Stragglers:
             nodes = {self._node_of(r)["node"]: r for r in sorted(ranks)}
             population = len(health.trainable_nodes(*worker))
             for node, rank in nodes.items():
-                limit = health.drain_limit(self.ctx.run_dir, population, limits.max_excluded_fraction, limits.window_seconds)
+                limit = health.drain_limit(self.ctx.run_dir, population, limits)
                 refused = ("its node is not known" if not node else None if not limit.refuses(1) else
                            f"the run has drained {limit.done} of the {limit.allowed} nodes it may within "
                            f"health.window_seconds ({limits.window_seconds:g})")

@@ -69,9 +69,9 @@ class Trainer:
         self.mark("built")
         self.engine, self.model = built.engine, built.model
         self.schedule = cfg.schedule()
-        self.metrics = Metrics(cfg, ctx, flops_per_token(cfg.model, cfg.seq_len) * cfg.tokens_per_step)
+        self.metrics = Metrics(cfg, ctx, flops_per_token(cfg.architecture, cfg.seq_len) * cfg.tokens_per_step)
         self.checkpointer = Checkpointer(self.engine, ctx, every=t.checkpoint_every, keep=t.keep_checkpoints,
-                                         keep_healthy=t.keep_healthy, max_steps=cfg.max_steps,
+                                         keep_healthy=t.keep_healthy, last_step=cfg.last_step,
                                          background=t.background_checkpoints, on_written=self.metrics.checkpoint)
         self.pilot = Pilot(cfg, ctx, self.engine, self.schedule, self.checkpointer,
                            simulate_overflow=self.faults.simulates_overflow)
@@ -84,7 +84,7 @@ class Trainer:
         self.step = TrainStep(self.engine, self.model, Feed(self.loader, ctx, t.micro_batch_size), ctx,
                               built.own_grad_norm)
         self.evaluation = Evaluation(self.engine, cfg, ctx)
-        self.stragglers = Stragglers(ctx, t.stragglers.window, t.stragglers.margin, t.stragglers.patience)
+        self.stragglers = Stragglers(ctx, t.stragglers)
         self.replacing: set[int] = set()  # ranks named stragglers, their nodes to leave at the next checkpoint
         self.progress = Progress(step=resumed["step"] if resumed else 0)
         self.progress.stopped = restarts_without_progress(ctx, self.progress.step if resumed else None,
@@ -96,7 +96,7 @@ class Trainer:
 
     def fit(self) -> Progress:
         run, cfg = self.progress, self.cfg
-        while run.stopped is None and run.step < cfg.max_steps:
+        while run.stopped is None and run.step < cfg.last_step:
             run.phase = "step"
             effects = self.faults.before_step(run.step + 1, cfg.train.hang_seconds)
             result = self.step(self.schedule.lr(run.step + 1) * effects.lr_factor, effects.poison, effects.slow)
