@@ -8,7 +8,8 @@ import random
 
 from train.config import AutopilotConfig
 from train import records
-from train.autopilot_policy import Detectors, Incident, SimulatedScaler, State, apply_to_state, decide
+from train.autopilot_policy import Detectors, Incident, State, apply_to_state, decide
+from train.loop.drill import SimulatedScaler
 
 
 def clean(steps: int, seed: int = 0):

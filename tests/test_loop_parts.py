@@ -22,7 +22,7 @@ from train.loop.checkpointer import Checkpointer
 from train.loop.config import loop_config
 from train.loop.context import Context
 from train.loop.engine import build_engine
-from train.loop.faults import Effects, Faults
+from train.loop.drill import Drill, Effects
 from train.loop.metrics import Metrics
 from train.loop.pilot import Pilot
 from train.loop.step import Feed, StepResult, TrainStep, gradient_norm
@@ -205,7 +205,7 @@ def test_the_pilot_rolls_back_and_skips_on_a_spike_writing_it_down_first_and_sto
         cfg.train.autopilot, budget=1)))
     ctx = context(tmp_path)
     ckpt = Checkpointer(built.engine, ctx, every=2, keep=3, keep_healthy=3, last_step=10)
-    pilot = Pilot(cfg, ctx, built.engine, Schedule(cfg.peak_lr, 1, 100, 0.1), ckpt, simulate_overflow=False)
+    pilot = Pilot(cfg, ctx, built.engine, Schedule(cfg.peak_lr, 1, 100, 0.1), ckpt, scaler=None)
     pilot.resume(None)
     loader = Loader(shards, cfg.global_batch, seed=0)
 
@@ -395,14 +395,15 @@ def test_the_train_stage_reports_the_sets_sizes_once_and_each_seeds_evaluation(t
 
 def test_injected_faults_fire_once_even_across_restarts(tmp_path):
     inject = [InjectConfig("spike", 2, factor=5.0), InjectConfig("nan", 3), InjectConfig("overflow", 4, count=2)]
-    faults = Faults(inject, context(tmp_path))
-    effects = [faults.before_step(s, hang_seconds=1.0) for s in range(1, 8)]
+    faults = Drill(inject, context(tmp_path), hang_seconds=1.0, startup_seconds=1.0)
+    effects = [faults.before_step(s) for s in range(1, 8)]
     assert [e.lr_factor for e in effects] == [1, 5, 1, 1, 1, 1, 1]
     assert [e.overflow for e in effects] == [False, False, False, True, True, False, False]
     assert effects[1].poison == 1.0 and np.isnan(effects[2].poison) and effects[3].poison == 1e38
-    restarted = Faults(inject, context(tmp_path))  # a restart replays steps 2-4: nothing fires twice
-    assert all(restarted.before_step(s, 1.0) == Effects() for s in range(1, 8))
-    assert faults.simulates_overflow and not Faults(inject[:2], context(tmp_path)).simulates_overflow
+    restarted = Drill(inject, context(tmp_path), hang_seconds=1.0, startup_seconds=1.0)  # a restart replays steps 2-4
+    assert all(restarted.before_step(s) == Effects() for s in range(1, 8))  # nothing fires twice
+    assert faults.loss_scaler("bf16") is not None and faults.loss_scaler("fp16") is None  # fp16: DeepSpeed's own
+    assert Drill(inject[:2], context(tmp_path), hang_seconds=1.0, startup_seconds=1.0).loss_scaler("bf16") is None
     said = [json.loads(line)["what"] for line in (tmp_path / "incidents.jsonl").read_text().splitlines()]
     assert said == ["injected spike (LR x 5)", "injected nan", "injected overflow (2 steps)"]
 
@@ -462,7 +463,7 @@ def test_a_step_error_is_described_where_it_happened_and_two_alike_in_a_row_stop
     error.train_failure = describe_exception(error, *trainer.progress.where(), rank=0, node="n1")
     first, second = (failure_of(0, error, attempt, tmp_path) for attempt in (1, 2))
     assert (first.kind, first.step, first.phase, first.node) == ("software", 3, "step", "n1")
-    assert first.where.startswith("faults.py:") and "raise RuntimeError" in first.traceback
+    assert first.where.startswith("drill.py:") and "raise RuntimeError" in first.traceback
     assert repeated_error([first]) is None
     why = repeated_error([first, second])
     assert why.startswith("the same error at step 3 (step) on attempts 1 and 2, rank 0") and first.traceback in why

@@ -268,7 +268,7 @@ def test_the_same_error_in_start_up_on_two_attempts_in_a_row_stops_the_run_with_
     err = capsys.readouterr().err
     at = "in start-up" if step == 0 else f"at step {step} (step)"
     assert f"the same error {at} on attempts 1 and 2, rank 0" in err, err
-    assert f"RuntimeError: injected error at step {step} (faults.py:" in err and "Traceback (most recent call last)" in err
+    assert f"RuntimeError: injected error at step {step} (drill.py:" in err and "Traceback (most recent call last)" in err
     run_dir = max((wd / "train" / "runs").iterdir(), key=lambda p: p.stat().st_mtime)
     from train.failures import history
 

@@ -40,26 +40,6 @@ class Incident:
     detail: str  # what was seen, with the numbers
 
 
-class SimulatedScaler:
-    """fp16's dynamic loss scale where there is no fp16 (CPU): halves on an overflow, doubles after
-    `window` clean steps, as DeepSpeed's does, so a loss-scale collapse can be staged and handled."""
-
-    def __init__(self, initial: float = 2.0 ** 16, window: int = 1000):
-        self.initial, self.window = initial, window
-        self.scale, self.clean = initial, 0
-
-    def update(self, overflow: bool) -> None:
-        if overflow:
-            self.scale, self.clean = self.scale / 2, 0
-        else:
-            self.clean += 1
-            if self.clean >= self.window:
-                self.scale, self.clean = self.scale * 2, 0
-
-    def reset(self) -> None:
-        self.scale, self.clean = self.initial, 0
-
-
 class RollingStats:
     def __init__(self, window: int):
         self.values: deque = deque(maxlen=window)

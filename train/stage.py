@@ -100,9 +100,9 @@ def run(ctx: StageContext) -> StageResult:
     if cut := config.cut_short():
         note("train", cut)
     goodput.mark(folder, "launch")
-    for fault in cfg.inject:
-        if fault.kind == "unhealthy" and fault.step == 0:  # a drill's node that fails the check before the first start
-            health.mark_unhealthy(folder, fault.node)
+    from train.loop.drill import before_launch
+
+    before_launch(folder, cfg.inject)
     if checks_health(cfg):
         check_nodes(ctx, cfg, folder)
     from train.loop import seeds_loop

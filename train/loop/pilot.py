@@ -8,6 +8,7 @@ repeats it."""
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from train import autopilot_policy, records
 from train.loader import Loader
@@ -16,6 +17,9 @@ from train.loop.config import LoopConfig
 from train.loop.context import Context, incident
 from train.loop.step import StepResult
 from train.optim import INITIAL_SCALE_POWER, Schedule
+
+if TYPE_CHECKING:
+    from train.loop.drill import SimulatedScaler
 
 
 def loss_scale(engine) -> float:
@@ -54,13 +58,12 @@ def apply_settings(engine, schedule: Schedule, state: autopilot_policy.State, re
 
 class Pilot:
     def __init__(self, cfg: LoopConfig, ctx: Context, engine, schedule: Schedule, checkpointer: Checkpointer, *,
-                 simulate_overflow: bool):
+                 scaler: SimulatedScaler | None):
         self.cfg, self.ctx, self.engine, self.schedule, self.checkpointer = cfg, ctx, engine, schedule, checkpointer
         self.settings = cfg.train.autopilot
-        # Without fp16 there is no loss scale to collapse; when overflows are injected, a simulated one.
-        real_fp16 = cfg.train.precision == "fp16"
-        self.scaler = autopilot_policy.SimulatedScaler() if not real_fp16 and simulate_overflow else None
-        self.fp16 = real_fp16 or self.scaler is not None
+        # Without fp16 there is no loss scale to collapse; when a drill injects overflows, a simulated one (`scaler`).
+        self.scaler = scaler
+        self.fp16 = cfg.train.precision == "fp16" or scaler is not None
         self.state_file = ctx.run_dir / records.AUTOPILOT
         self.state = autopilot_policy.State()
         self.detectors = autopilot_policy.Detectors(self.settings)

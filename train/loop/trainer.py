@@ -7,7 +7,8 @@ Each part has one job, in its own module of this package:
 - `pilot.Pilot`: the autopilot's decisions applied to the engine, the loader and the checkpoints;
 - `metrics.Metrics`: metrics.jsonl, MLflow and the progress line (rank 0);
 - `evaluation.Evaluation`, `export.export`;
-- `faults`: the watchdog, the stalled-restart limit, injected faults.
+- `faults`: the watchdog, the stalled-restart limit;
+- `drill.Drill`: the faults a drill injects (`train.inject`), called at fixed points, a no-op without any.
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from train.loop.config import LoopConfig
 from train.loop.context import Context, rank_seed, seed_everything
 from train.loop.engine import build_engine, groups_for
 from train.loop.export import export
-from train.loop.faults import Faults, restarts_without_progress, watchdog_for
+from train.loop.drill import Drill
+from train.loop.faults import restarts_without_progress, watchdog_for
 from train.loop.metrics import Metrics
 from train.loop.pilot import Pilot
 from train.loop.step import Feed, TrainStep
@@ -52,7 +54,7 @@ class Trainer:
         """Start-up: everything up to the first step, under the watchdog's start-up limit."""
         t = cfg.train
         self.cfg, self.ctx = cfg, ctx
-        self.faults = Faults(t.inject, ctx)
+        self.drill = Drill(t.inject, ctx, hang_seconds=t.hang_seconds, startup_seconds=t.startup_seconds)
         self.watchdog = watchdog_for(ctx, t.hang_seconds, t.startup_seconds)
         try:
             self._start(cfg, ctx, local_rank, local_world)
@@ -74,9 +76,9 @@ class Trainer:
                                          keep_healthy=t.keep_healthy, last_step=cfg.last_step,
                                          background=t.background_checkpoints, on_written=self.metrics.checkpoint)
         self.pilot = Pilot(cfg, ctx, self.engine, self.schedule, self.checkpointer,
-                           simulate_overflow=self.faults.simulates_overflow)
+                           scaler=self.drill.loss_scaler(t.precision))
         barrier()
-        self.faults.before_step(0, t.startup_seconds)
+        self.drill.start_up()
         resumed = self.checkpointer.resume()
         self.pilot.resume(resumed)
         self.loader = Loader(cfg.shards, cfg.global_batch, rank=ctx.data_rank, world_size=ctx.data_world, seed=t.seed,
@@ -98,7 +100,7 @@ class Trainer:
         run, cfg = self.progress, self.cfg
         while run.stopped is None and run.step < cfg.last_step:
             run.phase = "step"
-            effects = self.faults.before_step(run.step + 1, cfg.train.hang_seconds)
+            effects = self.drill.before_step(run.step + 1)
             result = self.step(self.schedule.lr(run.step + 1) * effects.lr_factor, effects.poison, effects.slow)
             run.step, run.loss = run.step + 1, result.loss
             self.watchdog.beat(run.step)
@@ -112,7 +114,7 @@ class Trainer:
                 break
             if decision is not None:
                 run.step = self.pilot.intervene(decision, result.batch, self.loader)["step"]
-                self.faults.overflow_until = 0  # an injected overflow burst belongs to the steps that were undone
+                self.drill.rolled_back()
                 self.step.feed.restart()
                 self.watchdog.beat(run.step)
                 continue
