@@ -205,3 +205,32 @@ def test_the_loader_knows_no_section_and_a_config_loads_without_the_engines():
             "print(sorted(m for m in ('ray', 'mlflow', 'torch', 'deepspeed') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]", out
+
+
+def test_the_production_loop_knows_no_fault_kind():
+    """A drill's faults reach the loop through one object (train/loop/drill.py): the trainer, the pilot, the step,
+    the stage and the autopilot's policy test for no kind of injected fault, and the trainer calls the drill only
+    at its hook points, so a drill cannot change what they do on a run without one."""
+    import typing
+
+    from train.config import InjectConfig
+    from train.loop.drill import Drill
+
+    kinds = set(typing.get_args(typing.get_type_hints(InjectConfig)["kind"]))
+    assert {"kill", "overflow", "unhealthy"} <= kinds
+    found = []
+    for name in ("train/loop/trainer.py", "train/loop/pilot.py", "train/loop/step.py", "train/stage.py",
+                 "train/autopilot_policy.py"):
+        path = ROOT / name
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Compare) and any(isinstance(side, ast.Constant) and side.value in kinds
+                                                     for side in [node.left, *node.comparators]):
+                found.append(f"{name}:{node.lineno} compares with a fault kind")
+    hooks = {"start_up", "before_step", "rolled_back", "loss_scaler"}
+    assert hooks <= set(vars(Drill))
+    trainer = ROOT / "train" / "loop" / "trainer.py"
+    for node in ast.walk(ast.parse(trainer.read_text(), str(trainer))):
+        if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and node.value.attr == "drill" \
+                and node.attr not in hooks:
+            found.append(f"train/loop/trainer.py:{node.lineno} reaches into the drill: .drill.{node.attr}")
+    assert found == []
