@@ -132,9 +132,9 @@ def measure(models: list[str], device: str, precision: str, out: Path, steps: in
         mfu = (lambda rate: f"{rate * per_token / 1e12 / peak:.1%}" if peak else "-")
         lines.append(f"| {name} | {s['seq_len']} x {s['batch']} ({s['micro']}) | {base:,.0f} | {mine:,.0f} | "
                      f"{base / mine:.2f}x | {mine * per_token / 1e12:.3f} | {mfu(mine)} | {mfu(base)} |")
-        skipped = max((r.get("skipped_steps", 0) for r in rows), default=0)
+        skipped = max((r["skipped_steps"] for r in rows), default=0)
         if skipped:
-            scales = " ".join(f"{r['loss_scale']:g}" for r in rows if "loss_scale" in r)
+            scales = " ".join(f"{r['loss_scale']:g}" for r in rows)
             lines.append(f"  {name}: {skipped} overflow-skipped steps; loss scale per step: {scales}")
     return lines
 
