@@ -159,9 +159,8 @@ class FailureRecorder(UserCallback):
             for f in failures:
                 f.primary = f.primary and not PEER_LOST.search(f.message)
         records.append(run_dir, records.FAILURE, *map(dataclasses.asdict, failures))
-        for failure in failures:
-            records.incident(run_dir, failure.step or 0, failure.rank, f"attempt {attempt} failed: {failure.line()}",
-                             when=failure.time)
+        records.append(run_dir, records.INCIDENT, *({"time": f.time, "step": f.step or 0, "rank": f.rank,
+                                                    "what": f"attempt {attempt} failed: {f.line()}"} for f in failures))
 
 
 class RestartHealthCheck(WorkerGroupCallback):

@@ -120,9 +120,9 @@ def rank_file(folder: Path | str, rank: int, kind: str = RANKS) -> Path:
     return Path(folder) / kind / f"rank-{rank}.json"
 
 
-def incident(folder: Path | str, step: int, rank: int, what: str, when: float | None = None) -> None:
+def incident(folder: Path | str, step: int, rank: int, what: str) -> None:
     """One line of incidents.jsonl: what happened to the run, and when."""
-    append(folder, INCIDENT, {"time": time.time() if when is None else when, "step": step, "rank": rank, "what": what})
+    append(folder, INCIDENT, {"time": time.time(), "step": step, "rank": rank, "what": what})
 
 
 def log_entry(folder: Path | str, **entry) -> None:
