@@ -209,8 +209,9 @@ def test_the_loader_knows_no_section_and_a_config_loads_without_the_engines():
 
 def test_the_production_loop_knows_no_fault_kind():
     """A drill's faults reach the loop through one object (train/loop/drill.py): the trainer, the pilot, the step,
-    the stage and the autopilot's policy test for no kind of injected fault, and the trainer calls the drill only
-    at its hook points, so a drill cannot change what they do on a run without one."""
+    the stage, the autopilot's policy, the health check and the failure records test for no kind of injected
+    fault nor read the drill's files, and the trainer calls the drill only at its hook points, so a drill cannot
+    change what they do on a run without one."""
     import typing
 
     from train.config import InjectConfig
@@ -220,12 +221,14 @@ def test_the_production_loop_knows_no_fault_kind():
     assert {"kill", "overflow", "unhealthy"} <= kinds
     found = []
     for name in ("train/loop/trainer.py", "train/loop/pilot.py", "train/loop/step.py", "train/stage.py",
-                 "train/autopilot_policy.py"):
+                 "train/autopilot_policy.py", "train/health.py", "train/failures.py"):
         path = ROOT / name
         for node in ast.walk(ast.parse(path.read_text(), str(path))):
             if isinstance(node, ast.Compare) and any(isinstance(side, ast.Constant) and side.value in kinds
                                                      for side in [node.left, *node.comparators]):
                 found.append(f"{name}:{node.lineno} compares with a fault kind")
+            if isinstance(node, ast.Attribute) and node.attr in ("INJECT", "INJECTED"):
+                found.append(f"{name}:{node.lineno} reads the drill's records.{node.attr}")
     hooks = {"start_up", "before_step", "rolled_back", "loss_scaler"}
     assert hooks <= set(vars(Drill))
     trainer = ROOT / "train" / "loop" / "trainer.py"

@@ -20,12 +20,12 @@ def probe(node: str, device: str = "cpu", tflops: float = 0.1, gbps: float = 1.0
 
 def test_each_node_is_judged_against_its_reference_and_the_reason_is_said():
     cpus = [probe("a"), probe("b", tflops=0.11), probe("c", tflops=0.04), probe("d", gbps=0.3),
-            probe("e", memory_ok=False, bad_devices=[0]), probe("f", injected=True), probe("g", error="RayTaskError: lost")]
+            probe("e", memory_ok=False, bad_devices=[0]), probe("g", error="RayTaskError: lost")]
     found = verdicts(cpus, min_fraction=0.5)
     assert found["a"] is None and found["b"] is None
     assert found["c"].startswith("matmul 0.04 TFLOP/s on device 0, under 0.5 x 0.1")  # the median of the others' rates
     assert found["d"].startswith("all-reduce 0.3 GB/s, under 0.5 x the median 1")
-    assert found["e"] == "memory test read back wrong values (device 0)" and found["f"] == "marked unhealthy by a drill"
+    assert found["e"] == "memory test read back wrong values (device 0)"
     assert found["g"] == "the probe failed: RayTaskError: lost"
     # Between nodes: a node whose faster pair in the ring is slow has the slow link; with two nodes, no one can tell.
     ring = [probe("a", pair_gbps=10.0), probe("b", pair_gbps=11.0), probe("c", pair_gbps=2.0)]
@@ -59,13 +59,17 @@ def test_past_the_guard_no_node_is_drained_and_each_refusal_is_written_down(ray_
     node = ray_session.get_runtime_context().get_node_id()
     assert health.trainable_nodes(1, 0) == [node]
     assert health.trainable_nodes(3, 0) == [] and health.trainable_nodes(1, 1) == []  # more CPUs or a GPU: none
-    (tmp_path / "inject").mkdir()
-    (tmp_path / "inject" / f"unhealthy-{node}").touch()
+    from train.config import InjectConfig
+    from train.loop.drill import NodeFaults, mark_unhealthy
+
+    assert NodeFaults.for_run(tmp_path, [InjectConfig(kind="kill", step=3)]) is None  # no node fault: no hook
+    drill = NodeFaults.for_run(tmp_path, [InjectConfig(kind="unhealthy", step=2, node=node)])
+    mark_unhealthy(tmp_path, node)
     earlier = {"node": "f" * 56, "host": "gone", "device": "cpu", "matmul_tflops": 0.0, "memory_ok": False,
                "allreduce_gbps": 0.0, "failed": "memory test read back wrong values (device 0)", "drained": True}
     (tmp_path / "health.jsonl").write_text(json.dumps(earlier) + "\n")
     checked = health.check(tmp_path, [node], HealthConfig(min_fraction=0.5, collective=False, max_excluded_fraction=0.25),
-                           population=2)
+                           population=2, drill=drill)
     assert checked.excluded == [] and checked.refused == [node]
     assert checked.systemic.startswith("1 of 1 nodes probed failed (1 drained before): more than the 1 of 2")
     row = json.loads((tmp_path / "health.jsonl").read_text().splitlines()[-1])

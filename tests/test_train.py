@@ -4,6 +4,7 @@ resumes the same run, the export loads in transformers."""
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import json
 import math
@@ -279,22 +280,53 @@ def test_the_same_error_in_start_up_on_two_attempts_in_a_row_stops_the_run_with_
     assert book[-1]["kind"] == "repeated-error" and "injected error" in book[-1]["detail"]
 
 
-def test_restarts_from_the_same_checkpoint_stop_after_the_limit(tmp_path):
+def test_restarts_from_the_same_checkpoint_stop_after_the_limit_within_one_launch(tmp_path):
+    """Every attempt's start goes into the run's ledger with the checkpoint it resumes from, and the one give-up
+    decision reads it: the (limit + 1)-th restart in a row from one checkpoint stops the run; a new checkpoint
+    starts the count again, and so does a relaunch (its starts and failures are counted from its own launch)."""
+    from train import records
     from train.loop.context import Context
-    from train.loop.faults import restarts_without_progress
+    from train.loop.faults import start_attempt
 
     ctx = Context(rank=0, world=1, run_dir=tmp_path, device=torch.device("cpu"))
-    assert restarts_without_progress(ctx, None, limit=2) is None  # the first start
-    assert restarts_without_progress(ctx, 10, limit=2) is None  # progress: a new checkpoint since
-    assert restarts_without_progress(ctx, 10, limit=2) is None  # one restart without progress
-    assert restarts_without_progress(ctx, 10, limit=2) is None  # two
-    why = restarts_without_progress(ctx, 10, limit=2)  # three in a row from step 10: a fault that always comes back
+
+    def start(launched_at=0.0, limit=2, checkpoint=None):
+        if checkpoint is not None:
+            (ctx.ckpt_dir / f"step-{checkpoint:08d}").mkdir(parents=True)
+        stop = start_attempt(ctx, launched_at, limit)
+        return None if stop is None else (stop.rule, stop.step, stop.detail)
+
+    assert start() is None  # the first start
+    assert start(checkpoint=10) is None  # progress: a new checkpoint since
+    assert start() is None and start() is None  # two restarts without progress
+    rule, step, why = start()  # three in a row from step 10: a fault that always comes back
+    assert (rule, step) == ("stalled-restarts", 10)
     assert why.startswith("3 restarts in a row from step 10 without reaching another checkpoint")
     assert "train.max_stalled_restarts=2" in why
-    assert restarts_without_progress(ctx, 20, limit=2) is None  # progress resets the count
-    assert restarts_without_progress(ctx, 20, limit=0) is None and restarts_without_progress(ctx, 20, limit=0) is None
-    assert json.loads((tmp_path / "starts.json").read_text()) == [0, 10, 10, 10, 10, 20, 20, 20]
-    assert "3 restarts in a row" in (tmp_path / "incidents.jsonl").read_text()
+    assert start(launched_at=time.time()) is None  # relaunched (a fix, say): its own count
+    (ctx.ckpt_dir / "step-not-a-step").mkdir()  # a folder planted among the checkpoints is not a step
+    assert start(checkpoint=20) is None and start(limit=0) is None and start(limit=0) is None
+    ledger = records.read(tmp_path, records.START, records.FAILURE)
+    assert [r["resumes"] for r in ledger] == [0, 10, 10, 10, 10, 10, 20, 20, 20]
+
+
+def test_one_ledger_holds_starts_and_failures_and_reads_an_older_failures_file(tmp_path):
+    """The repeated-error rule reads the same ledger: two attempts that fail alike in start-up stop the run
+    at the next start. A run folder of an earlier version (failures.jsonl, no `record`) reads as failures."""
+    from train import records
+    from train.failures import Failure, give_up, history
+
+    bug = dict(rank=0, kind="software", type="RuntimeError", message="boom", where="x.py:1 in f")
+    (tmp_path / records.FORMERLY[records.ATTEMPTS]).write_text(
+        json.dumps(dataclasses.asdict(Failure(attempt=1, **bug))) + "\n")
+    records.append(tmp_path, records.START, {"resumes": 0, "time": time.time()})
+    records.append(tmp_path, records.FAILURE, dataclasses.asdict(Failure(attempt=2, **bug)))
+    assert [f.attempt for f in history(tmp_path)] == [1, 2]
+    ledger = records.read(tmp_path, records.START, records.FAILURE)
+    assert [r["record"] for r in ledger] == ["failure", "start", "failure"]
+    stop = give_up(ledger + [{"record": "start", "resumes": 0, "time": time.time()}], max_stalled_restarts=3)
+    assert stop.rule == "repeated-error" and "the same error in start-up on attempts 1 and 2" in stop.detail
+    assert give_up(ledger[:2], max_stalled_restarts=3) is None  # one failed attempt: try again
 
 
 def test_split_layouts_train_as_one_worker_through_a_spike_a_hang_and_a_kill_and_export_the_unsplit_model(baseline):

@@ -259,6 +259,13 @@ def published(root: Path) -> list[Path]:
     return sorted(found, reverse=True)
 
 
+def newest_step(root: Path) -> int:
+    """The step of the newest published checkpoint (0: none), from its name alone: what a restart will resume
+    from unless it fails to verify, known before anything is built or read."""
+    steps = (p.name.removeprefix("step-") for p in published(root))
+    return next((int(s) for s in steps if s.isdigit()), 0)
+
+
 def read_meta(path: Path) -> dict | None:
     try:
         return json.loads((path / META).read_text())

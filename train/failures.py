@@ -9,11 +9,14 @@ Here:
   training function raises attaches where it was (step, phase, node) and its traceback to the exception
   (`describe_exception`); a worker its own watchdog ends says so in `exits/rank-R.json` first;
 - `FailureRecorder`, a Ray Train callback on the controller, turns each failed attempt's exceptions into
-  `Failure` rows in `failures.jsonl` (attempt, rank, node, step, phase, class, the exception), before Ray
+  `Failure` rows in the run's ledger of attempts, `attempts.jsonl` (attempt, rank, node, step, phase, class, the exception), before Ray
   Train restarts the group; `RestartHealthCheck` probes every node that can host a worker (or, with
   `train.health.restart_probe: implicated`, the nodes the failures implicate) once that group is gone;
-- at start-up every rank reads that history (`repeated_error`): the same software exception at the same
-  step (or in start-up) on two attempts in a row stops the run with that traceback, instead of a third try.
+- as each attempt starts, before the model is built, rank 0 adds a `start` row to the same ledger (the
+  checkpoint it resumes from), and every rank asks `give_up` the one question over the ledger since the
+  run's launch: the same software exception at the same step (or in start-up) on two attempts in a row
+  (`repeated_error`), or more than `train.max_stalled_restarts` restarts in a row from the same checkpoint
+  (`stalled`), stops the run with why, instead of another try.
 """
 
 from __future__ import annotations
@@ -145,7 +148,7 @@ def last_step_since(run_dir: Path, since: float) -> tuple[int | None, str]:
 
 
 class FailureRecorder(UserCallback):
-    """On Ray Train's controller: each failed attempt's failures into failures.jsonl and incidents.jsonl,
+    """On Ray Train's controller: each failed attempt's failures into the ledger and incidents.jsonl,
     before the controller decides to restart."""
 
     def __init__(self, run_dir: str):
@@ -175,10 +178,11 @@ class RestartHealthCheck(WorkerGroupCallback):
     (worker_group.py `_start`). A Ray Train internal hook: RunConfig passes callbacks that are not a
     `UserCallback` to the controller as they are (data_parallel_trainer.py `_create_default_callbacks`)."""
 
-    def __init__(self, run_dir: str, health, worker: tuple[float, float] = (1.0, 0.0)):
+    def __init__(self, run_dir: str, health, worker: tuple[float, float] = (1.0, 0.0), drill=None):
         self.run_dir = run_dir
         self.health = health  # a HealthConfig (train/health.py)
         self.worker = worker  # (CPUs, GPUs) of a training worker: which nodes training can use
+        self.drill = drill  # a drill's hook at health checks (train/loop/drill.py's NodeFaults), or None
 
     def before_worker_group_start(self, worker_group_context) -> None:
         from train import health
@@ -188,7 +192,7 @@ class RestartHealthCheck(WorkerGroupCallback):
         suspects = to_probe(self.health, history(run_dir), health.last_checked(run_dir), trainable,
                             health.drained_nodes(run_dir))
         if suspects:
-            health.check(run_dir, suspects, self.health, population=len(trainable))
+            health.check(run_dir, suspects, self.health, population=len(trainable), drill=self.drill)
 
 
 def to_probe(health, failures: list[Failure], checked: dict[str, float], trainable: list[str],
@@ -216,6 +220,42 @@ def implicated(failures: list[Failure], count: int, window_seconds: float, check
                 and f.time > checked.get(f.node, 0.0):
             by_node[f.node] = by_node.get(f.node, 0) + 1
     return sorted(node for node, n in by_node.items() if n >= count)
+
+
+@dataclasses.dataclass(frozen=True)
+class GiveUp:
+    """Why a run stops instead of starting another attempt: the rule, the step it stops at, what was seen (for
+    the console and the logbook) and why stopping is right."""
+
+    rule: str  # repeated-error, stalled-restarts
+    step: int
+    detail: str
+    why: str
+
+
+def give_up(ledger: list[dict], max_stalled_restarts: int) -> GiveUp | None:
+    """The one decision to stop a run rather than try again, over its ledger of attempts since it was launched
+    (`records.START` and `records.FAILURE` rows, this attempt's start the last): a bug that a restart repeats,
+    or a fault that comes back before the next checkpoint every time. None: go on."""
+    failures = [Failure(**records.without_record(r)) for r in ledger if r["record"] == records.FAILURE.name]
+    repeated = repeated_error(failures)
+    if repeated is not None:
+        return GiveUp("repeated-error", 0, repeated, "a restart would fail the same way")
+    resumes = [r["resumes"] for r in ledger if r["record"] == records.START.name]
+    return stalled(resumes, max_stalled_restarts)
+
+
+def stalled(resumes: list[int], limit: int) -> GiveUp | None:
+    """Stop when this start (the last of `resumes`, each start's checkpoint step) is the (limit + 1)-th in a row
+    from the same checkpoint: a fault that comes back before the next checkpoint every time is not bad luck,
+    and restarting forever would burn the cluster. 0: never."""
+    in_a_row = next((i for i, s in enumerate(reversed(resumes)) if s != resumes[-1]), len(resumes)) if resumes else 0
+    if not limit or in_a_row - 1 <= limit:
+        return None
+    return GiveUp("stalled-restarts", resumes[-1],
+                  f"{in_a_row - 1} restarts in a row from step {resumes[-1]} without reaching another checkpoint "
+                  f"(train.max_stalled_restarts={limit}): see incidents.jsonl for the faults",
+                  "a fault that comes back before the next checkpoint every time is not bad luck")
 
 
 def repeated_error(failures: list[Failure]) -> str | None:

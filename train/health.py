@@ -71,7 +71,6 @@ class Probe:
     device_tflops: list[float] = dataclasses.field(default_factory=list)  # each device's; matmul_tflops is the least
     bad_devices: list[int] = dataclasses.field(default_factory=list)  # devices whose memory test read back wrong values
     nvml: str | None = None  # what NVML's counters report wrong (None: nothing, or no NVML)
-    injected: bool = False  # a drill marked the node unhealthy (run_dir/inject/unhealthy-<node>)
     error: str | None = None  # the probe itself failed on the node (it raised, or its task was lost)
     began: float = 0.0  # when the probe started on the node (its tests ran from then to `time`)
     time: float = dataclasses.field(default_factory=time.time)
@@ -181,7 +180,7 @@ def _allreduce_gbps(cuda: bool, world: int) -> float:
     return rate
 
 
-def probe_here(run_dir: str, memory_mb: int, collective: bool) -> dict:
+def probe_here(memory_mb: int, collective: bool) -> dict:
     """The probe, on the node it runs on (a Ray task pinned there), on every device of the node."""
     import ray
     import torch
@@ -195,22 +194,11 @@ def probe_here(run_dir: str, memory_mb: int, collective: bool) -> dict:
     result = Probe(node=node, host=socket.gethostname(), device=torch.cuda.get_device_name(0) if gpus else "cpu",
                    matmul_tflops=min(rates), memory_ok=not bad, device_tflops=rates, bad_devices=bad,
                    allreduce_gbps=_allreduce_gbps(gpus >= 2, gpus if gpus >= 2 else 2) if collective else 0.0,
-                   nvml=_nvml_problems() if gpus else None,
-                   injected=marker(run_dir, node).exists(), began=began)
+                   nvml=_nvml_problems() if gpus else None, began=began)
     return dataclasses.asdict(result)
 
 
-def marker(run_dir, node: str) -> Path:
-    """The file that makes `node` fail its health checks in this run: a drill's `unhealthy` fault (train.inject)."""
-    return Path(run_dir) / records.INJECT / f"unhealthy-{node}"
-
-
-def mark_unhealthy(run_dir, node: str) -> None:
-    marker(run_dir, node).parent.mkdir(exist_ok=True)
-    marker(run_dir, node).touch()
-
-
-def probe(nodes: list[str], run_dir: Path, memory_mb: int = 256, collective: bool = True) -> list[Probe]:
+def probe(nodes: list[str], memory_mb: int = 256, collective: bool = True) -> list[Probe]:
     """The probe on each node at once, each pinned to its node; one that has not answered in 600 s (counted
     from the start: they run together) failed."""
     import ray
@@ -218,7 +206,7 @@ def probe(nodes: list[str], run_dir: Path, memory_mb: int = 256, collective: boo
 
     task = ray.remote(num_cpus=0, max_retries=0)(probe_here)
     refs = [task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False)).remote(
-        str(run_dir), memory_mb, collective) for node in nodes]
+        memory_mb, collective) for node in nodes]
     out, deadline = [], time.monotonic() + 600
     for node, ref in zip(nodes, refs):
         try:
@@ -332,8 +320,6 @@ def verdicts(probes: list[Probe], min_fraction: float, reference: list[Probe] = 
         why = None
         if p.error is not None:
             why = f"the probe failed: {p.error}"
-        elif p.injected:
-            why = "marked unhealthy by a drill"
         elif not p.memory_ok:
             why = f"memory test read back wrong values (device {', '.join(map(str, p.bad_devices)) or '?'})"
         elif p.nvml:
@@ -411,22 +397,26 @@ class Checked:
                           f"{'yes' if r['drained'] else 'no'} |" for r in self.rows])
 
 
-def check(run_dir: Path, nodes: list[str], settings: HealthConfig, population: int | None = None) -> Checked:
+def check(run_dir: Path, nodes: list[str], settings: HealthConfig, population: int | None = None,
+          drill=None) -> Checked:
     """Probe `nodes` (`settings`: the run's health section), record every result; then, every verdict known,
     drain the ones that fail unless the run would then pass its limit on drains (`drain_limit`, over the
     `population` of nodes training can use; default: the nodes probed): then none is, each refusal is written
-    down, and the cause is called systemic."""
+    down, and the cause is called systemic. `drill`: a drill's hook at health checks (train/loop/drill.py's
+    `NodeFaults`), whose `failing(nodes)` verdicts join the probes'."""
     from train import goodput
 
     run_dir, began = Path(run_dir), time.monotonic()
     earlier = _probes(run_dir)
     population = population or len(nodes)
     limit = drain_limit(run_dir, population, settings)
-    probes = probe(nodes, run_dir, collective=settings.collective)
+    probes = probe(nodes, collective=settings.collective)
     if settings.collective:  # between nodes: the ring of the nodes probed now (one node after its failures: none)
         pairs = pair_bandwidths([p.node for p in probes if p.error is None])
         probes = [dataclasses.replace(p, pair_gbps=pairs.get(p.node, 0.0)) for p in probes]
     found = verdicts(probes, settings.min_fraction, reference=[p for p in earlier if p.node not in nodes])
+    if drill is not None:
+        found.update({node: found[node] or why for node, why in drill.failing(list(found)).items()})
     failing = [p for p in probes if found[p.node] is not None]
     systemic = None
     if failing and limit.refuses(len(failing)):

@@ -4,9 +4,9 @@ The run folder outlives an attempt: the driver, every rank, Ray Train's controll
 to it, and the stage, the goodput account, the health checks, the console and the benchmarks read it back.
 Each kind of row (a `Kind`) says which file it lives in and which fields every row of it has; `append`
 refuses a row without them, and stamps each with its kind (`record`), so that a reader asks for the rows
-it wants (`read(folder, STEP)`) instead of telling them apart by which keys are present. Two files hold
-more than one kind: metrics.jsonl (a step, an evaluation, a checkpoint save) and stragglers.jsonl (a
-straggler named, its node's drain). Rows written before the kinds were stamped are classified once, in
+it wants (`read(folder, STEP)`) instead of telling them apart by which keys are present. Three files hold
+more than one kind: metrics.jsonl (a step, an evaluation, a checkpoint save), stragglers.jsonl (a
+straggler named, its node's drain) and attempts.jsonl (an attempt's start, a rank's failure). Rows written before the kinds were stamped are classified once, in
 `classify`, so run folders of earlier versions still read.
 
 The logbook (what the autopilot and the health and straggler checks saw and did, with LOGBOOK.md beside it),
@@ -25,14 +25,13 @@ METRICS = "metrics.jsonl"  # rank 0: a row per step, evaluation and checkpoint s
 TIMELINE = "timeline.jsonl"  # the driver, rank 0 and the watchdogs: events for the goodput account
 INCIDENTS = "incidents.jsonl"  # any rank and the controller: what happened to the run, a line a person reads
 LOGBOOK = "logbook.jsonl"  # what was seen, what was done and why (LOGBOOK_MD: the same, readable)
-FAILURES = "failures.jsonl"  # Ray Train's controller: each failed attempt, a row per rank
+ATTEMPTS = "attempts.jsonl"  # the ledger of attempts: rank 0 as each starts, the controller as one fails
 STRAGGLERS = "stragglers.jsonl"  # rank 0: stragglers named, and their nodes' drains
 HEALTH = "health.jsonl"  # the health checks: a row per node probed
 # Whole files.
 LOGBOOK_MD = "LOGBOOK.md"
 SUMMARY = "summary.json"  # rank 0, at the end: steps, the final loss, why the run stopped (if it did)
 LOOP_CONFIG = "loop_config.json"  # the driver: what every worker runs with
-STARTS = "starts.json"  # rank 0: the step each start-up resumed from (train/loop/faults.py)
 INJECTED = "injected.json"  # rank 0: the drill's faults that have fired
 AUTOPILOT = "autopilot.json"  # rank 0: the autopilot's state, written before each intervention
 TRAIN_LOG = "train.log"  # rank 0's log
@@ -41,8 +40,12 @@ CHECKPOINTS = "checkpoints"  # train/checkpoint_files.py owns what is inside
 RANKS = "ranks"  # each rank's node and host, written as it starts (rank-R.json)
 EXITS = "exits"  # why a rank's watchdog ended its process (rank-R.json)
 INJECT = "inject"  # the drill's markers of an unhealthy node
+# Files of earlier versions, under their former names: still read, with the rows of the file that replaced them
+# (failures.jsonl held the failure rows alone; the start-ups were in a starts.json, not read: its count of
+# restarts without progress starts again).
+FORMERLY = {ATTEMPTS: "failures.jsonl"}
 # What the stage copies into its output folder, for MLflow and a reader of the stage's output.
-COPIED = (METRICS, INCIDENTS, FAILURES, STRAGGLERS, HEALTH, LOOP_CONFIG, LOGBOOK, LOGBOOK_MD, TRAIN_LOG)
+COPIED = (METRICS, INCIDENTS, ATTEMPTS, STRAGGLERS, HEALTH, LOOP_CONFIG, LOGBOOK, LOGBOOK_MD, TRAIN_LOG)
 
 
 @dataclass(frozen=True)
@@ -60,11 +63,12 @@ CHECKPOINT = Kind("checkpoint", METRICS, ("step", "checkpoint.blocked_seconds", 
 EVENT = Kind("event", TIMELINE, ("event", "time"))
 INCIDENT = Kind("incident", INCIDENTS, ("time", "step", "rank", "what"))
 ENTRY = Kind("entry", LOGBOOK, ("time", "step", "kind", "detail", "actions", "why"))
-FAILURE = Kind("failure", FAILURES, ("attempt", "rank", "kind", "type", "message", "time"))
+START = Kind("start", ATTEMPTS, ("resumes", "time"))  # an attempt starts, from checkpoint `resumes` (0: none)
+FAILURE = Kind("failure", ATTEMPTS, ("attempt", "rank", "kind", "type", "message", "time"))
 STRAGGLER = Kind("straggler", STRAGGLERS, ("time", "step", "rank", "node", "host", "seconds", "others_seconds"))
 DRAIN = Kind("drain", STRAGGLERS, ("time", "step", "rank", "node", "drained", "refused"))
 PROBE = Kind("probe", HEALTH, ("node", "time", "failed", "drained"))
-KINDS = {k.name: k for k in (STEP, EVALUATION, CHECKPOINT, EVENT, INCIDENT, ENTRY, FAILURE, STRAGGLER, DRAIN, PROBE)}
+KINDS = {k.name: k for k in (STEP, EVALUATION, CHECKPOINT, EVENT, INCIDENT, ENTRY, START, FAILURE, STRAGGLER, DRAIN, PROBE)}
 _OF_FILE = {file: [k for k in KINDS.values() if k.file == file] for file in {k.file for k in KINDS.values()}}
 
 
@@ -78,6 +82,8 @@ def classify(file: str, row: dict) -> str:
         return STEP.name if "loss" in row else CHECKPOINT.name if "checkpoint.blocked_seconds" in row else EVALUATION.name
     if file == STRAGGLERS:
         return DRAIN.name if "drained" in row else STRAGGLER.name
+    if file == ATTEMPTS:
+        return FAILURE.name  # an unstamped row of the ledger is one of failures.jsonl's
     return _OF_FILE[file][0].name
 
 
@@ -96,17 +102,15 @@ def append(folder: Path | str, kind: Kind, *rows: dict) -> None:
 
 
 def read(folder: Path | str, *kinds: Kind) -> list[dict]:
-    """The rows of `kinds` (all of one file) in `folder`, in the order written, each with its `record`;
-    [] when the file is not there yet."""
+    """The rows of `kinds` (all of one file) in `folder`, in the order written (a file's rows under its former
+    name first), each with its `record`; [] when the file is not there yet."""
     files = {k.file for k in kinds}
     if len(files) != 1:
         raise ValueError(f"read one file's kinds at a time, not {sorted(files)}")
     file = files.pop()
-    path = Path(folder) / file
-    if not path.exists():
-        return []
+    paths = [Path(folder) / name for name in (FORMERLY.get(file), file) if name]
     names = {k.name for k in kinds}
-    rows = (json.loads(line) for line in path.read_text().splitlines() if line.strip())
+    rows = (json.loads(line) for path in paths if path.exists() for line in path.read_text().splitlines() if line.strip())
     return [{**row, "record": kind} for row in rows for kind in [classify(file, row)] if kind in names]
 
 

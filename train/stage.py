@@ -48,6 +48,7 @@ def fit(cfg: TrainConfig, config, folder: Path, loop=None):
 
     from train.failures import FailureRecorder, RestartHealthCheck
     from train.loop import train_loop
+    from train.loop.drill import NodeFaults
 
     resources = {"CPU": cfg.cpus_per_worker}
     if cfg.gpus_per_worker:
@@ -59,8 +60,9 @@ def fit(cfg: TrainConfig, config, folder: Path, loop=None):
                                      resources_per_worker=resources),
         run_config=RunConfig(name="ray", storage_path=str(folder), failure_config=FailureConfig(max_failures=cfg.max_failures),
                              callbacks=[FailureRecorder(str(folder)),
-                                        *([RestartHealthCheck(str(folder), cfg.health, worker=(cfg.cpus_per_worker,
-                                                                                              cfg.gpus_per_worker))]
+                                        *([RestartHealthCheck(str(folder), cfg.health,
+                                                              worker=(cfg.cpus_per_worker, cfg.gpus_per_worker),
+                                                              drill=NodeFaults.for_run(folder, cfg.inject))]
                                           if checks_health(cfg) else [])]),
     )
     return trainer.fit()
@@ -122,7 +124,7 @@ def run(ctx: StageContext) -> StageResult:
     steps = records.read(folder, records.STEP)
     charts = [plot_run(steps, logbook, ctx.output / "training.png")] if steps else []
     charts.append(goodput.plot(time_spent, ctx.output / "goodput.png"))
-    track_logbook(ctx, logbook, charts + [ctx.output / n for n in (records.LOGBOOK_MD, records.LOGBOOK, records.FAILURES)
+    track_logbook(ctx, logbook, charts + [ctx.output / n for n in (records.LOGBOOK_MD, records.LOGBOOK, records.ATTEMPTS)
                                           if (ctx.output / n).exists()])
     if summary.get("stopped"):
         raise RuntimeError(f"{summary['stopped']} (logbook: {folder / records.LOGBOOK_MD})")
@@ -185,7 +187,9 @@ def check_nodes(ctx: StageContext, cfg: TrainConfig, folder: Path) -> None:
     """Every node that can host a training worker probed before the first start; the ones that fail drained,
     unless so many fail that the cause looks systemic: then none is, and the run stops here saying so."""
     nodes = health.trainable_nodes(cfg.cpus_per_worker, cfg.gpus_per_worker)
-    checked = health.check(folder, nodes, cfg.health, population=len(nodes))
+    from train.loop.drill import NodeFaults
+
+    checked = health.check(folder, nodes, cfg.health, population=len(nodes), drill=NodeFaults.for_run(folder, cfg.inject))
     ctx.log.info("health check: %d nodes probed, %d excluded", len(nodes), len(checked.excluded))
     if checked.systemic:
         raise RuntimeError(f"health check: {checked.systemic}\n{checked.table()}\n(see {folder / records.HEALTH})")

@@ -24,6 +24,7 @@ def train_loop(config: LoopConfig):
     import torch
 
     from train.loop.context import Context, quiet
+    from train.loop.faults import start_attempt
     from train.loop.trainer import Trainer
 
     logging.basicConfig(level=logging.INFO, format=FORMAT)
@@ -41,7 +42,7 @@ def train_loop(config: LoopConfig):
         failures.write_identity(ctx.run_dir, rank, node)
         if ctx.leader:
             goodput.mark(ctx.run_dir, "start")
-        stop = failures.repeated_error([f for f in failures.history(ctx.run_dir) if f.time >= config.launched_at])
+        stop = start_attempt(ctx, config.launched_at, config.train.max_stalled_restarts)
         if stop is not None:
             return stop_before_starting(ctx, stop)
         trainer = Trainer(config, ctx, local_rank=train_ctx.get_local_rank(), local_world=train_ctx.get_local_world_size())
@@ -77,15 +78,16 @@ def seeds_loop(configs: list[LoopConfig]) -> None:
         goodput.mark(configs[0].run_dir, "seed_runs", seconds=time.time() - began)
 
 
-def stop_before_starting(ctx, why: str) -> None:
-    """A deterministic failure: no third attempt. Rank 0 writes it down where the stage and a reader look
-    (summary.json's `stopped`, incidents.jsonl, the logbook); every rank returns, so Ray Train ends the run."""
+def stop_before_starting(ctx, stop) -> None:
+    """The run given up (`stop`: a failures.GiveUp) instead of another attempt. Rank 0 writes it down where the
+    stage and a reader look (summary.json's `stopped`, incidents.jsonl, the logbook); every rank returns, so
+    Ray Train ends the run."""
     import time
 
     from train.loop.context import incident
 
     if ctx.leader:
-        incident(ctx, 0, why.splitlines()[0])
-        records.log_entry(ctx.run_dir, time=time.time(), step=0, kind="repeated-error", detail=why,
-                          actions=["stop the run"], why="a restart would fail the same way")
-        records.write_summary(ctx.run_dir, 0, None, why)
+        incident(ctx, stop.step, stop.detail.splitlines()[0])
+        records.log_entry(ctx.run_dir, time=time.time(), step=stop.step, kind=stop.rule, detail=stop.detail,
+                          actions=["stop the run"], why=stop.why)
+        records.write_summary(ctx.run_dir, stop.step, None, stop.detail)

@@ -5,6 +5,8 @@ fixed points and applies the effects it returns, knowing no fault kind.
   burst, a straggler, a node that fails its health check.
 - `SimulatedScaler`: fp16's dynamic loss scale where the run has none, for an overflow burst on a CPU.
 - `before_launch`: what the driver does before the first start (a node that fails the first health check).
+- `NodeFaults`: the hook at a health check (the stage's, and the controller's at a restart): a node the drill
+  has made unhealthy fails it.
 """
 
 from __future__ import annotations
@@ -14,20 +16,44 @@ import json
 import math
 import os
 import time
+from pathlib import Path
 
 from train import records
 from train.config import InjectConfig
-from train.health import mark_unhealthy
 from train.loop.context import Context, incident
 from train.parallel.collectives import barrier
 
 
 def before_launch(run_dir, faults: list[InjectConfig]) -> None:
     """On the driver, before the health check that precedes the first start: a node a drill makes unhealthy from
-    step 0 is marked (train/health.py's probe fails on it)."""
+    step 0 is marked (the check fails it: `NodeFaults`)."""
     for fault in faults:
         if fault.kind == "unhealthy" and fault.step == 0:
             mark_unhealthy(run_dir, fault.node)
+
+
+def mark_unhealthy(run_dir, node: str) -> None:
+    """From now on, `node` fails this run's health checks (a marker in the run folder: the check runs on the
+    driver or on Ray Train's controller, the fault fires on rank 0)."""
+    marker = Path(run_dir) / records.INJECT / f"unhealthy-{node}"
+    marker.parent.mkdir(exist_ok=True)
+    marker.touch()
+
+
+@dataclasses.dataclass(frozen=True)
+class NodeFaults:
+    """A drill's hook at the run's health checks (train/health.py's `check`): the nodes it marked unhealthy fail,
+    whatever their probe measured. `for_run` gives none to a run whose drill has no such fault."""
+
+    run_dir: str
+
+    @classmethod
+    def for_run(cls, run_dir, faults: list[InjectConfig]) -> NodeFaults | None:
+        return cls(str(run_dir)) if any(f.kind == "unhealthy" for f in faults) else None
+
+    def failing(self, nodes: list[str]) -> dict[str, str]:
+        folder = Path(self.run_dir) / records.INJECT
+        return {node: "marked unhealthy by a drill" for node in nodes if (folder / f"unhealthy-{node}").exists()}
 
 
 class SimulatedScaler:
@@ -122,7 +148,7 @@ class Drill:
             if fault["kind"] in ("spike", "nan", "overflow"):  # on every rank alike
                 self._on_every_rank(fault, step, effects)
                 continue
-            if fault["kind"] == "unhealthy":  # the node's next health check fails (train/health.py reads the mark)
+            if fault["kind"] == "unhealthy":  # the node's next health check fails (`NodeFaults`)
                 if self.ctx.leader:
                     self._record(fault["index"])
                     mark_unhealthy(self.ctx.run_dir, fault["node"])

@@ -1,19 +1,19 @@
 """What keeps a run from hanging or looping forever (the faults a drill injects are train/loop/drill.py's).
 
 - `Watchdog`: a hang becomes a restart (the worker process exits; Ray Train restarts the group).
-- `restarts_without_progress`: a fault that comes back before the next checkpoint every time stops the run.
+- `start_attempt`: each attempt's start in the run's ledger, and the decision to give up instead (train/failures.py).
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import threading
 import time
 
 from train import goodput, records
-from train.failures import write_exit
+from train.checkpoint_files import newest_step
+from train.failures import GiveUp, give_up, write_exit
 from train.loop.context import Context, incident
 from train.parallel.collectives import barrier
 
@@ -78,25 +78,14 @@ def watchdog_for(ctx: Context, hang_seconds: float, startup_seconds: float) -> W
     return Watchdog(startup_seconds, on_hang)
 
 
-def restarts_without_progress(ctx: Context, resumed_step: int | None, limit: int) -> str | None:
-    """Why to stop instead of training, when this start-up is the (limit + 1)-th in a row from the same
-    checkpoint: a fault that comes back before the next checkpoint every time is not bad luck, and
-    restarting forever would burn the cluster. Every start-up is appended to the run's `starts.json`
-    (the step it resumed from, 0 for a fresh start); every rank reads it before rank 0 appends, so all
-    reach the same answer. 0: never stop."""
-    path = ctx.run_dir / records.STARTS
-    starts = json.loads(path.read_text()) if path.exists() else []
+def start_attempt(ctx: Context, launched_at: float, max_stalled_restarts: int) -> GiveUp | None:
+    """This attempt's start in the run's ledger (rank 0: the newest published checkpoint, the one it resumes
+    from unless that fails to verify), and `give_up`'s answer over the ledger since the launch, before the model
+    is built: a stop costs no build. Every rank reads the ledger before rank 0 appends, so all reach the same
+    answer; a relaunch (after a fix) starts its counts again."""
+    ledger = [r for r in records.read(ctx.run_dir, records.START, records.FAILURE) if r["time"] >= launched_at]
+    start = {"resumes": newest_step(ctx.ckpt_dir), "time": time.time()}
     barrier()
-    starts.append(resumed_step or 0)
     if ctx.leader:
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(starts))
-        os.replace(tmp, path)
-    in_a_row = next((i for i, s in enumerate(reversed(starts)) if s != starts[-1]), len(starts))
-    if limit and in_a_row - 1 > limit:
-        why = (f"{in_a_row - 1} restarts in a row from step {starts[-1]} without reaching another checkpoint "
-               f"(train.max_stalled_restarts={limit}): see incidents.jsonl for the faults")
-        if ctx.leader:
-            incident(ctx, starts[-1], why)
-        return why
-    return None
+        records.append(ctx.run_dir, records.START, start)
+    return give_up(ledger + [{"record": records.START.name, **start}], max_stalled_restarts)

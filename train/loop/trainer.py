@@ -7,7 +7,7 @@ Each part has one job, in its own module of this package:
 - `pilot.Pilot`: the autopilot's decisions applied to the engine, the loader and the checkpoints;
 - `metrics.Metrics`: metrics.jsonl, MLflow and the progress line (rank 0);
 - `evaluation.Evaluation`, `export.export`;
-- `faults`: the watchdog, the stalled-restart limit;
+- `faults`: the watchdog (and, before a Trainer is built, each attempt's start and the decision to give up);
 - `drill.Drill`: the faults a drill injects (`train.inject`), called at fixed points, a no-op without any.
 """
 
@@ -26,7 +26,7 @@ from train.loop.context import Context, rank_seed, seed_everything
 from train.loop.engine import build_engine, groups_for
 from train.loop.export import export
 from train.loop.drill import Drill
-from train.loop.faults import restarts_without_progress, watchdog_for
+from train.loop.faults import watchdog_for
 from train.loop.metrics import Metrics
 from train.loop.pilot import Pilot
 from train.loop.step import Feed, TrainStep
@@ -89,8 +89,6 @@ class Trainer:
         self.stragglers = Stragglers(ctx, t.stragglers)
         self.replacing: set[int] = set()  # ranks named stragglers, their nodes to leave at the next checkpoint
         self.progress = Progress(step=resumed["step"] if resumed else 0)
-        self.progress.stopped = restarts_without_progress(ctx, self.progress.step if resumed else None,
-                                                          t.max_stalled_restarts)
         self.watchdog.beat(self.progress.step, t.hang_seconds)  # start-up is done: each step has hang_seconds
         self.mark("ready")  # before the initial save: its blocked time is a checkpoint's, not start-up's
         if resumed is None and self.pilot.enabled:
