@@ -5,6 +5,7 @@ task names checked at load as lm-eval knows them; nothing of the (shared) workdi
 from __future__ import annotations
 
 import json
+import os
 import random
 import re
 import shutil
@@ -137,19 +138,23 @@ def test_a_module_planted_in_the_workdir_is_not_imported_by_the_harness(tmp_path
 
 def test_the_harness_runs_in_a_private_folder_with_its_request_on_stdin(tmp_path, monkeypatch):
     """Not in the workdir, nor from a request file there: a private folder (0700) of copies of our task files, gone
-    after; -P, so the folder it runs in is not on sys.path."""
+    after; -P, so the folder it runs in is not on sys.path. A rank's variables stay behind: the harness is one
+    process (a Ray worker started from a rank of a gloo group handed them on, and lm-eval asked for MASTER_ADDR)."""
     request = workdir_request(tmp_path / "work")
     seen = {}
+    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_PORT": "29500"}.items():
+        monkeypatch.setenv(key, value)
 
     def harness(args, **kwargs):
         folder = Path(kwargs["cwd"])
         seen.update(args=args, stdin=kwargs.get("input"), folder=folder, mode=folder.parent.stat().st_mode & 0o777,
-                    files=sorted(p.name for p in folder.iterdir()))
+                    files=sorted(p.name for p in folder.iterdir()), env=kwargs["env"])
         return subprocess.CompletedProcess(args, 0, "")
 
     monkeypatch.setattr(stage.subprocess, "run", harness)
     assert stage.evaluate(request) == (0, "")
     assert seen["args"][1:] == ["-P", "-m", "train.downstream.harness"]  # no request file named
+    assert not set(stage.RANK_VARIABLES) & set(seen["env"]) and seen["env"]["PATH"] == os.environ["PATH"]
     assert tmp_path not in seen["folder"].parents and seen["mode"] == 0o700 and not seen["folder"].exists()
     assert seen["files"] == sorted([f"{TASK}.jsonl", names.ours()[TASK].name])
     assert json.loads(seen["stdin"]) == {**json.loads(json.dumps(vars(request))), "include_path": str(seen["folder"])}

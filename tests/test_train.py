@@ -290,10 +290,10 @@ def test_restarts_from_the_same_checkpoint_stop_after_the_limit_within_one_launc
 
     ctx = Context(rank=0, world=1, run_dir=tmp_path, device=torch.device("cpu"))
 
-    def start(launched_at=0.0, limit=2, checkpoint=None):
+    def start(launched_at=0.0, limit=2, checkpoint=None, last_step=100):
         if checkpoint is not None:
             (ctx.ckpt_dir / f"step-{checkpoint:08d}").mkdir(parents=True)
-        stop = start_attempt(ctx, launched_at, limit)
+        stop = start_attempt(ctx, launched_at, limit, last_step)
         return None if stop is None else (stop.rule, stop.step, stop.detail)
 
     assert start() is None  # the first start
@@ -303,11 +303,12 @@ def test_restarts_from_the_same_checkpoint_stop_after_the_limit_within_one_launc
     assert (rule, step) == ("stalled-restarts", 10)
     assert why.startswith("3 restarts in a row from step 10 without reaching another checkpoint")
     assert "train.max_stalled_restarts=2" in why
+    assert start(last_step=10) is None  # the run is done: restarts of the job are for its further seeds' runs
     assert start(launched_at=time.time()) is None  # relaunched (a fix, say): its own count
     (ctx.ckpt_dir / "step-not-a-step").mkdir()  # a folder planted among the checkpoints is not a step
     assert start(checkpoint=20) is None and start(limit=0) is None and start(limit=0) is None
     ledger = records.read(tmp_path, records.START, records.FAILURE)
-    assert [r["resumes"] for r in ledger] == [0, 10, 10, 10, 10, 10, 20, 20, 20]
+    assert [r["resumes"] for r in ledger] == [0, 10, 10, 10, 10, 10, 10, 20, 20, 20]
 
 
 def test_one_ledger_holds_starts_and_failures_and_reads_an_older_failures_file(tmp_path):

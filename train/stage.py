@@ -8,7 +8,8 @@ and the workers resume from its newest checkpoint; the runner resumes the same M
 that runs too long) is restarted by Ray Train (`FailureConfig(max_failures)`, no limit by default)
 from the newest checkpoint that verifies, until the same checkpoint has been restarted from
 `max_stalled_restarts` times in a row, or the same error has ended two attempts in a row
-(train/failures.py: each failure is recorded, with its node, rank, step and class, in failures.jsonl).
+(train/failures.py: each attempt's start and each failure, with its node, rank, step and class, are recorded in
+attempts.jsonl, and `give_up` reads it as each attempt starts).
 
 With `train.seeds: K`, K - 1 more runs of the same data and settings, seeds seed + 1 ..., follow the run on
 the same workers (`seeds_loop`), each in `seed-<s>/` of the run folder, with an export of its own (for the

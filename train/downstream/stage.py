@@ -88,14 +88,19 @@ def results_file(out: str | Path, seed: int) -> Path:
     return Path(out) / f"seed-{seed}" / "results.json"
 
 
+# torch.distributed's variables: the harness is one process, and with these inherited (a Ray worker started from a
+# process that was a rank: under torchrun, SLURM, or a test's gloo group) accelerate would wait for a process group.
+RANK_VARIABLES = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
 def evaluate(request: Request) -> tuple[int, str]:
     """Runs in a Ray task: the harness in a process of its own; (its exit code, everything it printed). It runs in a
     private folder, with `-P` and its request on stdin: nothing of the workdir is imported or read as its request
     (the module's docstring says why). request.json in the output is a record of the request, not read."""
     (Path(request.out) / "request.json").write_text(json.dumps(dataclasses.asdict(request), indent=2))
     inherited = [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if os.path.isabs(p)]  # "", ".": cwd
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), *inherited]),
-           "TQDM_DISABLE": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**{k: v for k, v in os.environ.items() if k not in RANK_VARIABLES},
+           "PYTHONPATH": os.pathsep.join([str(ROOT), *inherited]), "TQDM_DISABLE": "1", "TOKENIZERS_PARALLELISM": "false"}
     with tempfile.TemporaryDirectory(prefix="downstream-") as private:  # mkdtemp's: mode 0700, in the node's temp folder
         tasks = Path(private) / "tasks"
         copy_tasks(request, tasks)

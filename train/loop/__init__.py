@@ -42,7 +42,7 @@ def train_loop(config: LoopConfig):
         failures.write_identity(ctx.run_dir, rank, node)
         if ctx.leader:
             goodput.mark(ctx.run_dir, "start")
-        stop = start_attempt(ctx, config.launched_at, config.train.max_stalled_restarts)
+        stop = start_attempt(ctx, config.launched_at, config.train.max_stalled_restarts, config.last_step)
         if stop is not None:
             return stop_before_starting(ctx, stop)
         trainer = Trainer(config, ctx, local_rank=train_ctx.get_local_rank(), local_world=train_ctx.get_local_world_size())

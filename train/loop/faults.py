@@ -78,14 +78,16 @@ def watchdog_for(ctx: Context, hang_seconds: float, startup_seconds: float) -> W
     return Watchdog(startup_seconds, on_hang)
 
 
-def start_attempt(ctx: Context, launched_at: float, max_stalled_restarts: int) -> GiveUp | None:
+def start_attempt(ctx: Context, launched_at: float, max_stalled_restarts: int, last_step: int) -> GiveUp | None:
     """This attempt's start in the run's ledger (rank 0: the newest published checkpoint, the one it resumes
     from unless that fails to verify), and `give_up`'s answer over the ledger since the launch, before the model
     is built: a stop costs no build. Every rank reads the ledger before rank 0 appends, so all reach the same
-    answer; a relaunch (after a fix) starts its counts again."""
+    answer; a relaunch (after a fix) starts its counts again. A run whose newest checkpoint is its `last_step`
+    has nothing left to stall on: the job's restarts are then for the further seeds' runs, which count their own."""
     ledger = [r for r in records.read(ctx.run_dir, records.START, records.FAILURE) if r["time"] >= launched_at]
     start = {"resumes": newest_step(ctx.ckpt_dir), "time": time.time()}
     barrier()
     if ctx.leader:
         records.append(ctx.run_dir, records.START, start)
-    return give_up(ledger + [{"record": records.START.name, **start}], max_stalled_restarts)
+    limit = 0 if start["resumes"] >= last_step else max_stalled_restarts
+    return give_up(ledger + [{"record": records.START.name, **start}], limit)
