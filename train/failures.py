@@ -9,9 +9,10 @@ Here:
   training function raises attaches where it was (step, phase, node) and its traceback to the exception
   (`describe_exception`); a worker its own watchdog ends says so in `exits/rank-R.json` first;
 - `FailureRecorder`, a Ray Train callback on the controller, turns each failed attempt's exceptions into
-  `Failure` rows in the run's ledger of attempts, `attempts.jsonl` (attempt, rank, node, step, phase, class, the exception), before Ray
-  Train restarts the group; `RestartHealthCheck` probes every node that can host a worker (or, with
-  `train.health.restart_probe: implicated`, the nodes the failures implicate) once that group is gone;
+  `Failure` rows in the run's ledger of attempts, `attempts.jsonl` (attempt, rank, node, step, phase, class,
+  the exception), before Ray Train restarts the group; `RestartHealthCheck` probes every node that can host
+  a worker (or, with `train.health.restart_probe: implicated`, the nodes the failures implicate) once that
+  group is gone;
 - as each attempt starts, before the model is built, rank 0 adds a `start` row to the same ledger (the
   checkpoint it resumes from), and every rank asks `give_up` the one question over the ledger since the
   run's launch: the same software exception at the same step (or in start-up) on two attempts in a row
