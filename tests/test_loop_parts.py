@@ -14,6 +14,7 @@ import time
 import numpy as np
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from train.config import AutopilotConfig, InjectConfig, StragglerConfig, TrainConfig
 from corpus.tokenize import FORMAT, INDEX, write_rows
@@ -442,6 +443,57 @@ def test_a_trainer_fits_through_a_spike_rolled_back_and_skipped(deepspeed_rank, 
         (5, "loss_spike", 0, [0, 15])]  # step 5 trained batch 4: skipped up to it and 10 more
     assert json.loads((tmp_path / "summary.json").read_text()) == {"steps": 6, "final_loss": rows[-2]["loss"],
                                                                   "stopped": None}
+
+
+class HostReads(TorchDispatchMode):
+    """Counts the training loop's reads of tensor values to the host (each one waits for the device to finish):
+    `aten._local_scalar_dense`, what `.item()`, `float()`, `int()` and `bool()` of a tensor dispatch to; `tolist()`,
+    which copies without dispatching it; and DeepSpeed's device synchronizations (its timers')."""
+
+    def __init__(self, monkeypatch):
+        super().__init__()
+        from deepspeed.accelerator import get_accelerator
+
+        self.count = 0
+        tolist, accelerator = torch.Tensor.tolist, get_accelerator()
+        synchronize = accelerator.synchronize
+        monkeypatch.setattr(torch.Tensor, "tolist", lambda t: (self.read(), tolist(t))[1])
+        monkeypatch.setattr(accelerator, "synchronize", lambda *a, **k: (self.read(), synchronize(*a, **k))[1])
+
+    def read(self) -> None:
+        self.count += 1
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten._local_scalar_dense.default:
+            self.read()
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_zero_0_step_reads_the_device_once_and_skips_a_non_finite_update_on_it(deepspeed_rank, shards, tmp_path,
+                                                                                 monkeypatch):
+    """ZeRO-0 (one GPU's layout, DeepSpeed wrapping no optimizer of its own): each step of fit() reads the device
+    once, the loss, activation and grad norms together (DeepSpeed's timers and torch's unfused AdamW read it 41
+    times a step here before); a nan in the gradients (injected at step 4) is kept from the weights on the device,
+    and counted as a skipped update."""
+    from train.loop.trainer import Trainer
+
+    train = section(zero_stage=0, precision="fp32", max_steps=8, eval_every=0, inject=[InjectConfig("nan", 4)],
+                    autopilot=AutopilotConfig(enabled=False))
+    cfg = loop_config(train, shards, tmp_path, export_dir=None, tracking_uri=None, mlflow_run_id=None)
+    trainer = Trainer(cfg, context(tmp_path), local_rank=0, local_world=1)
+    reads, per_step = HostReads(monkeypatch), []
+    log_step = trainer.metrics.step
+    monkeypatch.setattr(trainer.metrics, "step", lambda *a: (per_step.append(reads.count), log_step(*a)))
+    with reads:
+        trainer.fit()
+    trainer.engine.destroy()
+    assert np.diff([0, *per_step]).tolist() == [1] * 8
+    rows = [r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+    assert [(r["overflow"], r["skipped_steps"], r["grad_norm"] is None) for r in rows] == (
+        [(0, 0, False)] * 3 + [(1, 1, True)] + [(0, 1, False)] * 4)
+    assert all(np.isfinite(r["loss"]) and (r["grad_norm"] is None or r["grad_norm"] > 0) for r in rows)
+    assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
+    assert int(trainer.engine.optimizer.state[next(iter(trainer.model.parameters()))]["step"]) == 7  # 8 steps, 1 skipped
 
 
 def test_a_step_error_is_described_where_it_happened_and_two_alike_in_a_row_stop_the_run(deepspeed_rank, shards,

@@ -245,8 +245,8 @@ class InjectConfig:
     """`spike`: the LR multiplier (`null`: 50). `slow`: how many times as long each step's compute takes, over 1
     (`null`: 2)."""
     count: int = 1
-    """`overflow`: how many steps overflow, from `step` on. fp16's loss scaler skips them; on fp32 or bf16 a
-    simulated scaler does. Needs `zero_stage` 1 or more."""
+    """`overflow`: how many steps overflow, from `step` on. Each is skipped (the optimizer leaves the weights as
+    they were), and fp16's loss scaler halves; on fp32 or bf16 a simulated scaler does."""
 
     def validate(self, key: str) -> None:
         at_least(self, key, 0 if self.kind in ("kill", "hang", "error", "unhealthy") else 1, "step")
@@ -366,9 +366,6 @@ class TrainConfig(EngineConfig):
         if not 0.0 <= self.final_lr_ratio <= 1.0:
             raise ConfigError(f"{key}.final_lr_ratio", f"expected a fraction in [0, 1], got {self.final_lr_ratio}")
         for i, fault in enumerate(self.inject):
-            if fault.kind == "overflow" and self.zero_stage == 0:
-                raise ConfigError(f"{key}.inject[{i}].kind", "overflow needs zero_stage >= 1 (ZeRO's optimizer skips "
-                                  "the overflowing step; ZeRO 0 would apply it)")
             if fault.rank is not None and fault.rank >= self.num_workers:
                 raise ConfigError(f"{key}.inject[{i}].rank", f"expected a rank below num_workers={self.num_workers}, got {fault.rank}")
 

@@ -29,7 +29,11 @@ def param_groups(model: torch.nn.Module, weight_decay: float) -> list[dict]:
 
 
 def adamw(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim.AdamW:
-    return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=BETAS, eps=EPS)
+    """torch's fused AdamW (one kernel for all parameters, on CPU and CUDA alike). Its default, the single-tensor
+    one, reads each parameter's step count to the host at every update (torch/optim/adam.py `_get_value`, 2 to 36
+    reads a step here); the fused one keeps the counts on the device, and skips an update on the device when its
+    `found_inf` is set (step.py sets it on ZeRO-0, where no DeepSpeed optimizer checks the gradients)."""
+    return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=BETAS, eps=EPS, fused=True)
 
 
 @dataclass
@@ -70,6 +74,10 @@ def deepspeed_config(*, micro_batch: int, accumulation: int, world_size: int, ze
         "zero_allow_untested_optimizer": True,  # torch's AdamW, as OPT used
         "steps_per_print": 1 << 30,  # our own progress line instead
         "wall_clock_breakdown": False,
+        # DeepSpeed's throughput timer (on by default) synchronizes the device at each micro-batch's forward and
+        # step (utils/timer.py `ThroughputTimer.start/stop`, from engine.py `_forward_prologue` and `step`) to time
+        # what only its own progress print reports; our step is timed by step.py.
+        "timers": {"throughput": {"enabled": False}},
     }
     if zero_stage == 3:
         config["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True

@@ -3,6 +3,7 @@ the optimizer's step, and what the step measured (loss, gradient and activation 
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 
@@ -81,17 +82,26 @@ def set_lr(engine, lr: float) -> None:
         group["lr"] = lr
 
 
-def gradient_norm(model: torch.nn.Module, groups: Groups | None = None) -> float:
-    """The L2 norm of all gradients (what DeepSpeed's ZeRO optimizers report as the global grad norm); with
-    the model split over a tensor group, the shards' squares summed over the group and the replicated
-    parameters' counted once."""
+def gradient_norm(model: torch.nn.Module, groups: Groups | None = None) -> torch.Tensor:
+    """The L2 norm of all gradients (what DeepSpeed's ZeRO optimizers report as the global grad norm), on the
+    device; with the model split over a tensor group, the shards' squares summed over the group and the
+    replicated parameters' counted once."""
     grads = [p for p in model.parameters() if p.grad is not None]
     if not grads:
-        return 0.0
+        return torch.zeros(())
     split = [p.grad.detach().float().pow(2).sum() for p in grads if getattr(p, "tensor_model_parallel", False)]
     whole = [p.grad.detach().float().pow(2).sum() for p in grads if not getattr(p, "tensor_model_parallel", False)]
     total = sum(whole) + (groups.sum_over_tensor(sum(split)) if split else 0.0)  # split only after parallelize()
-    return float(torch.as_tensor(total).sqrt())
+    return torch.as_tensor(total).sqrt()
+
+
+def skip_unless_finite(optimizer: torch.optim.Optimizer, grad_norm: torch.Tensor) -> None:
+    """The coming update skipped on the device if the gradients are not finite, with no read of the device:
+    torch's fused AdamW leaves the weights, its moments and its step count as they were when its `found_inf` is
+    set (torch/optim/adam.py `_fused_adam`; GradScaler's own switch). On ZeRO-0 no DeepSpeed optimizer wraps
+    ours, so nothing else would keep a nan or an inf from the weights; ZeRO 1-3 skip such a step themselves
+    (zero/stage_1_and_2.py `step`: `is_invalid_grad_norm`)."""
+    optimizer.found_inf = (~torch.isfinite(grad_norm)).float()
 
 
 class TrainStep:
@@ -123,12 +133,17 @@ class TrainStep:
             with timer:
                 time.sleep((slow - 1.0) * spent)
         if not self.own_grad_norm:
-            grad_norm = engine.get_global_grad_norm()
-            grad_norm = None if grad_norm is None else float(grad_norm)
-        loss, act_norm = all_mean([torch.stack(losses).mean(), activations])
+            grad_norm = engine.get_global_grad_norm()  # a tensor on the device (a float after an overflow)
+        # The step's one read of the device: the loss and activation norm averaged over ranks, and the grad norm.
+        loss, act_norm, *norm = all_mean([torch.stack(losses).mean(), activations],
+                                         [] if grad_norm is None else [grad_norm])
+        grad_norm = norm[0] if norm else None
         seconds = time.perf_counter() - t0
         overflow = engine.skipped_steps > skipped_before
-        if overflow:  # the scaler skipped the update: DeepSpeed reports inf, which is no measurement of the run
+        if self.own_grad_norm and grad_norm is not None and not math.isfinite(grad_norm):
+            overflow = True  # skipped on the device (skip_unless_finite): counted with DeepSpeed's skips
+            engine.skipped_steps += 1  # which its checkpoints keep
+        if overflow:  # the update was skipped: its norm (inf or nan) is no measurement of the run
             grad_norm = None
         return StepResult(batch, lr, loss, grad_norm, act_norm, overflow, seconds, timer.total())
 
@@ -149,5 +164,6 @@ class TrainStep:
             engine.backward(pipeline.scale_gradient(micro_loss, poison))
             if self.own_grad_norm and engine.is_gradient_accumulation_boundary():
                 grad_norm = gradient_norm(self.model, self.ctx.groups)  # all-reduced by backward, before the clip
+                skip_unless_finite(engine.optimizer, grad_norm)
             engine.step()  # the optimizer steps at the last micro-batch (gradient_accumulation_steps)
         return losses, self.model.last_activation_norm, grad_norm

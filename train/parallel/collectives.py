@@ -48,14 +48,18 @@ def barrier() -> None:
         dist.barrier()
 
 
-def all_mean(values: list) -> list[float]:
-    """The mean over ranks of each value (floats, or 0-dim tensors on any device), in one all_reduce
-    and one copy to the host."""
-    if not initialized():
-        return [float(v) for v in values]
-    t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=device()).reshape(()) for v in values])
-    dist.all_reduce(t)
-    return (t / dist.get_world_size()).tolist()
+def all_mean(values: list, same: list = ()) -> list[float]:
+    """The mean over ranks of each of `values`, then each of `same` as it is (what every rank holds alike already:
+    the global grad norm), all floats or 0-dim tensors on any device: one all_reduce and one copy to the host (a
+    training step's only read of the device: tests/test_loop_parts.py counts them)."""
+    tensors = [v for v in [*values, *same] if torch.is_tensor(v)]
+    where = device() if initialized() else tensors[0].device if tensors else torch.device("cpu")
+    t = torch.stack([torch.as_tensor(v, dtype=torch.float64, device=where).reshape(()) for v in [*values, *same]])
+    if initialized() and values:
+        mean = t[:len(values)]
+        dist.all_reduce(mean)
+        mean /= dist.get_world_size()
+    return t.tolist()
 
 
 def all_gather_float(value: float) -> list[float]:
