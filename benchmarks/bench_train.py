@@ -137,8 +137,11 @@ def measure(models: list[str], device: str, precision: str, out: Path, steps: in
         vocab = 512 if name == "tiny" else 50272
         shards = out / name / "shards"
         make_shards(shards, setup["batch"] * (setup["steps"] + 1), seq_len=setup["seq_len"], vocab=vocab)
-        rates, rows = ours(name, shards, out, setup["steps"], cores, device, precision, list(overrides))
+        # The fair bare loop before and after ours, its steps pooled: a 2-core machine's speed drifts by 10-20%
+        # from one minute to the next (docs/benchmarks.md), and a drift then weighs on both sides alike.
         base = bare(name, shards, vocab, setup["steps"], cores, device, precision)
+        rates, rows = ours(name, shards, out, setup["steps"], cores, device, precision, list(overrides))
+        base += bare(name, shards, vocab, setup["steps"], cores, device, precision)
         pure = bare(name, shards, vocab, setup["steps"], cores, device, precision, pure=True) if precision != "fp32" else base
         results[name] = (statistics.median(rates), statistics.median(base), statistics.median(pure), vocab, rows)
 
