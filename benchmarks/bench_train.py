@@ -137,12 +137,17 @@ def measure(models: list[str], device: str, precision: str, out: Path, steps: in
         vocab = 512 if name == "tiny" else 50272
         shards = out / name / "shards"
         make_shards(shards, setup["batch"] * (setup["steps"] + 1), seq_len=setup["seq_len"], vocab=vocab)
-        # The fair bare loop before and after ours, its steps pooled: a 2-core machine's speed drifts by 10-20%
-        # from one minute to the next (docs/benchmarks.md), and a drift then weighs on both sides alike.
-        base = bare(name, shards, vocab, setup["steps"], cores, device, precision)
+        # The bare loops in a Ray worker, as ours: the same process set-up (torch in this driver process ran the
+        # tiny model's step 1.3x as long as in a worker). The fair one before and after ours, its steps pooled: a
+        # 2-core machine's speed drifts by 10-20% from one minute to the next, and a drift then weighs on both sides.
+        import ray
+
+        worker = ray.remote(num_cpus=cores, num_gpus=1 if device == "cuda" else 0)(bare)
+        args = (name, shards, vocab, setup["steps"], cores, device, precision)
+        base = ray.get(worker.remote(*args))
         rates, rows = ours(name, shards, out, setup["steps"], cores, device, precision, list(overrides))
-        base += bare(name, shards, vocab, setup["steps"], cores, device, precision)
-        pure = bare(name, shards, vocab, setup["steps"], cores, device, precision, pure=True) if precision != "fp32" else base
+        base += ray.get(worker.remote(*args))
+        pure = ray.get(worker.remote(*args, pure=True)) if precision != "fp32" else base
         results[name] = (statistics.median(rates), statistics.median(base), statistics.median(pure), vocab, rows)
 
     peak = peak_tflops(torch.device(device, 0), precision) if device == "cuda" else None
