@@ -13,7 +13,7 @@ import torch
 from model.configs import get
 from model.opt import OPT
 from train import checkpoint_files
-from train.optim import Schedule, adamw, deepspeed_config, param_groups
+from train.optim import Schedule, adamw, autocast_dtype, deepspeed_config, param_groups
 
 
 @pytest.fixture(scope="module")
@@ -180,6 +180,10 @@ def test_deepspeed_config_per_precision():
     assert fp16["train_batch_size"] == 64 and fp16["fp16"]["loss_scale"] == 0  # dynamic loss scaling
     assert fp16["zero_optimization"] == {"stage": 3, "stage3_gather_16bit_weights_on_model_save": True}
     assert deepspeed_config(zero_stage=2, precision="bf16", **common)["bf16"] == {"enabled": True}
+    # bf16 at ZeRO-0: an fp32 engine, the forward under torch's autocast (the loop's); a pipeline keeps DeepSpeed's
+    assert "bf16" not in deepspeed_config(zero_stage=0, precision="bf16", **common)
+    assert autocast_dtype(zero_stage=0, precision="bf16") is torch.bfloat16
+    assert autocast_dtype(zero_stage=1, precision="bf16") is autocast_dtype(zero_stage=0, precision="fp32") is None
     fp32 = deepspeed_config(zero_stage=2, precision="fp32", **common)
     assert "fp16" not in fp32 and "bf16" not in fp32 and fp32["gradient_clipping"] == 1.0
     json.dumps(fp32)

@@ -469,25 +469,30 @@ class HostReads(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_a_zero_0_step_reads_the_device_once_and_skips_a_non_finite_update_on_it(deepspeed_rank, shards, tmp_path,
-                                                                                 monkeypatch):
-    """ZeRO-0 (one GPU's layout, DeepSpeed wrapping no optimizer of its own): each step of fit() reads the device
-    once, the loss, activation and grad norms together (DeepSpeed's timers and torch's unfused AdamW read it 41
-    times a step here before); a nan in the gradients (injected at step 4) is kept from the weights on the device,
-    and counted as a skipped update."""
+                                                                                 monkeypatch, precision):
+    """ZeRO-0 (one GPU's layout, DeepSpeed wrapping no optimizer of its own; bf16 as torch's autocast over fp32
+    weights): each step of fit() reads the device once, the loss, activation and grad norms together (DeepSpeed's
+    timers and torch's unfused AdamW read it 41 times a step here before, DeepSpeed's bf16 wrapper 42); a nan in
+    the gradients (injected at step 4) is kept from the weights on the device, and counted as a skipped update."""
     from train.loop.trainer import Trainer
 
-    train = section(zero_stage=0, precision="fp32", max_steps=8, eval_every=0, inject=[InjectConfig("nan", 4)],
+    train = section(zero_stage=0, precision=precision, max_steps=8, eval_every=0, inject=[InjectConfig("nan", 4)],
                     autopilot=AutopilotConfig(enabled=False))
     cfg = loop_config(train, shards, tmp_path, export_dir=None, tracking_uri=None, mlflow_run_id=None)
     trainer = Trainer(cfg, context(tmp_path), local_rank=0, local_world=1)
-    reads, per_step = HostReads(monkeypatch), []
+    reads, per_step, computed = HostReads(monkeypatch), [], set()
+    linear = next(m for m in trainer.model.modules() if isinstance(m, torch.nn.Linear))
+    linear.register_forward_hook(lambda module, inputs, output: computed.add(output.dtype))
     log_step = trainer.metrics.step
     monkeypatch.setattr(trainer.metrics, "step", lambda *a: (per_step.append(reads.count), log_step(*a)))
     with reads:
         trainer.fit()
     trainer.engine.destroy()
     assert np.diff([0, *per_step]).tolist() == [1] * 8
+    weights = {p.dtype for p in trainer.model.parameters()}
+    assert weights == {torch.float32} and computed == {{"fp32": torch.float32, "bf16": torch.bfloat16}[precision]}
     rows = [r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
     assert [(r["overflow"], r["skipped_steps"], r["grad_norm"] is None) for r in rows] == (
         [(0, 0, False)] * 3 + [(1, 1, True)] + [(0, 1, False)] * 4)

@@ -58,6 +58,15 @@ class Schedule:
         return base * self.factor
 
 
+def autocast_dtype(*, zero_stage: int, precision: str, pipeline: bool = False) -> torch.dtype | None:
+    """bf16 under ZeRO-0: the weights, gradients and Adam's state in fp32, the forward computed in bf16 under
+    torch's autocast, as nanoGPT and torchtitan train. DeepSpeed's own bf16 at ZeRO-0 is its
+    FP16_UnfusedOptimizer, which reads the device 41 times a step (an overflow scan per parameter, the weights'
+    norms) and sums gradients over micro-batches in bf16; autocast leaves DeepSpeed an fp32 engine, which wraps
+    no optimizer of ours (docs/training.md, "Host reads per step"). ZeRO 1-3 and a pipeline keep DeepSpeed's bf16."""
+    return torch.bfloat16 if precision == "bf16" and zero_stage == 0 and not pipeline else None
+
+
 INITIAL_SCALE_POWER = 16  # fp16's dynamic loss scale starts (and is reset by the autopilot) at 2**16
 
 
@@ -91,13 +100,13 @@ def deepspeed_config(*, micro_batch: int, accumulation: int, world_size: int, ze
         # replica wrote 11 GB of weights each beside their 2.1 GB of optimizer state, and every rank waited for
         # them at the engine's barrier; now each writes about 0.35 GB of weights (docs/scale.md, "Checkpoints").
         config["checkpoint"] = {"parallel_write": {"pipeline_stage": True}}
-    if precision == "bf16":
+    # bf16 at ZeRO-0 is an fp32 engine here: the forward's autocast is the loop's (autocast_dtype, Context.compute)
+    if precision == "bf16" and autocast_dtype(zero_stage=zero_stage, precision=precision, pipeline=pipeline) is None:
+        # Gradients summed over micro-batches in fp32: in bf16 (DeepSpeed's default, the model's dtype) each
+        # addition keeps 8 bits of mantissa, and a sum over many micro-batches loses the small ones. (ZeRO 0
+        # refuses the mix, engine._do_optimizer_sanity_check: "unsupported mix"; its bf16 is autocast, above.)
         config["bf16"] = {"enabled": True}
-        if zero_stage >= 1:
-            # Gradients summed over micro-batches in fp32: in bf16 (DeepSpeed's default, the model's dtype)
-            # each addition keeps 8 bits of mantissa, and a sum over many micro-batches loses the small
-            # ones. ZeRO 0 refuses the mix (engine._do_optimizer_sanity_check: "unsupported mix").
-            config["data_types"] = {"grad_accum_dtype": "fp32"}
+        config["data_types"] = {"grad_accum_dtype": "fp32"}
         if zero_stage == 1:
             # ZeRO-1 in bf16 with fp32 sums is DeepSpeed's BF16_Optimizer (engine._do_optimizer_sanity_check),
             # whose fp32 gradient buffer is whole on every rank. By default it also keeps each bf16 gradient

@@ -51,7 +51,8 @@ def unit_nll(engine, shards_dir: str, units: int, eval_micro: int, pad: int, eos
             else:
                 total = torch.zeros((), dtype=torch.float64, device=ctx.device)
                 for (x, y), n in zip(batches, counts):
-                    loss = engine(x, y)  # the mean over the targets scored: every rank runs every forward
+                    with ctx.compute():
+                        loss = engine(x, y)  # the mean over the targets scored: every rank runs every forward
                     if n:
                         total += loss.double() * n
             sums.append(total)

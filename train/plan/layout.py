@@ -215,8 +215,9 @@ class Prediction:
 
 
 def gradient_bytes(precision: str, zero: int) -> int:
-    """Bytes per gradient element the engine sums and reduces: fp32 for bf16 under ZeRO >= 1 (train/optim.py)."""
-    return 4 if precision == "bf16" and zero >= 1 else 2
+    """Bytes per gradient element the engine sums and reduces: fp32 for bf16 (train/optim.py: summed in fp32
+    under ZeRO >= 1; ZeRO-0's bf16 is autocast over fp32 weights, `autocast_dtype`), fp16's own otherwise."""
+    return 4 if precision == "bf16" else 2
 
 
 def state_bytes(precision: str, zero: int, dp: int) -> dict[str, float]:
@@ -234,9 +235,10 @@ def state_bytes(precision: str, zero: int, dp: int) -> dict[str, float]:
     - ZeRO-2: gradients reduced into partitions as they are made; in bf16 the fp32 sums are the partition's
       gradient the optimizer reads, in fp16 the step makes an fp32 copy.
     - ZeRO-3 (stage3.py): the weights partitioned too, and an fp32 gradient partition made at the step.
-    - ZeRO-0 (fp32, and bf16 with its own wrapper): counted as fp16 mixed precision, whole."""
+    - ZeRO-0, bf16: torch's autocast over fp32 weights and gradients, Adam's m and v (train/optim.py
+      `autocast_dtype`), whole. fp16 takes ZeRO 1-3 (train/rules.py)."""
     if zero == 0:
-        return {"weights": 2.0, "gradients": 2.0, "optimizer": 16.0}
+        return {"weights": 4.0, "gradients": 4.0, "optimizer": 8.0}
     weights, width = 2 / dp if zero == 3 else 2.0, gradient_bytes(precision, zero)
     if precision == "bf16":
         grads = width if zero == 1 else width / dp
