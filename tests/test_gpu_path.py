@@ -187,6 +187,25 @@ def test_the_gpu_check_passes_its_dry_run(ray_session, torch_fp16, tmp_path):
     assert ray_session.is_initialized()  # the session's Ray is left as it was
 
 
+def test_gap_attrib_passes_its_dry_run(deepspeed_rank, tmp_path):
+    """benchmarks/gap_attrib.py, which a session with a GPU runs before the GPU check, on this CPU at tiny scale:
+    every variant measured and written down, and our step now reading the device no more than the bare loop
+    (the profiler's `_local_scalar_dense`: the step's one `tolist()` is no op, on a GPU it shows as a copy)."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import gap_attrib
+
+    rows = gap_attrib.main(["--dry-run", "--out", str(tmp_path)])
+    assert [r.variant for r in rows] == ["bare pure", "bare fair", "ours before", "timers off", "fused AdamW",
+                                         "ZeRO-0 autocast"]
+    reads = {r.variant: r.host_reads for r in rows}
+    assert reads["ZeRO-0 autocast"] == reads["bare fair"] == 0 < reads["fused AdamW"] < reads["ours before"], reads
+    assert all(r.step_seconds > 0 and r.mfu is None for r in rows)
+    assert json.loads((tmp_path / "gap_attrib.json").read_text())[-1]["variant"] == "ZeRO-0 autocast"
+
+
 def test_the_gpu_checks_resume_point_is_the_checkpoint_published_before_the_kill(tmp_path):
     """Check 3 on the records a GPU left (2026-11-25, an H100): the save of step 10 was still being written
     when the worker was killed at 15, so the run resumed from step 0 and ran 1-14 twice. That passes, and
