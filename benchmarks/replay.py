@@ -3,7 +3,7 @@
     python benchmarks/replay.py [--steps 400] [--out /tmp/replay]
 
 Two runs of `pipelines/full.py` on the sample corpus (configs/local.yaml: tiny model, 2 Ray
-workers, ZeRO-2, fp32), same seed, same number of steps, the autopilot on in both:
+workers, ZeRO-0, fp32), same seed, same number of steps, the autopilot on in both:
 - clean: no injection (its logbook should be empty: false alarms);
 - replay: three loss spikes (the LR times 300 for one step), a loss-scale collapse (12
   overflowing steps; a simulated dynamic scaler, as there is no fp16 on CPU), NaN gradients, a
@@ -81,7 +81,7 @@ def main() -> None:
     faults = scenario(args.steps)
     replay = run(out, args.steps, faults)
 
-    print(f"tiny model, {args.steps} steps, 2 CPU workers, ZeRO-2 fp32")
+    print(f"tiny model, {args.steps} steps, 2 CPU workers, ZeRO-0 fp32")
     print()
     print("| injected at step | failure | detected as | actions |")
     print("|---|---|---|---|")
