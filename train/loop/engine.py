@@ -64,6 +64,6 @@ def build_engine(cfg: LoopConfig, ctx: Context, *, spans_nodes: bool) -> Built:
         problem = efa_problem(spans_nodes=spans_nodes)
         if problem is not None:
             raise RuntimeError(problem)
-    autocast = autocast_dtype(zero_stage=t.zero_stage, precision=t.precision, pipeline=ctx.pipelined)
-    return Built(engine, model, own_grad_norm=t.zero_stage == 0 and (t.precision == "fp32" or autocast is not None),
-                 autocast=autocast)
+    # ZeRO-0 (fp32, or bf16 as autocast; fp16 takes ZeRO 1-3): DeepSpeed wraps no optimizer of its own around ours
+    return Built(engine, model, own_grad_norm=t.zero_stage == 0,
+                 autocast=autocast_dtype(zero_stage=t.zero_stage, precision=t.precision, pipeline=ctx.pipelined))

@@ -158,8 +158,9 @@ class TrainStep:
     def _whole(self, micro_batches: list, poison: float, timer: ComputeTimer):
         engine, grad_norm, losses = self.engine, None, []
         for inputs, targets in micro_batches:
-            with timer, self.ctx.compute():  # no collective in a forward of ZeRO 0-2 (ZeRO-3 gathers weights in
-                micro_loss = engine(inputs, targets)  # it, tensor groups reduce)
+            # no collective in a forward of ZeRO 0-2 (ZeRO-3 gathers weights in it, tensor groups reduce)
+            with timer, self.ctx.compute():
+                micro_loss = engine(inputs, targets)
             losses.append(micro_loss.detach())  # on the device: one reduction per step, no sync per micro-batch
             engine.backward(pipeline.scale_gradient(micro_loss, poison))
             if self.own_grad_norm and engine.is_gradient_accumulation_boundary():
