@@ -86,41 +86,52 @@ def ours(name: str, shards: Path, out: Path, steps: int, cpus: int, device: str,
     return [r["tokens_per_second"] for r in rows][2:], rows
 
 
-def bare(name: str, shards: Path, vocab: int, steps: int, threads: int, device: str, precision: str,
-         pure: bool = False) -> list[float]:
-    """The bare loop's tokens/s per step (the first two left out), on the micro-batches ours trained on (our
-    loader over the same shards, seed and batch): no DeepSpeed, no Ray, the same number of threads, torch's fused
-    AdamW with our settings, `loss.backward(); clip_grad_norm_; step()`, one synchronization a step.
+def bare_loop(config, device: str, precision: str, pure: bool = False):
+    """The bare loop's step, `step(tokens, micro)` over a batch of token rows in micro-batches of `micro`: no
+    DeepSpeed, no Ray, torch's fused AdamW with our settings, `loss.backward(); clip_grad_norm_; step()`.
     The fair loop keeps fp32 master weights, as training needs and nanoGPT and torchtitan do: the model in fp32,
     its forward under autocast to bf16 or fp16 (fp16 with torch's GradScaler). `pure`: the model cast whole to
-    bf16 or fp16, no fp32 master weights, Adam's moments in that dtype: the cheapest loop there is, a ceiling."""
-    from train.loader import Loader
-
-    setup = SETUPS[device][name]
-    torch.set_num_threads(threads)
+    bf16 or fp16, no fp32 master weights, Adam's moments in that dtype: the cheapest loop there is, a ceiling.
+    benchmarks/gap_attrib.py runs the same step."""
     torch.manual_seed(0)
-    model = OPT(get(name).replace(vocab_size=vocab, max_seq_len=max(setup["seq_len"], get(name).max_seq_len))).to(device)
+    model = OPT(config).to(device)
     low = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16}[precision]
     if pure and low is not None:
         model = model.to(low)
     opt = adamw(model, 1e-4, 0.1)
     scaler = torch.amp.GradScaler(device, enabled=low is torch.float16 and not pure)
     autocast = torch.autocast(device, dtype=low or torch.float32, enabled=low is not None and not pure)
-    loader = Loader(shards, setup["batch"], seed=0)  # train.seed's default, as ours ran
-    accumulation = setup["batch"] // setup["micro"]
-    rates = []
-    for g, _ in zip(loader.positions(), range(steps)):
-        t0 = time.perf_counter()
-        tokens = torch.from_numpy(loader.batch(g).astype(np.int64)).to(device)
-        for micro in tokens.split(setup["micro"]):
+
+    def step(tokens: torch.Tensor, micro: int) -> None:
+        accumulation = tokens.size(0) // micro
+        for m in tokens.split(micro):
             with autocast:
-                loss = model(micro[:, :-1], micro[:, 1:]) / accumulation
+                loss = model(m[:, :-1], m[:, 1:]) / accumulation
             scaler.scale(loss).backward()
         scaler.unscale_(opt)
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         scaler.step(opt)
         scaler.update()
         opt.zero_grad(set_to_none=True)
+    return step
+
+
+def bare(name: str, shards: Path, vocab: int, steps: int, threads: int, device: str, precision: str,
+         pure: bool = False) -> list[float]:
+    """The bare loop's (`bare_loop`) tokens/s per step (the first two left out), on the micro-batches ours trained
+    on (our loader over the same shards, seed and batch), with the same number of threads, one synchronization a
+    step."""
+    from train.loader import Loader
+
+    setup = SETUPS[device][name]
+    torch.set_num_threads(threads)
+    step = bare_loop(get(name).replace(vocab_size=vocab, max_seq_len=max(setup["seq_len"], get(name).max_seq_len)),
+                     device, precision, pure)
+    loader = Loader(shards, setup["batch"], seed=0)  # train.seed's default, as ours ran
+    rates = []
+    for g, _ in zip(loader.positions(), range(steps)):
+        t0 = time.perf_counter()
+        step(torch.from_numpy(loader.batch(g).astype(np.int64)).to(device), setup["micro"])
         if device == "cuda":
             torch.cuda.synchronize()
         rates.append(setup["batch"] * setup["seq_len"] / (time.perf_counter() - t0))

@@ -46,6 +46,7 @@ from train.loop.step import TrainStep  # noqa: E402
 from train.optim import BETAS, EPS, autocast_dtype, deepspeed_config, param_groups  # noqa: E402
 
 import provenance  # noqa: E402  (benchmarks/provenance.py: a script's folder is on sys.path)
+from bench_train import bare_loop  # noqa: E402
 
 # Per model: sequence length, sequences per step, per micro-batch (bench_train.py's GPU setups; tiny: the dry
 # run's, small: this CPU has no bf16 kernels, and a step of bench_train's tiny batch takes 1.5 s in bf16 here).
@@ -84,32 +85,13 @@ class Batches:
         return self.count - 1, self.micro_batches
 
 
-def bare_step(model, opt, batches: Batches, autocast: bool, device: torch.device):
-    """`loss.backward()` per micro-batch, the clip, the update: one synchronization on a GPU (the step's end)."""
-    def step():
-        accumulation = len(batches.micro_batches)
-        for inputs, targets in batches.micro_batches:
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-                loss = model(inputs, targets) / accumulation
-            loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-    return step
-
-
 def variants(name: str, device: torch.device, tokens: torch.Tensor, micro: int, out: Path):
     """(label, a callable that runs one step, what to free after) for each variant, built one at a time."""
     import deepspeed
 
     config = get(name).replace(max_seq_len=max(tokens.size(1) - 1, get(name).max_seq_len))
     for label, pure in (("bare pure", True), ("bare fair", False)):
-        model = OPT(config, seed=0).to(device)
-        if pure:
-            model = model.to(torch.bfloat16)
-        opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-4, betas=BETAS, eps=EPS, fused=True)
-        yield label, bare_step(model, opt, Batches(tokens, micro), not pure, device), None
-        del model, opt
+        yield label, functools.partial(bare_loop(config, device.type, "bf16", pure), tokens, micro), None
     accumulation = tokens.size(0) // micro
     for label, zero, timers, fused in OURS:
         ds_config = deepspeed_config(micro_batch=micro, accumulation=accumulation, world_size=1, zero_stage=zero,
