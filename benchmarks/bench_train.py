@@ -152,7 +152,10 @@ def measure(models: list[str], device: str, precision: str, out: Path, steps: in
         # tiny model's step 1.3x as long as in a worker). The fair one before and after ours, its steps pooled: a
         # 2-core machine's speed drifts by 10-20% from one minute to the next, and a drift then weighs on both sides.
         import ray
+        from ray import cloudpickle
 
+        if bare.__module__ != "__main__":  # imported (gpu_check.py, the tests): the workers cannot import benchmarks/
+            cloudpickle.register_pickle_by_value(sys.modules[bare.__module__])
         worker = ray.remote(num_cpus=cores, num_gpus=1 if device == "cuda" else 0)(bare)
         args = (name, shards, vocab, setup["steps"], cores, device, precision)
         base = ray.get(worker.remote(*args))
