@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
-import socket
 import statistics
 import sys
 import time
@@ -36,17 +34,7 @@ from train.loop.checkpointer import Checkpointer  # noqa: E402
 from train.loop.context import Context  # noqa: E402
 from train.optim import adamw, deepspeed_config  # noqa: E402
 
-
-def one_rank() -> None:
-    import deepspeed
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "DS_ACCELERATOR": "cpu",
-                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    deepspeed.init_distributed(dist_backend="gloo")
+from gap_attrib import one_rank  # noqa: E402
 
 
 def step(engine, seq: int, seed: int) -> float:
@@ -87,7 +75,7 @@ def main() -> None:
     print(provenance.header(), flush=True)
     import deepspeed
 
-    one_rank()
+    one_rank("gloo")
     torch.manual_seed(0)
     model = OPT(get(args.model).replace(dropout=0.0))
     engine, *_ = deepspeed.initialize(model=model, optimizer=adamw(model, 1e-4, 0.1), config=deepspeed_config(

@@ -7,9 +7,9 @@ first two not timed), on the same micro-batches:
 - ours: the train stage itself (`train.stage.run`: Ray Train, one worker with every core, DeepSpeed with
   configs/local.yaml's train settings, our loader, metrics to MLflow and metrics.jsonl every step), tokens/s
   from its metrics.jsonl (median over the timed steps);
-- the fair bare loop, in this process (`bare`): the same model, fp32 master weights (autocast for bf16 and
-  fp16), torch's fused AdamW with our settings, `loss.backward(); clip_grad_norm_; step()`, no DeepSpeed, no
-  Ray, the same number of threads; tokens/s as the median step;
+- the fair bare loop (`bare_loop`), in a Ray worker before and after ours: the same model, fp32 master weights
+  (autocast for bf16 and fp16), torch's fused AdamW with our settings, `loss.backward(); clip_grad_norm_;
+  step()`, no DeepSpeed, the same number of threads; tokens/s as the median step;
 - in bf16 or fp16, the pure bare loop beside it (the model cast whole: no fp32 master weights), the ceiling.
 Prints a Markdown table with the ratio (time per token, ours / fair bare; goal <= 1.10x).
 
@@ -141,22 +141,23 @@ def bare(name: str, shards: Path, vocab: int, steps: int, threads: int, device: 
 def measure(models: list[str], device: str, precision: str, out: Path, steps: int | None = None,
             overrides: list[str] = (), cores: int | None = None) -> list[str]:
     """Ours against the bare loop for each model, on the Ray this process has started; the table's lines."""
+    import ray
+    from ray import cloudpickle
+
     cores = cores or os.cpu_count() or 1
+    # The bare loops in a Ray worker, as ours: the same process set-up (torch in this driver process ran the tiny
+    # model's step 1.3x as long as in a worker).
+    if bare.__module__ != "__main__":  # imported (gpu_check.py, the tests): the workers cannot import benchmarks/
+        cloudpickle.register_pickle_by_value(sys.modules[bare.__module__])
+    worker = ray.remote(num_cpus=cores, num_gpus=1 if device == "cuda" else 0)(bare)
     results = {}
     for name in models:
         setup = {**SETUPS[device][name], **({"steps": steps} if steps else {})}
         vocab = 512 if name == "tiny" else 50272
         shards = out / name / "shards"
         make_shards(shards, setup["batch"] * (setup["steps"] + 1), seq_len=setup["seq_len"], vocab=vocab)
-        # The bare loops in a Ray worker, as ours: the same process set-up (torch in this driver process ran the
-        # tiny model's step 1.3x as long as in a worker). The fair one before and after ours, its steps pooled: a
-        # 2-core machine's speed drifts by 10-20% from one minute to the next, and a drift then weighs on both sides.
-        import ray
-        from ray import cloudpickle
-
-        if bare.__module__ != "__main__":  # imported (gpu_check.py, the tests): the workers cannot import benchmarks/
-            cloudpickle.register_pickle_by_value(sys.modules[bare.__module__])
-        worker = ray.remote(num_cpus=cores, num_gpus=1 if device == "cuda" else 0)(bare)
+        # The fair bare loop before and after ours, its steps pooled: a 2-core machine's speed drifts by 10-20%
+        # from one minute to the next, and a drift then weighs on both sides.
         args = (name, shards, vocab, setup["steps"], cores, device, precision)
         base = ray.get(worker.remote(*args))
         rates, rows = ours(name, shards, out, setup["steps"], cores, device, precision, list(overrides))

@@ -163,7 +163,7 @@ def measure(name: str, device: torch.device, steps: int, profiled: int, out: Pat
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
         times = []
-        for i in range(steps + 2):
+        for _ in range(steps + 2):
             t0 = time.perf_counter()
             step()
             if cuda:
