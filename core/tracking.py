@@ -11,8 +11,10 @@ import contextlib
 import logging
 import os
 import re
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator
 
 from core.config import ConfigError, no_credentials, uri_secret
@@ -64,10 +66,48 @@ def admin_password() -> str:
 
 
 MAX_PARAM_LENGTH = 6000  # MLflow's limit on a param value
+MAX_TAG_LENGTH = 8000  # and on a tag value
 # The experiment's type, which the MLflow 3 UI reads to open an experiment on its training runs, not on
 # the GenAI overview (traces, evaluations) it shows an experiment of unknown type.
 EXPERIMENT_KIND, MODEL_TRAINING = "mlflow.experimentKind", "custom_model_development"
 BATCH = 100  # MLflow's limit on params per log_batch call
+
+
+LOCAL_UI = "http://127.0.0.1:5000"  # where `mlflow ui` serves a local store
+
+
+def program(name: str) -> str:
+    """`name` (python, mlflow) of the environment this runs in, as a person types it here: after `make run` both are
+    in .venv/bin, which is not on PATH, so a bare `mlflow` would not be found."""
+    path = Path(sys.executable) if name == "python" else Path(sys.executable).with_name(name)
+    if not path.is_absolute() or not path.exists():
+        return name
+    try:  # a job's working directory may be gone by the end of its run (Ray's runtime env)
+        return str(path.relative_to(os.getcwd()))
+    except (ValueError, OSError):
+        return str(path)
+
+
+def ui_link(tracking_uri: str, experiment_id: str, run_id: str | None = None, relative: bool = False,
+            view: str | None = None) -> str:
+    """The MLflow UI's page of an experiment, of one of its runs, or of its runs table in a saved `view`, in the
+    model-training view: the MLflow 3 UI opens each on its GenAI view (traces, evaluations) unless the link asks
+    for the other (`workflowType`, which takes precedence over the experiment's type tag). `relative`: the page
+    alone, for a link inside the UI."""
+    page = (f"#/experiments/{experiment_id}" + (f"/runs/{run_id}" if run_id else "/runs" if view else "") + "?"
+            + (f"viewStateShareKey={view}&" if view else "") + "workflowType=machine_learning")
+    if relative:
+        return page
+    server = tracking_uri.rstrip("/") if tracking_uri.startswith(("http://", "https://")) else LOCAL_UI
+    return f"{server}/{page}"
+
+
+def ui_hint(tracking_uri: str, experiment_id: str, run_id: str | None = None) -> str:
+    """How to open that page: the link, after starting `mlflow ui` on a local store."""
+    link = ui_link(tracking_uri, experiment_id, run_id)
+    if tracking_uri.startswith(("http://", "https://")):
+        return link
+    return f"{program('mlflow')} ui --backend-store-uri {tracking_uri}, then {link}"
 
 
 def metric_name(key: str) -> str:

@@ -37,10 +37,20 @@ class Ablation:
     downstream_seeds: list[int] = field(default_factory=list)  # ... of these (the downstream stage's runs)
 
 
-def read(names: list[str] | None = None, *, config: str | None = None, workdir: str | None = None,
-         experiment: str | None = None, tracking_uri: str | None = None) -> list[Ablation]:
-    """The ablations named (all when none, base first) of the config's experiment (or `experiment`), from its
-    MLflow store (or `tracking_uri`), checked to be evaluated on one held-out set; Unreadable otherwise."""
+@dataclass
+class Store:
+    """The MLflow experiment the ablations are in, and a client of its store."""
+
+    client: object  # MlflowClient
+    uri: str
+    experiment: str
+    experiment_id: str
+
+
+def store(*, config: str | None = None, workdir: str | None = None, experiment: str | None = None,
+          tracking_uri: str | None = None) -> Store:
+    """The config's experiment (or `experiment`) in its MLflow store (or `tracking_uri`); Unreadable when the config
+    is bad or the experiment does not exist."""
     from mlflow import MlflowClient
 
     try:
@@ -52,9 +62,18 @@ def read(names: list[str] | None = None, *, config: str | None = None, workdir: 
     found = client.get_experiment_by_name(name)
     if found is None:
         raise Unreadable(f"no MLflow experiment {name!r} in {uri}")
-    ablations = collect(client, found.experiment_id, names)
+    return Store(client, uri, name, found.experiment_id)
+
+
+def read(names: list[str] | None = None, *, config: str | None = None, workdir: str | None = None,
+         experiment: str | None = None, tracking_uri: str | None = None, where: Store | None = None) -> list[Ablation]:
+    """The ablations named (all when none, base first) of the config's experiment (or `experiment`), from its
+    MLflow store (or `tracking_uri`), or of `where`, checked to be evaluated on one held-out set; Unreadable
+    otherwise."""
+    where = where or store(config=config, workdir=workdir, experiment=experiment, tracking_uri=tracking_uri)
+    ablations = collect(where.client, where.experiment_id, names)
     if not ablations:
-        raise Unreadable(f"no finished pipeline runs in experiment {name!r}")
+        raise Unreadable(f"no finished pipeline runs in experiment {where.experiment!r}")
     check_reference(ablations, named=bool(names))
     check_comparable(ablations)
     return ablations
@@ -92,25 +111,39 @@ def collect(client, experiment_id: str, names: list[str] | None) -> list[Ablatio
     else:
         chosen = sorted(found.values(), key=lambda a: (a.name != "base", a.name))
     for ablation in chosen:
-        scored: dict[str, list] = {"train": [], "downstream": []}  # every run of the stages with scores per seed
-        for parent in ablation.pipeline_runs:  # newest first: the first run of a stage found is the one shown
-            for run in client.search_runs([experiment_id], f"tags.mlflow.parentRunId = '{parent}' and "
-                                          "attributes.status = 'FINISHED'", max_results=1000):
-                stage = run.data.tags.get("stage")
-                if stage in {s.name for s in STAGES} and stage not in ablation.stages:
-                    ablation.stages[stage] = run
-                scored.get(stage, []).append(run)
-        if scored["downstream"]:
-            ablation.downstream_seeds, ablation.downstream = pooled(ablation.name, reused_runs(client, scored["downstream"]),
-                                                                    "downstream.seeds", "downstream")
-        if scored["train"]:
-            sources = reused_runs(client, scored["train"])
-            ablation.seeds, ablation.bpb = pooled(ablation.name, sources, "eval.seeds", "eval.bpb")
-            ablation.fingerprint = sources[0].data.tags.get("eval.fingerprint")
-            history = client.get_metric_history(sources[0].info.run_id, "loss")
-            by_step = {m.step: m.value for m in sorted(history, key=lambda m: m.timestamp)}  # a redone step: its last value
-            ablation.loss = sorted(by_step.items())
+        fill(client, experiment_id, ablation)
     return chosen
+
+
+def of_pipeline_run(client, experiment_id: str, run_id: str) -> Ablation:
+    """One pipeline run as an ablation of its own (its stage runs that finished, its seeds only): what its headline
+    figures are computed from while it is still open."""
+    tags = client.get_run(run_id).data.tags
+    ablation = Ablation(tags.get("ablation", ""), tags.get("ablation.diff", ""), pipeline_runs=[run_id])
+    fill(client, experiment_id, ablation)
+    return ablation
+
+
+def fill(client, experiment_id: str, ablation: Ablation) -> None:
+    """An ablation's stage runs, seeds, scores, evaluation fingerprint and loss curve, from its pipeline runs."""
+    scored: dict[str, list] = {"train": [], "downstream": []}  # every run of the stages with scores per seed
+    for parent in ablation.pipeline_runs:  # newest first: the first run of a stage found is the one shown
+        for run in client.search_runs([experiment_id], f"tags.mlflow.parentRunId = '{parent}' and "
+                                      "attributes.status = 'FINISHED'", max_results=1000):
+            stage = run.data.tags.get("stage")
+            if stage in {s.name for s in STAGES} and stage not in ablation.stages:
+                ablation.stages[stage] = run
+            scored.get(stage, []).append(run)
+    if scored["downstream"]:
+        ablation.downstream_seeds, ablation.downstream = pooled(ablation.name, reused_runs(client, scored["downstream"]),
+                                                                "downstream.seeds", "downstream")
+    if scored["train"]:
+        sources = reused_runs(client, scored["train"])
+        ablation.seeds, ablation.bpb = pooled(ablation.name, sources, "eval.seeds", "eval.bpb")
+        ablation.fingerprint = sources[0].data.tags.get("eval.fingerprint")
+        history = client.get_metric_history(sources[0].info.run_id, "loss")
+        by_step = {m.step: m.value for m in sorted(history, key=lambda m: m.timestamp)}  # a redone step: its last value
+        ablation.loss = sorted(by_step.items())
 
 
 def reused_runs(client, runs: list) -> list:

@@ -32,7 +32,10 @@ the screen's too.
 The PNG: bits per byte per row and downstream accuracy per task with the intervals, and each ablation's training
 loss against the step.
 
-MLflow's own UI shows the same runs: every run carries the `ablation` tag (Group by: ablation).
+In MLflow (pipelines/ablation_runs.py): each call makes one comparison run in the ablations' experiment, or updates
+the one these ablations already have, holding the three tables, each verdict as a tag, the chart and links to the runs
+compared; it prints the link that opens it. A refused comparison logs nothing. Every pipeline run carries its own
+headline figures (`bpb.<row>`, `accuracy.<task>`: the mean over its seeds, `.ci95`, `.seeds`) and the `ablation` tag.
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -83,6 +86,45 @@ class Measure:
         if d.side in (stats.ABOVE, stats.BELOW):
             return "worse" if (d.side == stats.ABOVE) == self.lower_is_better else "better"
         return d.side  # why there is none ("not enough seeds (2; 3 decide)", ...)
+
+
+@dataclass
+class Table:
+    """One of compare.py's tables as data: printed as text, logged to MLflow as a table (`columns`) and as Markdown
+    in the comparison run's description, and the verdicts it reached, {(ablation, row): verdict}."""
+
+    title: str  # the name of its first column, and of its MLflow table ("stages", "bits per byte", ...)
+    header: list[str]
+    body: list[list[str]]
+    notes: list[str]
+    verdicts: dict[tuple[str, str], str] = field(default_factory=dict)
+    judged: int = 0  # its last columns, the differences and verdicts: first after the row's name in MLflow's table
+
+    def text(self) -> str:
+        widths = [max(len(r[i]) for r in [self.header, *self.body]) for i in range(len(self.header))]
+        lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths)))
+                 for r in [self.header, *self.body]]
+        lines.insert(1, "  ".join("-" * w for w in widths))
+        return "\n".join(lines + ([""] + self.notes if self.notes else []))
+
+    def markdown(self) -> str:
+        def row(cells: list[str]) -> str:
+            return "| " + " | ".join(c.replace("|", "\\|") for c in cells) + " |"
+
+        lines = [row(self.header), "|" + "|".join("---" if i == 0 else "---:" for i in range(len(self.header))) + "|"]
+        return "\n".join(lines + [row(r) for r in self.body] + ([""] + self.notes if self.notes else []))
+
+    def columns(self) -> dict[str, list[str]]:
+        """{column: its cells}, each name once (a header that repeats, "verdict" for each of several ablations, gets
+        the header before it in brackets: "verdict (vs base: no-screen)"), the verdicts next to the row's name:
+        MLflow's table view is narrower than the text."""
+        names: list[str] = []
+        for i, name in enumerate(self.header):
+            name = name or self.title
+            names.append(f"{name} ({self.header[i - 1]})" if self.header.count(name) > 1 else name)
+        cut = len(names) - self.judged
+        order = [0, *range(cut, len(names)), *range(1, cut)]
+        return {names[i]: [r[i] for r in self.body] for i in order}
 
 
 BPB = Measure("bits per byte", "bpb", "seeds", lower_is_better=True, digits=4)
@@ -158,12 +200,12 @@ def sizes(ablation: Ablation) -> dict[str, list[str]]:
     return out
 
 
-def score_table(ablations: list[Ablation], measure: Measure = BPB) -> str:
+def score_table(ablations: list[Ablation], measure: Measure = BPB) -> Table | None:
     """A table of scores per seed (bits per byte, or downstream accuracy): each ablation's mean ± its interval, and
-    each other's difference from the first with its verdict; "" when no ablation has such scores."""
+    each other's difference from the first with its verdict; None when no ablation has such scores."""
     scored = [with_macro(a) if measure is BPB else a for a in ablations if measure.values(a)]
     if not scored:
-        return ""
+        return None
     base, others = scored[0], scored[1:]
     rows, alpha, found = verdicts(scored, measure)
     size = sizes(base) if measure is BPB else {}
@@ -172,7 +214,7 @@ def score_table(ablations: list[Ablation], measure: Measure = BPB) -> str:
     for a in others:
         header += [f"vs {base.name}: {a.name}", "verdict"]
     digits = measure.digits
-    body = []
+    body, judged = [], {}
     for row in rows:
         cells = [row or "all"] + ((size.get(row, ["-"] * 3) if row != MACRO else ["-"] * 3) if size else [])
         for a in scored:
@@ -183,25 +225,25 @@ def score_table(ablations: list[Ablation], measure: Measure = BPB) -> str:
             d = found[a.name].get(row)
             shown = "-" if d is None or not np.isfinite(d.delta) else f"{d.delta:+.{digits}f}" + (f"±{d.half:.{digits}f}" if np.isfinite(d.half) else "")
             cells += ["-", "-"] if d is None else [shown, measure.verdict(d)]
+            if d is not None:
+                judged[(a.name, row or "all")] = measure.verdict(d)
         body.append(cells)
-    widths = [max(len(r[i]) for r in [header, *body]) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))) for r in [header, *body]]
-    lines.insert(1, "  ".join("-" * w for w in widths))
     seeds = "; ".join(f"{a.name}: seeds {','.join(map(str, measure.seeds(a)))}" for a in scored)
     what = (f"evaluation set eval.fingerprint={base.fingerprint}" if measure is BPB
             else f"tasks: {', '.join(r for r in rows)}")
-    lines += ["", f"{what}; {seeds}.",
-              f"Each column: the mean over its seeds ± its 95% interval. vs {base.name}: the difference ± its interval at a "
-              f"{ALPHA:.0%} family-wise error rate for the table (Bonferroni over its {len(rows)} rows x {len(others)} "
-              f"ablation(s): {alpha:.2g} each); paired t over the seeds shared with {base.name}, each ablation by its own "
-              f"noise (Welch's t for one that shares fewer than {stats.MIN_SEEDS}); worse or better: the interval excludes 0"
-              + (f"; {MACRO}: the mean over the domains, each source or subset weighing the same" if MACRO in rows else "")
-              + "."]
-    return "\n".join(lines)
+    notes = [f"{what}; {seeds}.",
+             f"Each column: the mean over its seeds ± its 95% interval. vs {base.name}: the difference ± its interval at a "
+             f"{ALPHA:.0%} family-wise error rate for the table (Bonferroni over its {len(rows)} rows x {len(others)} "
+             f"ablation(s): {alpha:.2g} each); paired t over the seeds shared with {base.name}, each ablation by its own "
+             f"noise (Welch's t for one that shares fewer than {stats.MIN_SEEDS}); worse or better: the interval excludes 0"
+             + (f"; {MACRO}: the mean over the domains, each source or subset weighing the same" if MACRO in rows else "")
+             + "."]
+    return Table(measure.title, header, body, notes, judged, judged=2 * len(others))
 
 
 def bpb_table(ablations: list[Ablation]) -> str:
-    return score_table(ablations, BPB)
+    found = score_table(ablations, BPB)
+    return found.text() if found else ""
 
 
 def rows(ablations: list[Ablation]) -> list[tuple[str, list[str]]]:
@@ -253,18 +295,11 @@ def dropped_subsets(ablation: Ablation) -> str:
     return ", ".join(sorted(k.split(".", 1)[1] for k, v in run.data.metrics.items() if k.startswith("dropped.") and v > 0)) or "none"
 
 
-def table(ablations: list[Ablation]) -> str:
-    body = rows(ablations)
-    header = ["", *(a.name for a in ablations)]
-    widths = [max(len(header[0]), *(len(label) for label, _ in body))]
-    widths += [max(len(a.name), *(len(cells[i]) for _, cells in body)) for i, a in enumerate(ablations)]
-    lines = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(zip(header, widths)))]
-    lines.append("  ".join("-" * w for w in widths))
-    for label, cells in body:
-        lines.append("  ".join([label.ljust(widths[0]), *(c.rjust(w) for c, w in zip(cells, widths[1:]))]))
-    lines.append("")
-    lines += [f"{a.name}: {a.diff or '(none)'}" for a in ablations]
-    return "\n".join(lines)
+def stage_table(ablations: list[Ablation]) -> Table:
+    """The first table: the stages' counts, the screen's drops, tokens per source and the training runs' own figures;
+    and each ablation's differences from the config file."""
+    return Table("stages", ["", *(a.name for a in ablations)], [[label, *cells] for label, cells in rows(ablations)],
+                 [f"{a.name}: {a.diff or '(none)'}" for a in ablations])
 
 
 def plot(ablations: list[Ablation], path: Path) -> Path | None:
@@ -328,21 +363,36 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
-    from pipelines.ablations import Unreadable, read  # after the arguments: it imports MLflow and the stages
+    # after the arguments: these import MLflow and the stages
+    from core.tracking import ui_hint, ui_link
+    from pipelines.ablation_runs import SAVED_VIEW, VIEW, log_comparison
+    from pipelines.ablations import Unreadable, read, store
 
     try:
-        ablations = read(args.names, config=args.config, workdir=args.workdir, experiment=args.experiment,
-                         tracking_uri=args.tracking_uri)
+        where = store(config=args.config, workdir=args.workdir, experiment=args.experiment, tracking_uri=args.tracking_uri)
+        ablations = read(args.names, where=where)
     except Unreadable as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    print(table(ablations))
-    scores = score_table(ablations, BPB)
-    print("\n" + (scores or "no evaluation on the held-out set to compare (train stage not run)"))
-    downstream = score_table(ablations, DOWNSTREAM)
-    print("\n" + (downstream or "no downstream tasks to compare (downstream stage not run, or eval.downstream.tasks empty)"))
+    tables = [stage_table(ablations)]
+    printed = [tables[0].text()]
+    for measure, missing in ((BPB, "no evaluation on the held-out set to compare (train stage not run)"),
+                             (DOWNSTREAM, "no downstream tasks to compare (downstream stage not run, or "
+                                          "eval.downstream.tasks empty)")):
+        found = score_table(ablations, measure)
+        tables += [found] if found else []
+        printed.append(found.text() if found else missing)
+    text = "\n\n".join(printed)
+    print(text)
     chart = plot(ablations, Path(args.out))
     print(f"\nchart: {chart}" if chart else "\nno training runs to plot")
+    command = " ".join(["pipelines/compare.py", *(argv if argv is not None else sys.argv[1:])])
+    run_id = log_comparison(where, ablations, [*tables[1:], tables[0]], text, chart, command)
+    print(f"\nMLflow: comparison run {run_id} in experiment '{where.experiment}' (made, or updated when asked again)")
+    print("  look at it with: " + ui_hint(where.uri, where.experiment_id, run_id))
+    if SAVED_VIEW + VIEW in where.client.get_experiment(where.experiment_id).tags:
+        print("  every pipeline run's bits per byte and accuracy, side by side: "
+              + ui_link(where.uri, where.experiment_id, view=VIEW))
     return 0
 
 

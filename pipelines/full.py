@@ -26,10 +26,7 @@ from pipelines.config import PipelineConfig, check_inputs_exist, load_config
 from pipelines import summary
 from core.dag import DamagedOutput, Plan, Runner, Stage, StageFailed, UsageError, audit, fingerprints, iter_outcomes_table
 from pipelines.config import CHECKS
-from core.tracking import flatten
-
-
-MAX_TAG = 5000  # characters of an MLflow tag value (its limit is 8000)
+from core.tracking import MAX_TAG_LENGTH, flatten, program, ui_hint, ui_link
 
 
 class _Parser(argparse.ArgumentParser):
@@ -120,7 +117,7 @@ def ablation_tags(args: argparse.Namespace, config: PipelineConfig) -> dict[str,
     diff = [f"{k}: {base.get(k, '(none)')} -> {v}" for k, v in this.items() if base.get(k) != v]
     diff += [f"{k}: {v} -> (none)" for k, v in base.items() if k not in this]
     name = args.ablation or ("base" if not diff else " ".join(args.overrides))
-    return {"ablation": name, "ablation.diff": ("; ".join(diff) or "(none)")[:MAX_TAG]}
+    return {"ablation": name, "ablation.diff": ("; ".join(diff) or "(none)")[:MAX_TAG_LENGTH]}
 
 
 def run(config: PipelineConfig, args: argparse.Namespace, only: list[str] | None, stages: list[Stage],
@@ -142,6 +139,8 @@ def run_locked(config: PipelineConfig, args: argparse.Namespace, runner: Runner,
                ray_started: list[bool]) -> int:
     """`run`'s plan carried out, the workdir held."""
     from core.tracking import MlflowTracker
+    from pipelines.ablation_runs import headline, save_view
+    from pipelines.ablations import of_pipeline_run
 
     layout_files = []
     if plan.actions.get("train") == "run":  # GPU training: its layout priced against the best (train/plan/planner.py)
@@ -161,6 +160,9 @@ def run_locked(config: PipelineConfig, args: argparse.Namespace, runner: Runner,
                 tracker.log_artifact(path)
             tracker.set_tag("mlflow.note.content", table.read_text())  # the run's description, on its Overview tab
             tracker.log_metrics({f"{o.stage}.{k}": v for o in outcomes for k, v in o.manifest["counts"].items()})
+            figures = headline(of_pipeline_run(tracker.client, tracker.experiment_id, parent))
+            tracker.log_metrics(figures)
+            view = save_view(tracker.client, tracker.experiment_id, figures)
     finally:
         if any(ray_started):
             import ray
@@ -171,30 +173,13 @@ def run_locked(config: PipelineConfig, args: argparse.Namespace, runner: Runner,
         print(line)
     print(f"\nMLflow: experiment '{config.mlflow.experiment}', run {parent}, store {config.mlflow.tracking_uri}")
     print("  look at it with: " + ui_hint(config.mlflow.tracking_uri, tracker.experiment_id))
+    print("  this run: " + ui_link(config.mlflow.tracking_uri, tracker.experiment_id, parent))
+    if view:
+        print("  every pipeline run's bits per byte and accuracy, side by side: "
+              + ui_link(config.mlflow.tracking_uri, tracker.experiment_id, view=view))
     print(f"  ablation '{ablation['ablation']}'; compare ablations with: {program('python')} pipelines/compare.py"
           + (f" --config {args.config}" if args.config else ""))
     return 0
-
-
-def program(name: str) -> str:
-    """`name` (python, mlflow) of the environment this runs in, as a person types it here: after `make run` both are
-    in .venv/bin, which is not on PATH, so a bare `mlflow` would not be found."""
-    path = Path(sys.executable) if name == "python" else Path(sys.executable).with_name(name)
-    if not path.is_absolute() or not path.exists():
-        return name
-    try:  # a job's working directory may be gone by the end of its run (Ray's runtime env)
-        return str(path.relative_to(os.getcwd()))
-    except (ValueError, OSError):
-        return str(path)
-
-
-def ui_hint(tracking_uri: str, experiment_id: str) -> str:
-    """How to open the experiment on its runs: the MLflow 3 UI opens on its GenAI view unless the link asks
-    for the model-training one (`workflowType`, which takes precedence over the experiment's type tag)."""
-    page = f"#/experiments/{experiment_id}?workflowType=machine_learning"
-    if tracking_uri.startswith(("http://", "https://")):
-        return f"{tracking_uri.rstrip('/')}/{page}"
-    return f"{program('mlflow')} ui --backend-store-uri {tracking_uri}, then http://127.0.0.1:5000/{page}"
 
 
 def _pipeline_tags(config: PipelineConfig) -> dict[str, str]:

@@ -214,7 +214,140 @@ def test_an_ablation_run_again_pools_its_seeds_on_the_same_data_and_is_refused_o
     bpb, downstream = out.split("\nbits per byte")[1].split("\ndownstream accuracy")
     assert "worse" in bpb.splitlines()[2] and "more: seeds 0,1,2,3,4" in bpb
     assert "cloze" in downstream and "worse" in downstream.splitlines()[2]  # lower accuracy: worse
+    (logged,) = comparisons(client, experiment)
+    assert logged.data.tags["verdict.bpb.more.all"] == "worse" and logged.data.tags["verdict.accuracy.more.cloze"] == "worse"
     pipeline_run(client, experiment, "more", {"data.fingerprint": "d2"}, [1.7, 1.7, 1.71], seeds=[5, 6, 7])
     assert compare.main(args) == 2
     (err,) = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert "ablation 'more' has runs of two data.fingerprints, d2" in err and "and d1 (run" in err
+    (after,) = comparisons(client, experiment)  # a refused comparison logs nothing
+    assert after.data.tags == logged.data.tags and after.info.end_time == logged.info.end_time
+
+
+def comparisons(client, experiment: str) -> list:
+    return client.search_runs([experiment], "tags.kind = 'comparison'")
+
+
+def test_compare_logs_its_tables_verdicts_and_chart_as_one_run_updated_when_asked_again(tmp_path, capsys, monkeypatch):
+    """compare.py's output in MLflow: one run per comparison, holding the tables (as MLflow tables, Markdown in its
+    description and the printed text), a searchable verdict per ablation and row, the chart, links to the runs
+    compared (model-training view) and the evaluation fingerprint. Asked again after a new seed it updates that run:
+    the tables replaced, not appended to, and a verdict that no longer holds gone."""
+    from mlflow import MlflowClient
+
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    client = MlflowClient(uri)
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)  # MlflowClient.load_table searches the default store, not its own
+    experiment = client.create_experiment("ablations", artifact_location=str(tmp_path / "artifacts"))
+    pipeline_run(client, experiment, "base", {}, [1.50, 1.52, 1.49])
+    worse = pipeline_run(client, experiment, "worse", {}, [1.60, 1.63, 1.59])
+    cfg = write_config(tmp_path, "sources: [{name: web, format: jsonl, paths: [x.jsonl]}]\n")
+    args = ["--config", str(cfg), "--tracking-uri", uri, "--experiment", "ablations", "--out", str(tmp_path / "a.png")]
+    assert compare.main(args) == 0
+    printed = capsys.readouterr().out
+    (run,) = comparisons(client, experiment)
+    rid, tags = run.info.run_id, run.data.tags
+    assert f"comparison run {rid}" in printed and f"#/experiments/{experiment}/runs/{rid}?workflowType=machine_learning" in printed
+    assert tags["comparison"] == "base | worse" and tags["eval.fingerprint"] == "aaaaaaaaaaaaaaaa"
+    assert tags["verdict.bpb.worse.all"] == "worse" and run.data.metrics["bpb.worse.worse"] == 1
+    worse_parent = client.get_run(worse).data.tags["mlflow.parentRunId"]
+    assert tags["compared.worse"] == worse_parent
+    note = tags["mlflow.note.content"]
+    assert f"(#/experiments/{experiment}/runs/{worse_parent}?workflowType=machine_learning)" in note
+    assert "| bits per byte | base | worse | vs base: worse | verdict |" in note and "| worse |" in note
+    table = client.load_table(experiment, "bits_per_byte.json", run_ids=[rid])
+    assert list(table.columns) == ["bits per byte", "vs base: worse", "verdict", "base", "worse"]  # the verdict in view
+    assert list(table["bits per byte"]) == ["all"] and list(table["verdict"]) == ["worse"]
+    assert table["vs base: worse"][0].startswith("+0.10")
+    stages = client.load_table(experiment, "stages.json", run_ids=[rid])
+    assert "train final loss (own data: not comparable)" not in set(stages["stages"])  # no such metric logged here
+    text = (tmp_path / "dl" / "tables.txt")
+    client.download_artifacts(rid, "tables.txt", str(tmp_path / "dl"))
+    assert text.read_text() in printed and "bits per byte" in text.read_text()
+    client.download_artifacts(rid, "ablations.png", str(tmp_path / "dl"))
+    assert (tmp_path / "dl" / "ablations.png").read_bytes() == (tmp_path / "a.png").read_bytes()
+    # Asked again after two more seeds of `worse` that say the opposite: the same run, its verdict now `within
+    # noise`, each table once.
+    pipeline_run(client, experiment, "worse", {}, [1.30, 1.80], seeds=[3, 4])
+    pipeline_run(client, experiment, "base", {}, [1.55, 1.50], seeds=[3, 4])
+    assert compare.main(args) == 0
+    (again,) = comparisons(client, experiment)
+    assert again.info.run_id == rid and again.data.tags["verdict.bpb.worse.all"] == "within noise"
+    assert again.data.metrics["bpb.worse.worse"] == 0 and again.data.metrics["bpb.worse.within noise"] == 1
+    assert len(client.load_table(experiment, "bits_per_byte.json", run_ids=[rid])) == 1
+    assert "worse: seeds 0,1,2,3,4" in again.data.tags["mlflow.note.content"]
+    # Another set of ablations is another comparison; with two ablations, each verdict column is named for its own.
+    pipeline_run(client, experiment, "other", {}, [1.50, 1.52, 1.49])
+    assert compare.main(args) == 0
+    assert sorted(r.data.tags["comparison"] for r in comparisons(client, experiment)) == ["base | other | worse", "base | worse"]
+    (three,) = [r for r in comparisons(client, experiment) if r.data.tags["comparison"] == "base | other | worse"]
+    assert list(client.load_table(experiment, "bits_per_byte.json", run_ids=[three.info.run_id]).columns)[:5] == [
+        "bits per byte", "vs base: other", "verdict (vs base: other)", "vs base: worse", "verdict (vs base: worse)"]
+
+
+def test_a_comparison_run_loses_the_verdicts_of_rows_no_longer_compared(tmp_path):
+    from mlflow import MlflowClient
+
+    from pipelines.ablation_runs import log_comparison
+    from pipelines.ablations import Ablation, Store
+
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    where = Store(client, f"sqlite:///{tmp_path}/mlflow.db", "x", client.create_experiment("x", str(tmp_path / "a")))
+    ablations = [Ablation("base", "", ["r1"]), Ablation("b", "k: 1 -> 2", ["r2"])]
+    table = compare.Table("bits per byte", ["bits per byte", "base", "b"], [["all", "1", "2"], ["web", "1", "2"]], [],
+                          {("b", "all"): "worse", ("b", "web"): "better"})
+    rid = log_comparison(where, ablations, [table], "text", None, "pipelines/compare.py")
+    assert client.get_run(rid).data.tags["verdict.bpb.b.web"] == "better"
+    table = compare.Table("bits per byte", ["bits per byte", "base", "b"], [["all", "1", "2"]], [], {("b", "all"): "worse"})
+    assert log_comparison(where, ablations, [table], "text", None, "pipelines/compare.py") == rid
+    tags = client.get_run(rid).data.tags
+    assert "verdict.bpb.b.web" not in tags and tags["verdict.bpb.b.all"] == "worse"
+
+
+def test_a_pipeline_runs_headline_figures_are_the_means_over_its_seeds():
+    from core.stats import mean_interval
+    from pipelines.ablation_runs import headline
+    from pipelines.ablations import Ablation
+
+    run = Ablation("base", "", seeds=[0, 1, 2], bpb={"": [2.0, 2.2, 2.1], "web": [2.5, 2.4, 2.6], "books": [1.9, 1.8, 2.0]},
+                   downstream_seeds=[0, 1], downstream={"cloze": [0.30, 0.34]})
+    found = headline(run)
+    assert found["bpb.all"] == pytest.approx(2.1) and found["bpb.all.seeds"] == 3
+    assert found["bpb.all.ci95"] == pytest.approx(mean_interval([2.0, 2.2, 2.1], 0.05))
+    assert found["bpb.macro"] == pytest.approx((2.5 + 2.4 + 2.6 + 1.9 + 1.8 + 2.0) / 6)  # the domains weigh the same
+    assert found["bpb.web"] == pytest.approx(2.5) and found["accuracy.cloze"] == pytest.approx(0.32)
+    assert found["accuracy.cloze.seeds"] == 2 and "accuracy.cloze.ci95" in found
+    assert headline(Ablation("base", "", seeds=[0], bpb={"": [2.0]})) == {"bpb.all": 2.0, "bpb.all.seeds": 1}
+
+
+def test_the_saved_view_shows_every_pipeline_runs_headline_figures_and_grows_with_new_rows(tmp_path):
+    """The experiment's saved view `ablations` (the runs table's "Views" menu; full.py prints its link): the pipeline
+    runs only, with the whole set's bits per byte and its interval first, then the macro average, the tasks'
+    accuracy, then each row; a later run with another source adds its column and keeps the others."""
+    import json
+
+    from mlflow import MlflowClient
+
+    from core.tracking import ui_link
+    from pipelines.ablation_runs import SAVED_VIEW, VIEW, save_view
+
+    client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
+    experiment = client.create_experiment("x", str(tmp_path / "a"))
+    assert save_view(client, experiment, {}) is None and SAVED_VIEW + VIEW not in client.get_experiment(experiment).tags
+    figures = {"bpb.all": 2.0, "bpb.all.ci95": 0.1, "bpb.all.seeds": 3, "bpb.macro": 2.1, "bpb.macro.ci95": 0.1,
+               "bpb.web": 2.2, "bpb.web.ci95": 0.1, "bpb.pile.Gutenberg (PG-19)": 1.9, "accuracy.cloze": 0.3,
+               "accuracy.cloze.ci95": 0.01}
+    assert save_view(client, experiment, figures) == VIEW
+    saved = json.loads(client.get_experiment(experiment).tags[SAVED_VIEW + VIEW])
+    state = json.loads(saved["state"])
+    assert saved["name"] == VIEW and state["searchFilter"] == "tags.kind = 'pipeline'"
+    assert state["selectedColumns"] == ["metrics.`bpb.all`", "metrics.`bpb.all.ci95`", "metrics.`bpb.macro`",
+                                        "metrics.`accuracy.cloze`", "metrics.`accuracy.cloze.ci95`",
+                                        "metrics.`bpb.pile.Gutenberg _PG-19_`", "metrics.`bpb.web`", "tags.`ablation`"]
+    save_view(client, experiment, {"bpb.all": 2.0, "bpb.books": 1.8})
+    again = json.loads(client.get_experiment(experiment).tags[SAVED_VIEW + VIEW])
+    assert json.loads(again["state"])["selectedColumns"] == [*state["selectedColumns"][:5], "metrics.`bpb.books`",
+                                                             *state["selectedColumns"][5:]]
+    assert again["createdAt"] == saved["createdAt"] and again["updatedAt"] >= saved["updatedAt"]
+    assert ui_link("sqlite:///x", experiment, view=VIEW) == (f"http://127.0.0.1:5000/#/experiments/{experiment}/runs?"
+                                                             f"viewStateShareKey={VIEW}&workflowType=machine_learning")
