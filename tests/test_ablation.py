@@ -16,7 +16,7 @@ from pipelines import compare
 from pipelines.full import main
 
 
-def test_a_screen_ablation_reruns_the_screen_and_downstream_only(sample_run, tmp_path, capsys):
+def test_a_screen_ablation_reruns_the_screen_and_downstream_only(sample_run, tmp_path, capsys, monkeypatch):
     from mlflow import MlflowClient
 
     _, _, wd = sample_run
@@ -88,6 +88,24 @@ def test_a_screen_ablation_reruns_the_screen_and_downstream_only(sample_run, tmp
         assert sizes["all"][0] == sum(sizes[s][0] for s in ("bookcorpus", "ccnews", "pile", "reddit", "stories") if s in sizes)
         assert f"eval.fingerprint={fingerprint}" in scores and "5% family-wise error rate" in scores
         assert chart.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+        # What it printed is in MLflow too: one comparison run, its verdicts searchable as tags, its tables and chart
+        # as artifacts (read back through MLflow's client), and the pipeline runs' headline figures side by side.
+        experiment = client.get_run(base["train"]["mlflow_run_id"]).info.experiment_id
+        (logged,) = client.search_runs([experiment], "tags.kind = 'comparison' and tags.comparison = 'base | no-screen'")
+        assert f"comparison run {logged.info.run_id}" in table
+        assert {row: logged.data.tags[f"verdict.bpb.no-screen.{row}"] for row in ("all", "pile.HackerNews")} == {
+            row: bpb[row][-1] for row in ("all", "pile.HackerNews")}
+        assert logged.data.tags["eval.fingerprint"] == fingerprint
+        found = {a.path for a in client.list_artifacts(logged.info.run_id)}
+        assert {"bits_per_byte.json", "downstream_accuracy.json", "stages.json", "tables.txt", "ablations.png"} <= found
+        with monkeypatch.context() as env:  # MlflowClient.load_table searches the default store, not its own
+            env.setenv("MLFLOW_TRACKING_URI", f"sqlite:///{wd}/mlflow.db")
+            bpb_logged = client.load_table(experiment, "bits_per_byte.json", run_ids=[logged.info.run_id])
+        assert dict(zip(bpb_logged["bits per byte"], bpb_logged["verdict"])) == {row: cells[-1] for row, cells in bpb.items()}
+        pipelines = {r.data.tags["ablation"]: r.data.metrics for r in client.search_runs(
+            [experiment], "tags.kind = 'pipeline'", order_by=["attributes.start_time DESC"]) if "bpb.all" in r.data.metrics}
+        assert {"base", "no-screen"} <= set(pipelines)
+        assert [f"{pipelines[n]['bpb.all']:.4f}" for n in ("base", "no-screen")] == [c.split("±")[0] for c in bpb["all"][3:5]]
         assert compare.main(["--config", cfg, "--out", str(chart), "nope"]) == 2
         assert "no pipeline run tagged ablation='nope'" in capsys.readouterr().err
     finally:

@@ -10,7 +10,9 @@ import re
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
+import pytest
 
 from mlflow import MlflowClient
 
@@ -78,6 +80,25 @@ def test_mlflow_opens_on_training_runs_and_the_parent_run_has_the_summary(defaul
     assert parent.data.metrics["ingest.rejected"] == 15 and parent.data.metrics["train.rows_out"] > 0
     # The link that opens the experiment on its runs (the MLflow 3 UI's model-training view).
     assert f"http://127.0.0.1:5000/#/experiments/{experiment.experiment_id}?workflowType=machine_learning" in first.stdout
+    assert f"this run: http://127.0.0.1:5000/#/experiments/{experiment.experiment_id}/runs/{parent_id}?workflowType=" in first.stdout
+    # Its headline figures: each row's bits per byte and each task's accuracy, the mean over the training seeds, with
+    # its interval and seed count, beside the stage counts; and the saved view that puts every pipeline run's side
+    # by side in the runs table, whose link it prints.
+    trained = client.get_run(made["train"]["mlflow_run_id"]).data.metrics
+    seeds = [int(s) for s in client.get_run(made["train"]["mlflow_run_id"]).data.tags["eval.seeds"].split(",")]
+    figures = parent.data.metrics
+    assert figures["bpb.all"] == pytest.approx(np.mean([trained[f"seed{s}/eval.bpb"] for s in seeds]), rel=1e-12)
+    assert figures["bpb.pile.HackerNews"] == pytest.approx(np.mean([trained[f"seed{s}/eval.bpb.pile.HackerNews"] for s in seeds]))
+    assert figures["bpb.all.seeds"] == len(seeds) == 3 and figures["bpb.all.ci95"] > 0 and "bpb.macro" in figures
+    downstream = client.get_run(made["downstream"]["mlflow_run_id"]).data
+    (task,) = downstream.tags["downstream.tasks"].split(",")
+    scored = downstream.tags["downstream.seeds"].split(",")
+    assert figures[f"accuracy.{task}"] == pytest.approx(np.mean([downstream.metrics[f"seed{s}/downstream.{task}"] for s in scored]))
+    view = json.loads(json.loads(experiment.tags["mlflow.sharedViewState.ablations"])["state"])
+    assert view["selectedColumns"][:3] == ["metrics.`bpb.all`", "metrics.`bpb.all.ci95`", "metrics.`bpb.macro`"]
+    assert f"metrics.`accuracy.{task}`" in view["selectedColumns"]
+    assert (f"side by side: http://127.0.0.1:5000/#/experiments/{experiment.experiment_id}/runs?viewStateShareKey="
+            "ablations&workflowType=machine_learning") in first.stdout
     png = Path(client.download_artifacts(parent_id, "funnel.png", str(tmp_path))).read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 20_000
     assert all(f"| {stage} | cached | " in default_run.summary for stage in STAGES)  # the rerun's, beside the stages
@@ -133,7 +154,7 @@ def test_the_printed_programs_survive_a_working_directory_that_is_gone(tmp_path,
     programs are then named by their absolute paths, not lost to an error after the run's work is done."""
     import sys
 
-    from pipelines.full import program
+    from core.tracking import program
 
     gone = tmp_path / "gone"
     gone.mkdir()
