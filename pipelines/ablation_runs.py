@@ -1,11 +1,6 @@
-"""What MLflow shows of the data ablations, where users compare them: each pipeline run's headline figures, and
-one run per comparison holding compare.py's tables, verdicts and chart (docs/ablations.md, "In the MLflow UI").
-
-Headline figures (`headline`), on each pipeline run that trained or ran the downstream tasks, from its own seeds:
-for each row of compare.py's bits-per-byte table, `bpb.all` (the whole set), `bpb.macro`, `bpb.<source>` and
-`bpb.<source>.<subset>`, and for each downstream task `accuracy.<task>`: the mean over the seeds, with `<name>.ci95`
-(the half-width of its 95% Student t interval; none under 2 seeds) and `<name>.seeds`. They sit beside the stage
-counts on the pipeline run, so MLflow's runs table and its Compare view show them for every ablation side by side.
+"""What MLflow shows of the data ablations, where users compare them: a saved view of the runs table with each
+pipeline run's headline figures (compare.headline), and one run per comparison holding compare.py's tables,
+verdicts and chart (docs/ablations.md, "In the MLflow UI").
 
 The comparison run (`log_comparison`), one per set of ablations compared (reference first), in their experiment:
 - tags `kind=comparison`, `comparison=<the ablations>`, `eval.fingerprint`, `compared.<ablation>` (its pipeline
@@ -30,11 +25,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-import numpy as np
-
-from core import stats
 from core.tracking import BATCH, MAX_TAG_LENGTH, log_metrics, metric_name, ui_link
-from pipelines.compare import ALPHA, BPB, DOWNSTREAM, MACRO, Measure, Table, with_macro
 
 if TYPE_CHECKING:
     from pipelines.ablations import Ablation, Store
@@ -42,29 +33,9 @@ if TYPE_CHECKING:
 KIND = "comparison"
 CHART = "ablations.png"
 TEXT = "tables.txt"
-SHORT = {BPB.title: "bpb", DOWNSTREAM.title: "accuracy"}  # each measure's name in metrics and tags
 LOGGED = "mlflow.loggedArtifacts"  # the run tag that makes MLflow's UI show a JSON artifact as a table
 SAVED_VIEW = "mlflow.sharedViewState."  # + an id: an experiment tag holding a view of its runs table, by name
 VIEW = "ablations"  # the saved view of the pipeline runs' headline figures (save_view)
-
-
-def row_name(row: str) -> str:
-    return {"": "all", MACRO: "macro"}.get(row, row)
-
-
-def headline(ablation: Ablation) -> dict[str, float]:
-    """{`bpb.<row>`, `accuracy.<task>`: the mean over the seeds, and `.ci95`, `.seeds`} of one pipeline run."""
-    out: dict[str, float] = {}
-    measure: Measure
-    for measure in (BPB, DOWNSTREAM):
-        for row, values in measure.values(with_macro(ablation) if measure is BPB else ablation).items():
-            name = f"{SHORT[measure.title]}.{row_name(row)}"
-            out[name] = float(np.mean(values))
-            out[f"{name}.seeds"] = len(values)
-            half = stats.mean_interval(values, ALPHA)
-            if np.isfinite(half):
-                out[f"{name}.ci95"] = half
-    return out
 
 
 def save_view(client, experiment_id: str, figures: dict[str, float]) -> str | None:
@@ -89,8 +60,9 @@ def save_view(client, experiment_id: str, figures: dict[str, float]) -> str | No
     columns = sorted({*shown, *means, *intervals}, key=lambda f: (first.get(f, 3 if f.startswith("accuracy.") else 4), f))
     now = int(time.time() * 1000)
     created = json.loads(old).get("createdAt", now) if state else now
+    selected = [f"metrics.`{f}`" for f in columns] + ["tags.`ablation`"]
     state = {"searchFilter": "tags.kind = 'pipeline'", "orderByKey": "attributes.start_time", "orderByAsc": False,
-             "selectedColumns": [f"metrics.`{f}`" for f in columns] + ["tags.`ablation`"]}
+             "selectedColumns": selected, "columnOrder": selected}  # the UI sorts them by name without an order
     client.set_experiment_tag(experiment_id, tag, json.dumps({"name": VIEW, "createdAt": created, "updatedAt": now,
                                                               "state": json.dumps(state)}))
     return VIEW
@@ -109,7 +81,7 @@ def find(where: Store, ablations: list[Ablation]):
     return same[0] if same else None
 
 
-def description(where: Store, ablations: list[Ablation], tables: list[Table], command: str) -> str:
+def description(where: Store, ablations: list[Ablation], tables: list, command: str) -> str:
     """The run's description (its Overview tab): what was compared, a link to each run, and the tables in Markdown,
     the verdicts first; the stage table left to tables.txt when all would pass MLflow's limit on a tag."""
     runs = [f"- **{a.name}**{' (the reference)' if i == 0 else ''}: "
@@ -124,9 +96,10 @@ def description(where: Store, ablations: list[Ablation], tables: list[Table], co
     return text[:MAX_TAG_LENGTH]
 
 
-def log_comparison(where: Store, ablations: list[Ablation], tables: list[Table], printed: str, chart: Path | None,
+def log_comparison(where: Store, ablations: list[Ablation], tables: list, printed: str, chart: Path | None,
                    command: str) -> str:
-    """compare.py's tables, verdicts and chart as one run of the ablations' experiment, made or updated; its id."""
+    """compare.py's tables (compare.Table: not imported, which imports this), verdicts and chart as one run of the
+    ablations' experiment, made or updated; its id."""
     from mlflow.entities import RunTag
 
     client = where.client
@@ -145,7 +118,7 @@ def log_comparison(where: Store, ablations: list[Ablation], tables: list[Table],
     tags.update({metric_name(f"compared.{a.name}"): ",".join(a.pipeline_runs)[:MAX_TAG_LENGTH] for a in ablations})
     counts: dict[str, float] = {}
     for table in tables:
-        short = SHORT.get(table.title)
+        short = table.short
         for (name, row), verdict in table.verdicts.items() if short else ():
             tags[metric_name(f"verdict.{short}.{name}.{row}")] = verdict
         for a in ablations[1:] if short and table.verdicts else ():
@@ -162,11 +135,11 @@ def log_comparison(where: Store, ablations: list[Ablation], tables: list[Table],
     return run_id
 
 
-def table_file(table: Table) -> str:
+def table_file(table) -> str:
     return metric_name(table.title).replace(" ", "_") + ".json"
 
 
-def log_artifacts(client, run_id: str, tables: list[Table], printed: str, chart: Path | None, old: dict[str, str]) -> None:
+def log_artifacts(client, run_id: str, tables: list, printed: str, chart: Path | None, old: dict[str, str]) -> None:
     """The tables as MLflow tables, the printed text and the chart, each replacing the file an earlier call logged.
     A table is written here in log_table's format (pandas' "split" JSON) and listed in the run's loggedArtifacts
     tag as log_table does: log_table itself appends to a file that exists, which would double an updated table."""

@@ -69,6 +69,7 @@ class Measure:
     """One table of scores per seed: bits per byte (lower is better) or downstream accuracy (higher is)."""
 
     title: str
+    short: str  # its name in MLflow's metrics and tags (headline, the comparison run's verdicts)
     attr: str  # Ablation's {row: one value per seed} ...
     seeds_attr: str  # ... of these seeds
     lower_is_better: bool
@@ -94,6 +95,7 @@ class Table:
     in the comparison run's description, and the verdicts it reached, {(ablation, row): verdict}."""
 
     title: str  # the name of its first column, and of its MLflow table ("stages", "bits per byte", ...)
+    short: str  # the prefix of its verdicts' tags ("bpb", "accuracy"; "" for a table without verdicts)
     header: list[str]
     body: list[list[str]]
     notes: list[str]
@@ -127,8 +129,8 @@ class Table:
         return {names[i]: [r[i] for r in self.body] for i in order}
 
 
-BPB = Measure("bits per byte", "bpb", "seeds", lower_is_better=True, digits=4)
-DOWNSTREAM = Measure("downstream accuracy", "downstream", "downstream_seeds", lower_is_better=False, digits=3)
+BPB = Measure("bits per byte", "bpb", "bpb", "seeds", lower_is_better=True, digits=4)
+DOWNSTREAM = Measure("downstream accuracy", "accuracy", "downstream", "downstream_seeds", lower_is_better=False, digits=3)
 
 
 def verdict(d: Difference) -> str:
@@ -238,7 +240,25 @@ def score_table(ablations: list[Ablation], measure: Measure = BPB) -> Table | No
              f"noise (Welch's t for one that shares fewer than {stats.MIN_SEEDS}); worse or better: the interval excludes 0"
              + (f"; {MACRO}: the mean over the domains, each source or subset weighing the same" if MACRO in rows else "")
              + "."]
-    return Table(measure.title, header, body, notes, judged, judged=2 * len(others))
+    return Table(measure.title, measure.short, header, body, notes, judged, judged=2 * len(others))
+
+
+def headline(ablation: Ablation) -> dict[str, float]:
+    """A pipeline run's headline figures, from its own seeds: for each row of the bits-per-byte table `bpb.<row>`
+    (`bpb.all`, `bpb.macro`, `bpb.<source>`, `bpb.<source>.<subset>`) and for each downstream task
+    `accuracy.<task>`, the mean over the seeds, with `<name>.ci95` (the half-width of its 95% Student t interval;
+    none under 2 seeds) and `<name>.seeds`. On the pipeline run, beside the stage counts, MLflow's runs table and
+    Compare view show them for every ablation side by side."""
+    out: dict[str, float] = {}
+    for measure in (BPB, DOWNSTREAM):
+        for row, values in measure.values(with_macro(ablation) if measure is BPB else ablation).items():
+            name = f"{measure.short}.{ {'': 'all', MACRO: 'macro'}.get(row, row) }"
+            out[name] = float(np.mean(values))
+            out[f"{name}.seeds"] = len(values)
+            half = stats.mean_interval(values, ALPHA)
+            if np.isfinite(half):
+                out[f"{name}.ci95"] = half
+    return out
 
 
 def bpb_table(ablations: list[Ablation]) -> str:
@@ -298,7 +318,7 @@ def dropped_subsets(ablation: Ablation) -> str:
 def stage_table(ablations: list[Ablation]) -> Table:
     """The first table: the stages' counts, the screen's drops, tokens per source and the training runs' own figures;
     and each ablation's differences from the config file."""
-    return Table("stages", ["", *(a.name for a in ablations)], [[label, *cells] for label, cells in rows(ablations)],
+    return Table("stages", "", ["", *(a.name for a in ablations)], [[label, *cells] for label, cells in rows(ablations)],
                  [f"{a.name}: {a.diff or '(none)'}" for a in ablations])
 
 

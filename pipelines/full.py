@@ -139,7 +139,8 @@ def run_locked(config: PipelineConfig, args: argparse.Namespace, runner: Runner,
                ray_started: list[bool]) -> int:
     """`run`'s plan carried out, the workdir held."""
     from core.tracking import MlflowTracker
-    from pipelines.ablation_runs import headline, save_view
+    from pipelines.ablation_runs import save_view
+    from pipelines.compare import headline
     from pipelines.ablations import of_pipeline_run
 
     layout_files = []

@@ -294,11 +294,11 @@ def test_a_comparison_run_loses_the_verdicts_of_rows_no_longer_compared(tmp_path
     client = MlflowClient(f"sqlite:///{tmp_path}/mlflow.db")
     where = Store(client, f"sqlite:///{tmp_path}/mlflow.db", "x", client.create_experiment("x", str(tmp_path / "a")))
     ablations = [Ablation("base", "", ["r1"]), Ablation("b", "k: 1 -> 2", ["r2"])]
-    table = compare.Table("bits per byte", ["bits per byte", "base", "b"], [["all", "1", "2"], ["web", "1", "2"]], [],
+    table = compare.Table("bits per byte", "bpb", ["bits per byte", "base", "b"], [["all", "1", "2"], ["web", "1", "2"]], [],
                           {("b", "all"): "worse", ("b", "web"): "better"})
     rid = log_comparison(where, ablations, [table], "text", None, "pipelines/compare.py")
     assert client.get_run(rid).data.tags["verdict.bpb.b.web"] == "better"
-    table = compare.Table("bits per byte", ["bits per byte", "base", "b"], [["all", "1", "2"]], [], {("b", "all"): "worse"})
+    table = compare.Table("bits per byte", "bpb", ["bits per byte", "base", "b"], [["all", "1", "2"]], [], {("b", "all"): "worse"})
     assert log_comparison(where, ablations, [table], "text", None, "pipelines/compare.py") == rid
     tags = client.get_run(rid).data.tags
     assert "verdict.bpb.b.web" not in tags and tags["verdict.bpb.b.all"] == "worse"
@@ -306,8 +306,8 @@ def test_a_comparison_run_loses_the_verdicts_of_rows_no_longer_compared(tmp_path
 
 def test_a_pipeline_runs_headline_figures_are_the_means_over_its_seeds():
     from core.stats import mean_interval
-    from pipelines.ablation_runs import headline
     from pipelines.ablations import Ablation
+    from pipelines.compare import headline
 
     run = Ablation("base", "", seeds=[0, 1, 2], bpb={"": [2.0, 2.2, 2.1], "web": [2.5, 2.4, 2.6], "books": [1.9, 1.8, 2.0]},
                    downstream_seeds=[0, 1], downstream={"cloze": [0.30, 0.34]})
@@ -344,6 +344,7 @@ def test_the_saved_view_shows_every_pipeline_runs_headline_figures_and_grows_wit
     assert state["selectedColumns"] == ["metrics.`bpb.all`", "metrics.`bpb.all.ci95`", "metrics.`bpb.macro`",
                                         "metrics.`accuracy.cloze`", "metrics.`accuracy.cloze.ci95`",
                                         "metrics.`bpb.pile.Gutenberg _PG-19_`", "metrics.`bpb.web`", "tags.`ablation`"]
+    assert state["columnOrder"] == state["selectedColumns"]
     save_view(client, experiment, {"bpb.all": 2.0, "bpb.books": 1.8})
     again = json.loads(client.get_experiment(experiment).tags[SAVED_VIEW + VIEW])
     assert json.loads(again["state"])["selectedColumns"] == [*state["selectedColumns"][:5], "metrics.`bpb.books`",
