@@ -60,14 +60,19 @@ def shoot(chromium: str, url: str, out: Path, size: str, wait_ms: int) -> None:
     print(f"{out}: {url}")
 
 
-def main(argv: list[str] | None = None) -> int:
+def parser() -> argparse.ArgumentParser:
+    """The command line, built without running anything (tests/test_doc_commands.py checks the docs' commands with it)."""
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--workdir", default="work", help="the pipeline's workdir, whose mlflow.db to show (default: work)")
     p.add_argument("--experiment", default="local", help="the experiment (default: local, the embedded config's)")
     p.add_argument("--out", default="docs", help="where the screenshots go (default: docs, where docs/ablations.md shows them)")
     p.add_argument("--chromium", default=shutil.which("chromium") or "chromium", help="the browser")
     p.add_argument("--wait-ms", type=int, default=20000, help="virtual time the pages get to load (default: 20000)")
-    args = p.parse_args(argv)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
     from mlflow import MlflowClient
 
     from core.tracking import ui_link
