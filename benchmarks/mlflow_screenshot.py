@@ -28,6 +28,8 @@ if __package__ in (None, ""):  # run as a script: make the project importable wi
 
 from core.tracking import program
 
+import provenance  # noqa: E402  (benchmarks/provenance.py: a script's folder is on sys.path)
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -73,6 +75,7 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    print(provenance.header(), flush=True)  # the commit and machine the screenshots were taken at
     from mlflow import MlflowClient
 
     from core.tracking import ui_link
