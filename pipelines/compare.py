@@ -99,7 +99,7 @@ class Table:
     header: list[str]
     body: list[list[str]]
     notes: list[str]
-    verdicts: dict[tuple[str, str], str] = field(default_factory=dict)
+    verdicts: dict[tuple[str, str], str] = field(default_factory=dict)  # keyed by row_name
     judged: int = 0  # its last columns, the differences and verdicts: first after the row's name in MLflow's table
 
     def text(self) -> str:
@@ -228,7 +228,7 @@ def score_table(ablations: list[Ablation], measure: Measure = BPB) -> Table | No
             shown = "-" if d is None or not np.isfinite(d.delta) else f"{d.delta:+.{digits}f}" + (f"±{d.half:.{digits}f}" if np.isfinite(d.half) else "")
             cells += ["-", "-"] if d is None else [shown, measure.verdict(d)]
             if d is not None:
-                judged[(a.name, row or "all")] = measure.verdict(d)
+                judged[(a.name, row_name(row))] = measure.verdict(d)
         body.append(cells)
     seeds = "; ".join(f"{a.name}: seeds {','.join(map(str, measure.seeds(a)))}" for a in scored)
     what = (f"evaluation set eval.fingerprint={base.fingerprint}" if measure is BPB
@@ -243,6 +243,12 @@ def score_table(ablations: list[Ablation], measure: Measure = BPB) -> Table | No
     return Table(measure.title, measure.short, header, body, notes, judged, judged=2 * len(others))
 
 
+def row_name(row: str) -> str:
+    """A row as MLflow's names carry it (headline figures, verdict tags): "all" for the whole set, "macro" for its
+    macro average, else the source or `source.subset`."""
+    return {"": "all", MACRO: "macro"}.get(row, row)
+
+
 def headline(ablation: Ablation) -> dict[str, float]:
     """A pipeline run's headline figures, from its own seeds: for each row of the bits-per-byte table `bpb.<row>`
     (`bpb.all`, `bpb.macro`, `bpb.<source>`, `bpb.<source>.<subset>`) and for each downstream task
@@ -252,7 +258,7 @@ def headline(ablation: Ablation) -> dict[str, float]:
     out: dict[str, float] = {}
     for measure in (BPB, DOWNSTREAM):
         for row, values in measure.values(with_macro(ablation) if measure is BPB else ablation).items():
-            name = f"{measure.short}.{ {'': 'all', MACRO: 'macro'}.get(row, row) }"
+            name = f"{measure.short}.{row_name(row)}"
             out[name] = float(np.mean(values))
             out[f"{name}.seeds"] = len(values)
             half = stats.mean_interval(values, ALPHA)

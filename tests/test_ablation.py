@@ -95,6 +95,7 @@ def test_a_screen_ablation_reruns_the_screen_and_downstream_only(sample_run, tmp
         assert f"comparison run {logged.info.run_id}" in table
         assert {row: logged.data.tags[f"verdict.bpb.no-screen.{row}"] for row in ("all", "pile.HackerNews")} == {
             row: bpb[row][-1] for row in ("all", "pile.HackerNews")}
+        assert logged.data.tags["verdict.bpb.no-screen.macro"] == bpb[compare.MACRO][-1]  # named as bpb.macro is
         assert logged.data.tags["eval.fingerprint"] == fingerprint
         found = {a.path for a in client.list_artifacts(logged.info.run_id)}
         assert {"bits_per_byte.json", "downstream_accuracy.json", "stages.json", "tables.txt", "ablations.png"} <= found

@@ -318,6 +318,9 @@ def test_a_pipeline_runs_headline_figures_are_the_means_over_its_seeds():
     assert found["bpb.web"] == pytest.approx(2.5) and found["accuracy.cloze"] == pytest.approx(0.32)
     assert found["accuracy.cloze.seeds"] == 2 and "accuracy.cloze.ci95" in found
     assert headline(Ablation("base", "", seeds=[0], bpb={"": [2.0]})) == {"bpb.all": 2.0, "bpb.all.seeds": 1}
+    # The comparison run's verdict tags name the rows as the headline figures do: `all`, `macro`, the sources.
+    other = Ablation("other", "", seeds=[0, 1, 2], bpb={row: [v + 0.5 for v in values] for row, values in run.bpb.items()})
+    assert set(compare.score_table([run, other]).verdicts) == {("other", row) for row in ("all", "macro", "web", "books")}
 
 
 def test_the_saved_view_shows_every_pipeline_runs_headline_figures_and_grows_with_new_rows(tmp_path):
