@@ -46,12 +46,14 @@ class RayConfig:
 LOCAL_TRAIN_ENV = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.25"}
 
 
-def quiet_worker_logs() -> None:
-    """Every Ray worker runs this first (`worker_process_setup_hook`)."""
-    if not os.environ.get("RAY_ADDRESS"):
-        # Local Ray runs without the dashboard, so Ray Train's placement-group cleaner cannot use the
-        # State API and would warn every few seconds; on a cluster it can.
-        logging.getLogger("ray.train.v2._internal.execution.controller.placement_group_cleaner").setLevel(logging.ERROR)
+def started_here() -> bool:
+    """True in every process of a Ray that `init_ray` started inside the pipeline's own process (no RAY_ADDRESS),
+    driver and workers alike: its job's runtime env carries LOCAL_TRAIN_ENV. Such a Ray has no dashboard (so no
+    State API), and ends with the driver."""
+    import ray
+
+    env = (ray.get_runtime_context().runtime_env or {}).get("env_vars") or {}
+    return all(env.get(key) == value for key, value in LOCAL_TRAIN_ENV.items())
 
 
 def init_ray(num_cpus: int | None = None, verbose: bool = False) -> None:
@@ -62,12 +64,11 @@ def init_ray(num_cpus: int | None = None, verbose: bool = False) -> None:
     import ray.data  # its loggers exist from here on
 
     route_ray_logging(verbose)  # before ray.init, which logs notices of its own
-    runtime_env = {"worker_process_setup_hook": "core.ray_session.quiet_worker_logs"}
     if os.environ.get("RAY_ADDRESS"):
-        ray.init(runtime_env=runtime_env, logging_level=logging.INFO, log_to_driver=verbose)
+        ray.init(logging_level=logging.INFO, log_to_driver=verbose)
     else:
         ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level=logging.INFO, log_to_driver=verbose,
-                 runtime_env={**runtime_env, "env_vars": LOCAL_TRAIN_ENV})
+                 runtime_env={"env_vars": LOCAL_TRAIN_ENV})
 
 
 def start_ray(config: RayConfig, verbose: bool = False) -> bool:

@@ -279,13 +279,16 @@ def test_a_batchs_subset_share_follows_the_mixture_and_the_loader(sample_run):
 
 def test_a_proxy_run_is_reproducible(sample_run, tmp_path):
     """The planted subset's first proxy run again, from the stage's own mixture, config and seed: the
-    same grad-norm curve and score to the last digit (the stage's decisions are a function of these)."""
+    same grad-norm curve and score to the last digit (the stage's decisions are a function of these); and the job
+    starts none of the actors that Ray Train's own TorchTrainer would start for nothing."""
     from screen.mixture import subset_shares
     import ray
+    import ray._private.state
 
     from screen.proxies import ProxyJob, RunQueue, proxy_loop
     from screen.stage import proxy_train_config, slug
     from train.loop.config import loop_config
+    from train.ray_trainer import UNUSED_ACTORS
     from train.stage import fit
 
     _, _, wd = sample_run
@@ -307,6 +310,10 @@ def test_a_proxy_run_is_reproducible(sample_run, tmp_path):
     assert len(norms) == cfg.steps and np.array_equal(batches, before[0]) and np.array_equal(norms, before[1])
     again = score.roughness(batches, norms, subset_shares(mixture, batches, 32, record["seed"]), burn_in=cfg.burn_in)
     assert again.score == record["score"]
+    # Nor did this job, or any before it on this Ray, start the actors a job of ours has no use for
+    # (train/ray_trainer.py): every actor Ray has had, dead ones too.
+    started = {actor["ActorClassName"] for actor in ray._private.state.actors().values()}
+    assert "RayTrainWorker" in started and not started & set(UNUSED_ACTORS), sorted(started)
 
 
 def test_reddit_comments_alone_still_drop_the_planted_subset_and_only_it(default_run, ray_session, tmp_path):

@@ -45,7 +45,9 @@ def fit(cfg: TrainConfig, config, folder: Path, loop=None):
     the placement probe pass their own loop and its typed config) on cfg.num_workers workers, restarted up to max_failures times (-1: always); Ray Train's own records go to
     `folder`/ray. Returns Ray Train's Result."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig, TorchTrainer
+    from ray.train.torch import TorchConfig
+
+    from train.ray_trainer import LeanTorchTrainer
 
     from train.failures import FailureRecorder, RestartHealthCheck
     from train.loop import train_loop
@@ -54,7 +56,7 @@ def fit(cfg: TrainConfig, config, folder: Path, loop=None):
     resources = {"CPU": cfg.cpus_per_worker}
     if cfg.gpus_per_worker:
         resources["GPU"] = cfg.gpus_per_worker
-    trainer = TorchTrainer(
+    trainer = LeanTorchTrainer(
         loop or train_loop, train_loop_config=config,
         torch_config=TorchConfig(timeout_s=int(cfg.collective_timeout_seconds)),
         scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.gpus_per_worker > 0,

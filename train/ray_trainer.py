@@ -1,0 +1,34 @@
+"""Ray Train's TorchTrainer less two of its default callbacks, each an actor (a process, seconds of imports) that a
+job of ours starts and never uses.
+
+- `DatasetsCallback` starts a DatasetManager actor at every start of a worker group, restarts included, to hand out
+  Ray Data shards. Our workers read their token shards themselves (train/loader.py), and a trainer given no
+  `datasets` has none to hand out (a worker's `dataset_shard_provider` is then None, as Ray Train allows). Dropped
+  whenever the trainer has no datasets.
+- `PlacementGroupCleanerCallback` starts a detached PlacementGroupCleaner per job, which asks the State API every
+  second whether the controller still lives, and removes its placement group once it does not. A Ray this pipeline
+  started itself (core/ray_session.py `started_here`) has no dashboard, so no State API: the cleaner cannot tell,
+  and only warns; and that Ray, placement groups and all, ends with the driver. Dropped there only: a cluster's
+  jobs keep it.
+
+On 2 cores both are CPU taken from the jobs starting beside them: the screen's two proxy jobs, started side by side,
+reached their loops in 10-17 s instead of 20-24 s (docs/benchmarks.md, "Where the laptop run's time goes").
+Callbacks are matched by class name, so a Ray that renames them keeps them; tests/test_screen.py then fails,
+naming the actors a job started.
+"""
+
+from __future__ import annotations
+
+from ray.train.torch import TorchTrainer
+
+WITHOUT_DATASETS = "DatasetsCallback"
+ON_A_LOCAL_RAY = "PlacementGroupCleanerCallback"
+UNUSED_ACTORS = ("DatasetManager", "PlacementGroupCleaner")  # what the two would start (the test looks for them)
+
+
+class LeanTorchTrainer(TorchTrainer):
+    def _create_default_callbacks(self) -> list:
+        from core.ray_session import started_here
+
+        unused = ({WITHOUT_DATASETS} if not self.datasets else set()) | ({ON_A_LOCAL_RAY} if started_here() else set())
+        return [c for c in super()._create_default_callbacks() if type(c).__name__ not in unused]
