@@ -1,7 +1,7 @@
 """The laptop path, before and after: `python pipelines/full.py` from a fresh directory with the code of a
 baseline commit and with the checked-out code, one after the other on this machine, same venv.
 
-    .venv/bin/python benchmarks/bench_laptop.py [--baseline 82c6e2a] [--out /tmp/bench_laptop]
+    .venv/bin/python benchmarks/bench_laptop.py [--baseline 82c6e2a] [--rounds 1] [--out /tmp/bench_laptop]
     .venv/bin/python benchmarks/bench_laptop.py --avx2 [--out /tmp/bench_laptop]
 
 With --avx2 the two sides are the checked-out code on this CPU and on this CPU held to AVX2 (core/cpu.py's
@@ -9,7 +9,9 @@ AVX2_ONLY: oneDNN, ATen and MKL in every process, as on most laptops and AVX2-on
 
 Each side: the first run's wall time (sample generation, Ray's start, every stage; what `make run`
 costs after the install), each stage's own seconds (its manifest), and the wall time of the same
-command again (every stage a cache hit). The baseline's tree is `git archive`d into OUT and put
+command again (every stage a cache hit). With `--rounds N` the sides take turns N times (baseline, now, baseline,
+...) and the table has each side's median: a 2-core cloud machine's speed drifts by 15% and more over minutes, and
+turns spread that over both sides. The baseline's tree is `git archive`d into OUT and put
 first on PYTHONPATH, which Ray's workers inherit, so the driver and the workers both run it.
 """
 
@@ -19,6 +21,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -31,7 +34,7 @@ import provenance  # noqa: E402
 
 from core.cpu import AVX2_ONLY  # noqa: E402  (provenance put the project's root on sys.path)
 
-STAGES = ("ingest", "normalize", "dedup", "screen", "tokenize", "train")
+STAGES = ("ingest", "normalize", "dedup", "screen", "tokenize", "train", "downstream")
 
 
 def run_side(tree: Path, where: Path, cpu_env: dict[str, str] | None = None) -> dict:
@@ -47,9 +50,19 @@ def run_side(tree: Path, where: Path, cpu_env: dict[str, str] | None = None) -> 
     for proc in (first, second):
         if proc.returncode != 0:
             raise SystemExit(f"{tree}: exit {proc.returncode}\n{proc.stderr[-3000:]}")
-    stages = {s: json.loads((where / "work" / s / "manifest.json").read_text())["metrics"]["seconds"] for s in STAGES}
+    stages = {s: json.loads((where / "work" / s / "manifest.json").read_text())["metrics"]["seconds"] for s in STAGES
+              if (where / "work" / s / "manifest.json").is_file()}  # an older baseline has fewer stages
     return {"first": t1 - t0, "cached": t2 - t1, "stages": stages,
             "terminal_lines": len((first.stdout + first.stderr).splitlines())}
+
+
+def median_of(runs: list[dict]) -> dict:
+    """Each figure's median over a side's turns."""
+    median = statistics.median
+    return {"first": median([r["first"] for r in runs]), "cached": median([r["cached"] for r in runs]),
+            "stages": {s: median([r["stages"][s] for r in runs]) for s in runs[0]["stages"]},
+            "all": median([sum(r["stages"].values()) for r in runs]),
+            "terminal_lines": median([r["terminal_lines"] for r in runs])}
 
 
 def parser() -> argparse.ArgumentParser:
@@ -58,6 +71,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--baseline", default="82c6e2a", help="the commit to compare with (default: before issue 20)")
     p.add_argument("--out", default="/tmp/bench_laptop")
     p.add_argument("--avx2", action="store_true", help="compare this CPU with itself held to AVX2, not two commits")
+    p.add_argument("--rounds", type=int, default=1, help="turns each side takes, one after the other (medians reported)")
     return p
 
 
@@ -68,7 +82,7 @@ def main() -> None:
     shutil.rmtree(out, ignore_errors=True)
     if args.avx2:
         names = ("this CPU", "held to AVX2")
-        results = {"baseline": run_side(ROOT, out / "native"), "now": run_side(ROOT, out / "avx2", AVX2_ONLY)}
+        sides = {"baseline": (ROOT, None), "now": (ROOT, AVX2_ONLY)}
         print(f"commit {provenance.commit()}; held to AVX2 by {' '.join(f'{k}={v}' for k, v in AVX2_ONLY.items())}")
     else:
         names = (f"baseline {args.baseline}", "now")
@@ -76,14 +90,21 @@ def main() -> None:
         base_tree.mkdir(parents=True)
         archive = subprocess.run(["git", "-C", str(ROOT), "archive", args.baseline], capture_output=True, check=True).stdout
         subprocess.run(["tar", "-x", "-C", str(base_tree)], input=archive, check=True)
-        results = {"baseline": run_side(base_tree, out / "baseline"), "now": run_side(ROOT, out / "now")}
+        sides = {"baseline": (base_tree, None), "now": (ROOT, None)}
         print(f"commit {provenance.commit()} against {args.baseline}")
+    turns: dict[str, list[dict]] = {side: [] for side in sides}
+    for k in range(args.rounds):
+        for side, (tree, cpu_env) in sides.items():
+            turns[side].append(run_side(tree, out / f"{side}-{k}", cpu_env))
+            print(f"round {k + 1} {side}: all stages {sum(turns[side][-1]['stages'].values()):.1f} s, "
+                  f"first run {turns[side][-1]['first']:.1f} s", flush=True)
+    results = {side: median_of(runs) for side, runs in turns.items()}
     print()
     print(f"| | {names[0]} (s) | {names[1]} (s) | {names[1]} / {names[0]} |")
     print("|---|---|---|---|")
     b, n = results["baseline"], results["now"]
-    rows = [(f"stage {s}", b["stages"][s], n["stages"][s]) for s in STAGES]
-    rows += [("all stages", sum(b["stages"].values()), sum(n["stages"].values())),
+    rows = [(f"stage {s}", b["stages"][s], n["stages"][s]) for s in STAGES if s in b["stages"] and s in n["stages"]]
+    rows += [("all stages", b["all"], n["all"]),
              ("first run, wall (sample, Ray start, stages)", b["first"], n["first"]),
              ("rerun, all cache hits, wall", b["cached"], n["cached"])]
     for name, before, now in rows:
