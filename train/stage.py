@@ -43,15 +43,15 @@ def run_dir(ctx: StageContext) -> Path:
 def fit(cfg: TrainConfig, config, folder: Path, loop=None):
     """One Ray Train job: `loop(config)` (train_loop with a LoopConfig by default; the screen's proxy jobs and
     the placement probe pass their own loop and its typed config) on cfg.num_workers workers, restarted up to max_failures times (-1: always); Ray Train's own records go to
-    `folder`/ray. Returns Ray Train's Result."""
+    `folder`/ray. Returns Ray Train's Result. The trainer is train/ray_trainer.py's: Ray Train's, less the actors
+    it would start for nothing."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
     from ray.train.torch import TorchConfig
-
-    from train.ray_trainer import LeanTorchTrainer
 
     from train.failures import FailureRecorder, RestartHealthCheck
     from train.loop import train_loop
     from train.loop.drill import NodeFaults
+    from train.ray_trainer import LeanTorchTrainer
 
     resources = {"CPU": cfg.cpus_per_worker}
     if cfg.gpus_per_worker:
