@@ -11,10 +11,10 @@ job of ours starts and never uses.
   and only warns; and that Ray, placement groups and all, ends with the driver. Dropped there only: a cluster's
   jobs keep it.
 
-On 2 cores both are CPU taken from the jobs starting beside them: the screen's two proxy jobs, started side by side,
-reached their loops in 10-17 s instead of 20-24 s (docs/benchmarks.md, "Where the laptop run's time goes").
-Callbacks are matched by class name, so a Ray that renames them keeps them; tests/test_screen.py then fails,
-naming the actors a job started.
+On 2 cores their processes' imports are CPU taken from the jobs starting beside them (the screen's two proxy jobs:
+`benchmarks/bench_job_start.py`, figures in docs/benchmarks.md, "Where the laptop run's time goes"). Callbacks are
+matched by class name, so a Ray that renames them keeps them; tests/test_screen.py then fails, naming the actors a
+job started.
 """
 
 from __future__ import annotations
