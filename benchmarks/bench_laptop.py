@@ -9,10 +9,11 @@ AVX2_ONLY: oneDNN, ATen and MKL in every process, as on most laptops and AVX2-on
 
 Each side: the first run's wall time (sample generation, Ray's start, every stage; what `make run`
 costs after the install), each stage's own seconds (its manifest) and the share of the machine's cores it
-kept busy (/proc/stat), and the wall time of the same command again (every stage a cache hit). With `--rounds N` the sides take turns N times (baseline, now, baseline,
-...) and the table has each side's median: a 2-core cloud machine's speed drifts by 15% and more over minutes, and
-turns spread that over both sides. The baseline's tree is `git archive`d into OUT and put
-first on PYTHONPATH, which Ray's workers inherit, so the driver and the workers both run it.
+kept busy (/proc/stat), and the wall time of the same command again (every stage a cache hit). With
+`--rounds N` the sides take turns N times (baseline, now, baseline, ...) and the table has each side's median:
+a 2-core cloud machine's speed drifts by 15% and more over minutes, and turns spread that over both sides. The
+baseline's tree is `git archive`d into OUT and put first on PYTHONPATH, which Ray's workers inherit, so the
+driver and the workers both run it.
 """
 
 from __future__ import annotations
@@ -152,7 +153,7 @@ def main() -> None:
              ("rerun, all cache hits, wall", b["cached"], n["cached"], "", "")]
     for name, before, now, busy_before, busy_now in rows:
         print(f"| {name} | {before:.1f} | {now:.1f} | {now / before:.2f}x | {busy_before} | {busy_now} |")
-    print(f"| lines on the terminal, first run | {b['terminal_lines']} | {n['terminal_lines']} | |")
+    print(f"| lines on the terminal, first run | {b['terminal_lines']} | {n['terminal_lines']} | | | |")
 
 
 if __name__ == "__main__":
