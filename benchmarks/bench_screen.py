@@ -1,7 +1,8 @@
 """The screen on a laptop: what it costs (`cost`), and how often it is right (`power`).
 
     python benchmarks/bench_screen.py cost [--out /tmp/bench_screen]
-    python benchmarks/bench_screen.py power [--draws 12] [--max-seeds 6] [--out /tmp/bench_screen_power]
+    python benchmarks/bench_screen.py power [--draws 12] [--max-seeds 6] [--record-steps 60] [--steps 30,40,60]
+                                            [--out /tmp/bench_screen_power]
 
 `cost`:
 
@@ -25,8 +26,15 @@ decisions with the same scores (packing changes where runs execute, not what the
   stage's test checks this to the last digit), so any rule and schedule is then replayed exactly
   from these runs with screen/score.py's own `adaptive` and `decide`: local.yaml's (adaptive), and
   every fixed number of seeds at the same ratio and alpha, side by side.
+- `--record-steps N` runs the proxies for N steps (default: local.yaml's `steps`), and `--steps` replays
+  local.yaml's rule on each run's first n steps, for each n listed: how the screen would decide with
+  shorter proxy runs. The learning rate is constant after warmup and the loader's order does not depend on
+  the run's length, so a run's first n steps are an n-step run on the same mixture. (A screen of n steps
+  samples a mixture sized for n steps: a smaller sample of the same corpus, so the same in distribution,
+  not to the digit.) At n = local.yaml's steps the replay is the screen itself.
 - `--check` (on by default) also runs the first draw's screen with local.yaml's own adaptive
-  settings and compares its decisions and proxy runs with the replay's.
+  settings and compares its decisions and proxy runs with the replay's (when the runs were recorded at
+  local.yaml's steps).
 Reports per strength the share of planted subsets dropped, the share of clean ones dropped, the
 inconclusive ones, proxy runs per screen, and the per-seed noise of the paired effects.
 """
@@ -111,12 +119,15 @@ def corpus_config(folder: Path, sample: Path, composition: str, overrides: dict)
     return path
 
 
-def screen_corpus(folder: Path, seed: int, planted: dict[str, int], composition: str, overrides: dict) -> dict:
-    """One corpus through local.yaml's corpus stages and screen: a summary of the screen (cached in folder)."""
+def screen_corpus(folder: Path, seed: int, planted: dict[str, int], composition: str, overrides: dict,
+                  prefixes: tuple[int, ...] = ()) -> dict:
+    """One corpus through local.yaml's corpus stages and screen: a summary of the screen (cached in folder),
+    with every run's score on its first n steps for each n of `prefixes`."""
     from corpus.sample import write_sample
 
     done = folder / "screen.json"
-    if done.exists() and "unadjusted" in (found := json.loads(done.read_text())):
+    if done.exists() and "unadjusted" in (found := json.loads(done.read_text())) \
+            and set(map(str, prefixes)) <= set(found.get("prefixes", {})):
         return found
     manifest = folder / "work" / "screen" / "manifest.json"
     if not manifest.exists():
@@ -129,32 +140,51 @@ def screen_corpus(folder: Path, seed: int, planted: dict[str, int], composition:
         proc = subprocess.run(cmd, capture_output=True, text=True, cwd=folder)
         if proc.returncode != 0:
             raise SystemExit(f"{' '.join(cmd)} failed:\n{proc.stderr[-3000:]}")
-    result = summary(json.loads(manifest.read_text()), seed, planted, composition)
+    result = summary(json.loads(manifest.read_text()), seed, planted, composition, prefixes)
     done.write_text(json.dumps(result))
     return result
 
 
-def summary(m: dict, seed: int, planted: dict[str, int], composition: str) -> dict:
+def summary(m: dict, seed: int, planted: dict[str, int], composition: str, prefixes: tuple[int, ...] = ()) -> dict:
     """A screen's decisions and every proxy run's score; also the score before this work (spike_score: the mean
-    excess over the neighbourhood's median plus growth) from the same runs' grad norms, for the old rule."""
-    from screen.score import roughness
+    excess over the neighbourhood's median plus growth) from the same runs' grad norms, for the old rule; and
+    for each n of `prefixes`, every run's score on its first n steps (scored as the stage scores a run)."""
+    from screen import mixture
+    from screen.score import BASELINE, roughness
+    from screen.stage import slug
     from train.spikes import read_grad_norms, read_run, spike_score
 
     stage = Path(m["output"]).parent
-    before, unadjusted = {}, {}
+    cfg = m["config"]  # the screen's section
+    burn_in, spike_ratio = cfg["burn_in"], cfg["spike_ratio"]
+    global_batch = cfg["proxy"]["global_batch_tokens"] // cfg["proxy"]["seq_len"]
+    before, unadjusted, prefix = {}, {}, {str(n): {} for n in prefixes}
     for r in m["proxy_runs"]:
         key, metrics = f"{r['subset']}\0{r['seed']}", stage / r["run_dir"]
         before[key] = spike_score(read_grad_norms(metrics)).score
-        unadjusted[key] = roughness(*read_run(metrics)).score  # no composition term
+        batches, grad_norms = read_run(metrics)
+        unadjusted[key] = roughness(batches, grad_norms).score  # no composition term
+        if not prefixes:
+            continue
+        shares = None if r["subset"] == BASELINE else \
+            mixture.subset_shares(stage / "mixtures" / slug(r["subset"]), batches, global_batch, r["seed"])
+        for n in prefixes:
+            first = batches < n  # step s trains global batch s - 1
+            prefix[str(n)][key] = roughness(batches[first], grad_norms[first], None if shares is None else shares[first],
+                                            burn_in=burn_in, spike_ratio=spike_ratio).score
+        if cfg["steps"] in prefixes and prefix[str(cfg["steps"])][key] != r["score"]:
+            raise SystemExit(f"{key!r}: rescored {prefix[str(cfg['steps'])][key]}, the stage scored {r['score']}")
     return {"seed": seed, "planted": planted, "composition": composition, "seconds": m["metrics"]["seconds"],
             "decisions": m["decisions"], "runs": {f"{r['subset']}\0{r['seed']}": r["score"] for r in m["proxy_runs"]},
-            "before": before, "unadjusted": unadjusted}
+            "before": before, "unadjusted": unadjusted, "prefixes": prefix}
 
 
 def scores_of(corpus: dict, score: str = "runs") -> dict[str, dict[int, float]]:
-    """A corpus's recorded proxy scores ("runs", "before" or "unadjusted"), as {mixture: {seed: score}}."""
+    """A corpus's recorded proxy scores ("runs", "before", "unadjusted", or "steps=n": on the first n steps), as
+    {mixture: {seed: score}}."""
     out: dict[str, dict[int, float]] = {}
-    for key, value in corpus[score].items():
+    found = corpus["prefixes"][score.removeprefix("steps=")] if score.startswith("steps=") else corpus[score]
+    for key, value in found.items():
         name, seed = key.split("\0")
         out.setdefault(name, {})[int(seed)] = value
     return out
@@ -176,7 +206,8 @@ def old_rule(corpus: dict, seeds: int = 2, margin: float = 15.0, sigmas: float =
 def replay(corpus: dict, *, seeds: int, max_seeds: int, ratio: float, alpha: float, slots: int = 1,
            score: str = "runs") -> tuple[dict, list[int]]:
     """A schedule and rule run on a corpus's recorded proxy runs: (decisions, proxy runs per round). `score`:
-    "runs" (the stage's) or "unadjusted" (the roughness without its composition term)."""
+    "runs" (the stage's), "unadjusted" (the roughness without its composition term) or "steps=n" (the stage's
+    on each run's first n steps)."""
     from screen.score import BASELINE, adaptive
 
     scores = {(name, seed): v for name, values in scores_of(corpus, score).items() for seed, v in values.items()}
@@ -193,7 +224,7 @@ def tally(corpora: list[dict], **rule) -> dict:
     """Detection per strength, false drops, inconclusive and proxy runs of one rule over the corpora
     (rule {"before": True}: the old score and rule, on each corpus's first 2 seeds)."""
     out = {"detected": {n: [0, 0] for n in STRENGTHS}, "clean_dropped": [0, 0], "inconclusive": 0, "runs": 0,
-           "rounds": 0, "waves": 0}
+           "rounds": 0, "waves": 0, "wrong": []}
     for corpus in corpora:
         if rule.get("before"):
             outcomes, rounds = old_rule(corpus), [2 * (OPT_PILE + 1)]
@@ -211,6 +242,8 @@ def tally(corpora: list[dict], **rule) -> dict:
                 hit = out["clean_dropped"]
             hit[0] += outcome == "drop"
             hit[1] += 1
+            if (outcome == "drop") != (subset in corpus["planted"]):
+                out["wrong"].append(f"seed {corpus['seed']}: {subset} {outcome}")
     return out
 
 
@@ -249,24 +282,31 @@ def power(args) -> int:
     import yaml
 
     from corpus.config import OPT_PILE_SUBSETS
+    from screen.config import ScreenConfig
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     local = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())["screen"]
     rule = {"ratio": local["ratio"], "alpha": local["alpha"]}
     schedule = {"seeds": local["seeds"], "max_seeds": local["max_seeds"], "slots": local["concurrent_runs"]}
-    everything = {"seeds": args.max_seeds, "max_seeds": args.max_seeds}
+    recorded = args.record_steps or local["steps"]
+    prefixes = tuple(sorted(set(args.steps or [local["steps"]])))
+    if max(prefixes) > recorded or min(prefixes) < ScreenConfig().burn_in + 4:
+        raise SystemExit(f"--steps {prefixes}: each must be within the recorded runs' {recorded} steps and at least "
+                         f"burn_in + 4 = {ScreenConfig().burn_in + 4}")
+    everything = {"seeds": args.max_seeds, "max_seeds": args.max_seeds, "steps": recorded}
     corpora = []
     for k in range(args.draws):
         planted = {OPT_PILE_SUBSETS[(k + j) % len(OPT_PILE_SUBSETS)]: n for j, n in enumerate(STRENGTHS)}
-        corpus = screen_corpus(out / f"draw-{k:02d}", 1000 + k, planted, COMPOSITIONS[k % len(COMPOSITIONS)], everything)
+        corpus = screen_corpus(out / f"draw-{k:02d}", 1000 + k, planted, COMPOSITIONS[k % len(COMPOSITIONS)], everything,
+                               prefixes)
         corpora.append(corpus)
         print(f"draw {k}: {corpus['composition']}, planted {planted}: {corpus['seconds']:.0f} s", file=sys.stderr, flush=True)
-    issue = screen_corpus(out / "issue", 0, {"HackerNews": 6}, "no-submissions", everything)
+    issue = screen_corpus(out / "issue", 0, {"HackerNews": 6}, "no-submissions", everything, prefixes)
 
     print(f"configs/local.yaml's screen "
           f"({local['steps']} steps of the {local['proxy']['model']} proxy); {args.draws} draws of the sample, "
-          f"every mixture run with {args.max_seeds} seeds, rules replayed from those runs")
+          f"every mixture run with {args.max_seeds} seeds for {recorded} steps, rules replayed from those runs")
     packed = local["concurrent_runs"] * PACKED_RUNS
     designs = [(f"local.yaml: adaptive, {schedule['slots']} slots a round (its concurrent jobs: one seed a round)", {**schedule, **rule}),
                (f"adaptive, {CLUSTER_CONCURRENT} slots a round (the cluster configs)", {**schedule, **rule, "slots": CLUSTER_CONCURRENT}),
@@ -275,32 +315,42 @@ def power(args) -> int:
     designs += [(f"adaptive, ratio {r}", {**schedule, **rule, "ratio": r}) for r in (1.5, 3.0) if r != rule["ratio"]]
     designs += [("local.yaml's, without the composition term", {**schedule, **rule, "score": "unadjusted"}),
                 ("before: spike score, margin 15, 2 seeds", {"before": True})]
+    if prefixes != (recorded,):
+        # A design's rows above score the runs as recorded; these score each run's first n steps.
+        designs += [(f"local.yaml's rule on the runs' first {n} steps", {**schedule, **rule, "score": f"steps={n}"})
+                    for n in prefixes]
     print("\n| rule | " + " | ".join(f"planted 1 in {n} dropped" for n in STRENGTHS)
-          + " | clean dropped | inconclusive | proxy runs per screen | rounds | run times, 8 at a time |")
-    print("|---|" + "---|" * (len(STRENGTHS) + 5))
+          + " | clean dropped | inconclusive | proxy runs per screen | proxy steps per screen | rounds | run times, 8 at a time |")
+    print("|---|" + "---|" * (len(STRENGTHS) + 6))
     results = {}
     for name, design in designs:
         t = tally(corpora, **design)
         results[name] = {"rule": design, **t}
+        steps = int(design["score"].removeprefix("steps=")) if design.get("score", "").startswith("steps=") else recorded
         print(f"| {name} | " + " | ".join(rate(t["detected"][n]) for n in STRENGTHS)
               + f" | {rate(t['clean_dropped'])} | {t['inconclusive']} | {t['runs'] / len(corpora):.1f} "
-              f"| {t['rounds'] / len(corpora):.2f} | {t['waves'] / len(corpora):.2f} |")
+              f"| {steps * t['runs'] / len(corpora):,.0f} | {t['rounds'] / len(corpora):.2f} | {t['waves'] / len(corpora):.2f} |")
+    for name, found in results.items():
+        if found["wrong"]:
+            print(f"  {name}: " + "; ".join(found["wrong"]))
     n = noise(corpora)
     print(f"\npaired effects per seed: clean subsets mean {n['clean_mean']:+.3f}, sd {n['clean_sd']:.3f}, largest "
           f"{n['clean_max']:.2f}, largest clean subset's mean {n['clean_subset_means_max']:.2f}; planted subsets' means, "
           + ", ".join(f"1 in {every}: lowest {low:.2f}, mean {mean:.2f}" for every, (low, mean) in n["planted_means"].items())
           + f"; pooled within-subset sd {n['within_sd']:.3f} "
           f"(line ln({rule['ratio']}) = {math.log(rule['ratio']):.2f})")
-    decisions, rounds = replay(issue, **schedule, **rule)
-    print(f"\nthe issue's corpus (seed 0, HackerNews 1 in 6, Reddit comments only), local.yaml's rule: {sum(rounds)} proxy runs; "
-          + "; ".join(f"{s} {d.outcome} {math.exp(d.effect):.2f}x" for s, d in sorted(decisions.items())))
+    for score in ["runs"] + [f"steps={n}" for n in prefixes if (n, recorded) != (recorded, local["steps"])]:
+        decisions, rounds = replay(issue, **schedule, **rule, score=score)
+        said = "" if score == "runs" else f" on the runs' first {score.removeprefix('steps=')} steps"
+        print(f"\nthe issue's corpus (seed 0, HackerNews 1 in 6, Reddit comments only), local.yaml's rule{said}: "
+              f"{sum(rounds)} proxy runs; " + "; ".join(f"{s} {d.outcome} {math.exp(d.effect):.2f}x" for s, d in sorted(decisions.items())))
     print("clean subsets' mean roughness over the baseline's (x), where clean: "
           + "; ".join(f"{s} {v}x" for s, v in n["clean_by_subset"].items())
           + "\n  the same without the composition term: "
           + "; ".join(f"{s} {v}x" for s, v in noise(corpora, "unadjusted")["clean_by_subset"].items()))
     results["noise"] = n
     ok = True
-    if args.check:
+    if args.check and recorded == local["steps"]:
         first = corpora[0]
         planted = first["planted"]
         real = screen_corpus(out / "check", first["seed"], planted, first["composition"], {})
@@ -323,6 +373,9 @@ def parser() -> argparse.ArgumentParser:
     w = sub.add_parser("power", help="detection and false-drop rates over many corpus draws")
     w.add_argument("--draws", type=int, default=12)
     w.add_argument("--max-seeds", type=int, default=6)
+    w.add_argument("--record-steps", type=int, help="steps of every recorded proxy run (default: local.yaml's)")
+    w.add_argument("--steps", type=lambda text: [int(n) for n in text.split(",")],
+                   help="replay local.yaml's rule on the runs' first n steps, for each n (comma-separated)")
     w.add_argument("--out", default="/tmp/bench_screen_power")
     w.add_argument("--no-check", dest="check", action="store_false", help="skip the real adaptive screen of draw 0")
     return p
