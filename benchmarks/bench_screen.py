@@ -7,10 +7,10 @@
 `cost`:
 
 configs/local.yaml on the sample corpus (8 Pile subsets + the baseline, 2 seeds in the first
-round, more for inconclusive subsets; the tiny model, 40 steps each, 2 Ray Train jobs at a time). The screen stage runs twice on
-the same dedup output, side by side: every proxy run its own Ray Train job (`runs_per_job: 1`,
-the cluster configs' setting: the baseline) and local.yaml's runs per job (jobs that take runs
-from the queue over the rounds). Reports the
+round, more for inconclusive subsets; the tiny model, local.yaml's steps each, 2 Ray Train jobs
+at a time). The screen stage runs twice on the same dedup output, side by side: every proxy run
+its own Ray Train job (`runs_per_job: 1`, the cluster configs' setting: the baseline) and
+local.yaml's runs per job (jobs that take runs from the queue over the rounds). Reports the
 stage's seconds, seconds per proxy run and the ratio, and checks that both made the same
 decisions with the same scores (packing changes where runs execute, not what they compute).
 
