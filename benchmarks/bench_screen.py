@@ -122,16 +122,25 @@ def corpus_config(folder: Path, sample: Path, composition: str, overrides: dict)
 
 def screen_corpus(folder: Path, seed: int, planted: dict[str, int], composition: str, overrides: dict,
                   prefixes: tuple[int, ...] = ()) -> dict:
-    """One corpus through local.yaml's corpus stages and screen: a summary of the screen (cached in folder),
-    with every run's score on its first n steps for each n of `prefixes`."""
+    """One corpus through local.yaml's corpus stages and screen: a summary of the screen, with every run's score on
+    its first n steps for each n of `prefixes`. Cached in folder, so that a stopped benchmark goes on where it
+    stopped; a cache from other settings (steps, seeds; local.yaml's or the overrides) is run again."""
+    import yaml
+
     from corpus.sample import write_sample
 
+    local = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())["screen"]
+    want = {**{key: local[key] for key in ("steps", "seeds", "max_seeds")}, **overrides}
+
+    def fits(config: dict) -> bool:
+        return all(config.get(key) == value for key, value in want.items())
+
     done = folder / "screen.json"
-    if done.exists() and "unadjusted" in (found := json.loads(done.read_text())) \
+    if done.exists() and "unadjusted" in (found := json.loads(done.read_text())) and fits(found.get("config", {})) \
             and set(map(str, prefixes)) <= set(found.get("prefixes", {})):
         return found
     manifest = folder / "work" / "screen" / "manifest.json"
-    if not manifest.exists():
+    if not (manifest.exists() and fits(json.loads(manifest.read_text())["config"])):
         shutil.rmtree(folder, ignore_errors=True)
         folder.mkdir(parents=True)
         write_sample(folder / "sample", seed=seed, spiky=planted)
@@ -175,7 +184,7 @@ def summary(m: dict, seed: int, planted: dict[str, int], composition: str, prefi
                                             burn_in=burn_in, spike_ratio=spike_ratio).score
         if cfg["steps"] in prefixes and prefix[str(cfg["steps"])][key] != r["score"]:
             raise SystemExit(f"{key!r}: rescored {prefix[str(cfg['steps'])][key]}, the stage scored {r['score']}")
-    return {"seed": seed, "planted": planted, "composition": composition, "seconds": m["metrics"]["seconds"],
+    return {"seed": seed, "planted": planted, "composition": composition, "seconds": m["metrics"]["seconds"], "config": cfg,
             "decisions": m["decisions"], "runs": {f"{r['subset']}\0{r['seed']}": r["score"] for r in m["proxy_runs"]},
             "before": before, "unadjusted": unadjusted, "prefixes": prefix}
 
@@ -317,6 +326,9 @@ def power(args) -> int:
     if max(prefixes) > recorded or min(prefixes) < ScreenConfig().burn_in + 4:
         raise SystemExit(f"--steps {prefixes}: each must be within the recorded runs' {recorded} steps and at least "
                          f"burn_in + 4 = {ScreenConfig().burn_in + 4}")
+    if args.max_seeds < local["max_seeds"]:
+        raise SystemExit(f"--max-seeds {args.max_seeds}: the replays need every seed local.yaml's rule may ask for, "
+                         f"at least its max_seeds = {local['max_seeds']}")
     everything = {"seeds": args.max_seeds, "max_seeds": args.max_seeds, "steps": recorded}
     corpora = []
     for k in range(args.draws):
