@@ -6,10 +6,13 @@ with restarts, hangs and split layouts: tests/test_train.py."""
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import pickle
 import re
+import threading
 import time
+import traceback
 
 import numpy as np
 import pytest
@@ -448,25 +451,48 @@ def test_a_trainer_fits_through_a_spike_rolled_back_and_skipped(deepspeed_rank, 
 class HostReads(TorchDispatchMode):
     """Counts the training loop's reads of tensor values to the host (each one waits for the device to finish):
     `aten._local_scalar_dense`, what `.item()`, `float()`, `int()` and `bool()` of a tensor dispatch to; `tolist()`,
-    which copies without dispatching it; and DeepSpeed's device synchronizations (its timers')."""
+    which copies without dispatching it; and DeepSpeed's device synchronizations (its timers').
+
+    Only the thread that enters it counts, and Python's cyclic collector is off inside it (after a collection on
+    entry): `tolist` and `synchronize` are patched for the whole process, and an earlier test's DeepSpeed engine
+    collected mid-run synchronizes in its `__del__` (engine.destroy -> the ZeRO optimizer's destroy), which once
+    counted as a second read in a step. Each read keeps its caller, for the message when a count is off."""
 
     def __init__(self, monkeypatch):
         super().__init__()
         from deepspeed.accelerator import get_accelerator
 
-        self.count = 0
+        self.count, self.callers, self.thread, self.collecting = 0, [], None, False
         tolist, accelerator = torch.Tensor.tolist, get_accelerator()
         synchronize = accelerator.synchronize
         monkeypatch.setattr(torch.Tensor, "tolist", lambda t: (self.read(), tolist(t))[1])
         monkeypatch.setattr(accelerator, "synchronize", lambda *a, **k: (self.read(), synchronize(*a, **k))[1])
 
+    def __enter__(self):
+        gc.collect()
+        self.thread, self.collecting = threading.get_ident(), gc.isenabled()
+        gc.disable()
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        if self.collecting:
+            gc.enable()
+        self.thread = None
+        return super().__exit__(*exc)
+
     def read(self) -> None:
-        self.count += 1
+        if threading.get_ident() == self.thread:
+            self.count += 1
+            self.callers.append((self.count, "".join(traceback.format_stack(limit=6)[:-2])))
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten._local_scalar_dense.default:
             self.read()
         return func(*args, **(kwargs or {}))
+
+    def between(self, before: int, upto: int) -> str:
+        """Who made the reads after the `before`-th, up to the `upto`-th: a failure's message."""
+        return "\n".join(f"read {n}:\n{stack}" for n, stack in self.callers if before < n <= upto)
 
 
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
@@ -490,7 +516,9 @@ def test_a_zero_0_step_reads_the_device_once_and_skips_a_non_finite_update_on_it
     with reads:
         trainer.fit()
     trainer.engine.destroy()
-    assert np.diff([0, *per_step]).tolist() == [1] * 8
+    counts = np.diff([0, *per_step]).tolist()
+    off = next((step for step, n in enumerate(counts, 1) if n != 1), None)
+    assert counts == [1] * 8, f"step {off}'s reads:\n" + reads.between(*[0, *per_step][off - 1:off + 1]) if off else ""
     weights = {p.dtype for p in trainer.model.parameters()}
     assert weights == {torch.float32} and computed == {{"fp32": torch.float32, "bf16": torch.bfloat16}[precision]}
     rows = [r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
