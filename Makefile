@@ -9,6 +9,10 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 ARGS ?=
 PYTEST_ARGS ?=
+# The suite on 2 pytest-xdist workers, each module's tests on one worker and in order, every module that reads
+# the README run's pipeline on the same one (tests/conftest.py): the second core works while the first waits.
+# WORKERS=0 runs it in this process alone.
+WORKERS ?= 2
 
 # `make test CPU=avx2`: the suite as on an AVX2-only CPU (most laptops, many AMD servers), on any x86-64 host:
 # oneDNN, ATen and MKL held to AVX2 in every process, so oneDNN has no fp16 or bf16 kernels and DeepSpeed refuses
@@ -27,7 +31,7 @@ run: $(STAMP)
 # pytest exits 5 when it collects no test (e.g. a -k that matches nothing); make would report
 # any failure as 2, so the exit code is read here, where it can still be seen.
 test: $(STAMP)
-	$(PY) -m pytest $(PYTEST_ARGS) || { rc=$$?; [ $$rc -eq 5 ] && echo "pytest: no tests collected" && exit 0; exit $$rc; }
+	$(PY) -m pytest -n $(WORKERS) --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS) || { rc=$$?; [ $$rc -eq 5 ] && echo "pytest: no tests collected" && exit 0; exit $$rc; }
 
 install: $(STAMP)
 

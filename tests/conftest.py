@@ -18,6 +18,21 @@ pytest_plugins = ["pytester"]  # tests/test_any_cpu.py runs conftest's console s
 sys.path.insert(0, str(Path(__file__).parent))
 
 
+PIPELINE = ("default_run", "sample_run")  # the README run's pipeline (~210 s on 2 cores): once per worker that asks
+
+
+@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the groups
+def pytest_collection_modifyitems(items):
+    """The pytest-xdist worker of each test (`make test` runs 2, `--dist loadgroup`): a module's tests all on one,
+    in their order, so that its module fixtures are made once and a test that reads what an earlier one left
+    finds it; and every module whose tests read the README run's pipeline (PIPELINE) on the same one, so that it
+    runs once. The other worker takes the other modules meanwhile, on the core the pipeline leaves idle."""
+    pipeline = {item.module.__name__ for item in items if set(PIPELINE) & set(item.fixturenames)}
+    for item in items:
+        name = item.module.__name__
+        item.add_marker(pytest.mark.xdist_group("pipeline" if name in pipeline else name))
+
+
 @pytest.fixture(scope="session")
 def ray_session():
     import ray
