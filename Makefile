@@ -31,7 +31,7 @@ run: $(STAMP)
 # pytest exits 5 when it collects no test (e.g. a -k that matches nothing); make would report
 # any failure as 2, so the exit code is read here, where it can still be seen.
 test: $(STAMP)
-	$(PY) -m pytest -n $(WORKERS) --dist loadgroup --no-loadscope-reorder $(PYTEST_ARGS) || { rc=$$?; [ $$rc -eq 5 ] && echo "pytest: no tests collected" && exit 0; exit $$rc; }
+	$(PY) -m pytest -n $(WORKERS) --no-loadscope-reorder $(PYTEST_ARGS) || { rc=$$?; [ $$rc -eq 5 ] && echo "pytest: no tests collected" && exit 0; exit $$rc; }
 
 install: $(STAMP)
 

@@ -21,16 +21,29 @@ sys.path.insert(0, str(Path(__file__).parent))
 PIPELINE = ("default_run", "sample_run")  # the README run's pipeline (~210 s on 2 cores): once per worker that asks
 
 
-@pytest.hookimpl(tryfirst=True)  # before pytest-xdist's own hook, which reads the groups
-def pytest_collection_modifyitems(items):
-    """The pytest-xdist worker of each test (`make test` runs 2, `--dist loadgroup`): a module's tests all on one,
-    in their order, so that its module fixtures are made once and a test that reads what an earlier one left
-    finds it; and every module whose tests read the README run's pipeline (PIPELINE) on the same one, so that it
-    runs once. The other worker takes the other modules meanwhile, on the core the pipeline leaves idle."""
-    pipeline = {item.module.__name__ for item in items if set(PIPELINE) & set(item.fixturenames)}
-    for item in items:
-        name = item.module.__name__
-        item.add_marker(pytest.mark.xdist_group("pipeline" if name in pipeline else name))
+def pipeline_modules(root: Path) -> set[str]:
+    """The test modules (as node ids start: tests/test_x.py) whose source names a PIPELINE fixture: theirs or a
+    fixture of theirs that asks for it (test_train.py's `baseline`)."""
+    return {f"tests/{p.name}" for p in (root / "tests").glob("test_*.py") if any(f in p.read_text() for f in PIPELINE)}
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """Where `make test`'s 2 pytest-xdist workers run what: a module's tests all on one worker, in file order (its
+    module fixtures made once; a test may read what an earlier one left), and every module that reads the
+    README run's pipeline on the same one, first, so that it runs once. The other worker takes the other modules
+    meanwhile, on the core that the pipeline's single-threaded parts leave idle. (xdist's own `loadgroup` marks
+    no longer reach its scheduler under pytest 9: it renames node ids, which pytest 9 derives.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    pipeline = pipeline_modules(config.rootpath)
+
+    class ByModule(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::", 1)[0]
+            return "pipeline" if module in pipeline else module
+
+    return ByModule(config, log)
 
 
 @pytest.fixture(scope="session")
