@@ -113,20 +113,22 @@ def test_export_loads_in_transformers_with_the_same_loss(baseline):
     assert AutoTokenizer.from_pretrained(export).eos_token_id == 2
 
 
-def test_rerun_after_the_driver_died_resumes_the_same_run(baseline):
+def test_rerun_after_the_driver_died_resumes_the_same_run(baseline, tmp_path):
     cfg, wd, _, _ = baseline
     args = ["--config", str(cfg), "--only", "train", "--set", "train.seed=1", "--set", "train.seeds=1"]
     runs_before = set(glob.glob(f"{wd}/train/runs/*"))
     attempts_before = set((wd / "train").glob(".attempt-*.json"))  # the README run's failing-stage test leaves one
-    proc = subprocess.Popen([sys.executable, str(ROOT / "pipelines" / "full.py"), *args], start_new_session=True,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env={**os.environ, "PYTHONPATH": str(ROOT)})
+    log = tmp_path / "first-attempt.log"  # its console, for the message if it ends on its own
+    with open(log, "wb") as out:
+        proc = subprocess.Popen([sys.executable, str(ROOT / "pipelines" / "full.py"), *args], start_new_session=True,
+                                stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONPATH": str(ROOT)})
     try:
         deadline = time.monotonic() + 240
         while time.monotonic() < deadline:
             new = set(glob.glob(f"{wd}/train/runs/*")) - runs_before
             if new and (Path(next(iter(new))) / "checkpoints" / "step-00000010").is_dir():
                 break
-            assert proc.poll() is None, "the first attempt ended before its first checkpoint"
+            assert proc.poll() is None, "the first attempt ended before its first checkpoint:\n" + log.read_text(errors="replace")[-3000:]
             time.sleep(0.2)
         else:
             pytest.fail("no checkpoint within 240 s")
