@@ -128,7 +128,8 @@ def test_rerun_after_the_driver_died_resumes_the_same_run(baseline, tmp_path):
             new = set(glob.glob(f"{wd}/train/runs/*")) - runs_before
             if new and (Path(next(iter(new))) / "checkpoints" / "step-00000010").is_dir():
                 break
-            assert proc.poll() is None, "the first attempt ended before its first checkpoint:\n" + log.read_text(errors="replace")[-3000:]
+            assert proc.poll() is None, ("the first attempt ended before its first checkpoint:\n"
+                                         + log.read_text(errors="replace")[-3000:])
             time.sleep(0.2)
         else:
             pytest.fail("no checkpoint within 240 s")
