@@ -4,6 +4,7 @@ pipeline starts it, and one run of the whole pipeline on the sample corpus that 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from dataclasses import dataclass
@@ -172,11 +173,28 @@ class DefaultRun:
     summary: str  # work/stages.md right after the second run
 
 
+def made_once_per_suite(tmp_path_factory, what: str) -> None:
+    """Under `make test`'s workers, fails when a second worker starts making `what`: a module that reads it is
+    outside the scheduler's pipeline group (pytest_xdist_make_scheduler), and the suite would pay for it twice."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER")
+    if worker is None:
+        return
+    mark = tmp_path_factory.getbasetemp().parent / f"{what}.worker"  # the run's, above each worker's own
+    try:
+        fd = os.open(mark, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+    except FileExistsError:
+        pytest.fail(f"{what} made again, on {worker} (first on {mark.read_text()}): the scheduler in "
+                    f"tests/conftest.py should put every module that reads it on one worker")
+    os.write(fd, worker.encode())
+    os.close(fd)
+
+
 @pytest.fixture(scope="session")
 def default_run(tmp_path_factory) -> DefaultRun:
     """The README's first command, `python pipelines/full.py` with no arguments, run from a fresh directory,
     then again. sample_run adds its own runs to the same workdir, so what the tests of this run read of the
     workdir's current state is read here, right after it."""
+    made_once_per_suite(tmp_path_factory, "default_run")
     where = tmp_path_factory.mktemp("fresh")
     cmd = [sys.executable, str(ROOT / "pipelines" / "full.py")]
     first = subprocess.run(cmd, cwd=where, capture_output=True, text=True, timeout=900)

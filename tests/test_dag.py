@@ -62,8 +62,13 @@ def stage_runs(workdir: Path) -> list:
     return client.search_runs([exp.experiment_id], order_by=["attributes.start_time ASC"])
 
 
-def test_first_run_writes_complete_accounted_outputs_and_mlflow_runs(project, capsys):
+def test_first_run_writes_complete_accounted_outputs_and_mlflow_runs(project, capsys, monkeypatch):
+    import core.imports
+
+    parse, parsed = core.imports._imports_of, []  # each stage's code is read from source once a run (core/dag.py)
+    monkeypatch.setattr(core.imports, "_imports_of", lambda *key: parsed.append(key) or parse(*key))
     assert project() == 0
+    assert parsed and len(parsed) == len(set(parsed)), [k for k in set(parsed) if parsed.count(k) > 1][:3]
     wd, exp = project.workdir, project.expected
     counts = {s: manifest(wd, s)["counts"] for s in STAGES}
     assert counts["ingest"] == {"rows_in": exp["lines"], "rows_out": exp["lines"] - exp["rejected"], "rejected": exp["rejected"]}
