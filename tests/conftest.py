@@ -30,7 +30,7 @@ def pipeline_modules(root: Path) -> set[str]:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """Where `make test`'s 2 pytest-xdist workers run what: a module's tests all on one worker, in file order (its
+    """Where `make test WORKERS=2`'s pytest-xdist workers run what: a module's tests all on one worker, in file order (its
     module fixtures made once; a test may read what an earlier one left), and every module that reads the
     README run's pipeline on the same one, first, so that it runs once. The other worker takes the other modules
     meanwhile, on the core that the pipeline's single-threaded parts leave idle. (xdist's own `loadgroup` marks
@@ -174,7 +174,7 @@ class DefaultRun:
 
 
 def made_once_per_suite(tmp_path_factory, what: str) -> None:
-    """Under `make test`'s workers, fails when a second worker starts making `what`: a module that reads it is
+    """Under pytest-xdist's workers, fails when a second worker starts making `what`: a module that reads it is
     outside the scheduler's pipeline group (pytest_xdist_make_scheduler), and the suite would pay for it twice."""
     worker = os.environ.get("PYTEST_XDIST_WORKER")
     if worker is None:
