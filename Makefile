@@ -10,8 +10,8 @@ STAMP := $(VENV)/.installed
 ARGS ?=
 PYTEST_ARGS ?=
 # WORKERS=2: the suite on 2 pytest-xdist workers, each module's tests on one worker and in order, every module that
-# reads the README run's pipeline on the same one (tests/conftest.py): 0.85x the time on an idle 2-core machine,
-# but a timing-sensitive test can fail under the contention (docs/testing.md). 0 (the default): one process.
+# reads the README run's pipeline on the same one (tests/conftest.py): faster on an idle machine, but a
+# timing-sensitive test can fail under the contention (docs/testing.md). 0 (the default): one process.
 WORKERS ?= 0
 
 # `make test CPU=avx2`: the suite as on an AVX2-only CPU (most laptops, many AMD servers), on any x86-64 host:

@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None, stages: tuple[Stage, ...] | None = None)
 def check(config: PipelineConfig, stages: list[Stage], verify: bool) -> int:
     """`--check`: the workdir's outputs audited, nothing run (core/dag.py's audit). 0: all intact."""
     runner = Runner(config, stages)
-    lines, intact = audit(runner.workdir, stages, fingerprints(config, stages, runner.parsed), full=verify)
+    lines, intact = audit(runner.workdir, stages, fingerprints(config, stages), full=verify)
     print(f"workdir {config.workdir} ({'full check' if verify else 'files and sizes'}):")
     for line in lines:
         print(line)

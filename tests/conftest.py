@@ -30,8 +30,8 @@ def pipeline_modules(root: Path) -> set[str]:
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """Where `make test WORKERS=2`'s pytest-xdist workers run what: a module's tests all on one worker, in file order (its
-    module fixtures made once; a test may read what an earlier one left), and every module that reads the
+    """Where `make test WORKERS=2`'s pytest-xdist workers run what: a module's tests all on one worker, in file
+    order (its module fixtures made once; a test may read what an earlier one left), and every module that reads the
     README run's pipeline on the same one, first, so that it runs once. The other worker takes the other modules
     meanwhile, on the core that the pipeline's single-threaded parts leave idle. (xdist's own `loadgroup` marks
     no longer reach its scheduler under pytest 9: it renames node ids, which pytest 9 derives.)"""
@@ -181,12 +181,11 @@ def made_once_per_suite(tmp_path_factory, what: str) -> None:
         return
     mark = tmp_path_factory.getbasetemp().parent / f"{what}.worker"  # the run's, above each worker's own
     try:
-        fd = os.open(mark, os.O_CREAT | os.O_EXCL | os.O_WRONLY)
+        with mark.open("x") as out:  # created here, or it exists: another worker made it first
+            out.write(worker)
     except FileExistsError:
         pytest.fail(f"{what} made again, on {worker} (first on {mark.read_text()}): the scheduler in "
                     f"tests/conftest.py should put every module that reads it on one worker")
-    os.write(fd, worker.encode())
-    os.close(fd)
 
 
 @pytest.fixture(scope="session")
