@@ -293,6 +293,10 @@ def local_path(path: str, key: str) -> str:
 # A field's metadata that makes it a section of its own stage: left out of its parent's section_dict, so that the
 # stages keyed on the parent do not rerun when only it changes (eval.downstream: the downstream stage's).
 KEYED_APART = "keyed_apart"
+# A field's metadata that makes it part of how a stage is laid out on the machines, not of what it computes (the
+# workers, their CPUs and GPUs, the micro-batch): left out of the fingerprint, so that a run goes on under another
+# layout (train/checkpoint_files.py loads its checkpoints into it) and a finished one is not redone for a new one.
+LAYOUT = "layout"
 
 
 def section_of(config: Any, name: str) -> Any:
@@ -303,16 +307,24 @@ def section_of(config: Any, name: str) -> Any:
     return value
 
 
-def section_dict(config: Any, section: str | tuple[str, ...]) -> Any:
-    """A config section (or several, by name) as plain data: what fingerprints and MLflow params are made of. The
-    fields marked KEYED_APART are not in it: they are sections of their own (section_dict(config, "eval.downstream"))."""
+def section_dict(config: Any, section: str | tuple[str, ...], layout: bool = False) -> Any:
+    """A config section (or several, by name) as plain data: what fingerprints are made of, and with `layout` the
+    fields marked LAYOUT too (MLflow's params, the manifest). The fields marked KEYED_APART are not in it: they are
+    sections of their own (section_dict(config, "eval.downstream"))."""
     if isinstance(section, tuple):
-        return {name: section_dict(config, name) for name in section}
+        return {name: section_dict(config, name, layout) for name in section}
     value = section_of(config, section)
     if isinstance(value, list):
         return [dataclasses.asdict(v) for v in value]
-    out = dataclasses.asdict(value)
+    return _without(value, dataclasses.asdict(value), layout)
+
+
+def _without(value: Any, out: dict, layout: bool) -> dict:
+    """`out`, the dict of dataclass `value`, less its KEYED_APART fields and (unless `layout`) its LAYOUT fields, at
+    every depth: a proxy run's workers (screen.proxy.num_workers) are as much a layout as the training's."""
     for f in dataclasses.fields(value):
-        if f.metadata.get(KEYED_APART):
+        if f.metadata.get(KEYED_APART) or (f.metadata.get(LAYOUT) and not layout):
             del out[f.name]
+        elif dataclasses.is_dataclass(inner := getattr(value, f.name)):
+            _without(inner, out[f.name], layout)
     return out

@@ -395,7 +395,7 @@ class Runner:
     def _run_logged(self, tracker: Tracker, stage: Stage, fp: str, inputs: dict[str, dict], folder: Path,
                     log_path: Path) -> dict:
         stage_log = logging.getLogger(f"pipelines.stage.{stage.name}")
-        config_section = section_dict(self.config, stage.section)
+        config_section = section_dict(self.config, stage.section, layout=True)
         started, t0 = _now(), time.perf_counter()
         attempt = self.workdir.stage_dir(stage.name) / f".attempt-{fp[:16]}.json"  # an unfinished run of this fingerprint
         resume = json.loads(attempt.read_text())["mlflow_run_id"] if stage.resumable and attempt.is_file() else None

@@ -28,13 +28,14 @@ from typing import Any, Iterator, Literal, Sequence
 
 import yaml
 
-from core.config import KEYED_APART, section_dict
+from core.config import KEYED_APART, LAYOUT, section_dict
 from core.dag import Stage
 
 ROOT = Path(__file__).resolve().parents[1]
 OUTPUT = ROOT / "docs" / "config.md"
 COMMAND = ".venv/bin/python -m pipelines.config_reference --write"
 NOTHING = "nothing (not in any stage's fingerprint)"
+LAID_OUT = "nothing: a layout key, how the stage runs and not what it computes"  # core/config.py LAYOUT
 
 # The configs shipped in configs/, in the order the page lists them (the test checks that it is every one).
 CONFIGS = {
@@ -57,6 +58,7 @@ class Entry:
     leaf: bool
     depth: int  # 0 for a key of PipelineConfig itself
     keyed_apart: bool = False  # a section of its own stage, left out of its parent's (core/config.py: KEYED_APART)
+    layout: bool = False  # how the stage is laid out, not what it computes: in no fingerprint (core/config.py: LAYOUT)
 
 
 # --------------------------------------------------------------------------- the fields and their docs
@@ -108,7 +110,7 @@ def entries(cls: type, prefix: str = "", depth: int = 0) -> Iterator[Entry]:
         key = prefix + f.name
         inner, is_list = section_type(hints[f.name])
         yield Entry(key, type_name(hints[f.name]), default_text(f), docs.get(f.name, ""), inner is None, depth,
-                    bool(f.metadata.get(KEYED_APART)))
+                    bool(f.metadata.get(KEYED_APART)), bool(f.metadata.get(LAYOUT)))
         if inner is not None:
             yield from entries(inner, key + ("[]." if is_list else "."), depth + 1)
 
@@ -229,7 +231,7 @@ def cell(text: str) -> str:
 def table(rows: list[Entry], rerun: dict[str, tuple[str, ...]]) -> list[str]:
     lines = ["| Key | Type | Default | A change reruns | Meaning |", "|---|---|---|---|---|"]
     for e in rows:
-        stages = ", ".join(rerun[e.key]) or NOTHING
+        stages = ", ".join(rerun[e.key]) or (LAID_OUT if e.layout else NOTHING)
         default = e.default if e.default == "required" else f"`{e.default}`"
         lines.append(f"| `{e.key}` | `{cell(e.type)}` | {cell(default)} | {stages} | {cell(e.doc)} |")
     return lines + [""]

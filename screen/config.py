@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from core.config import ConfigError, at_least
+from core.config import LAYOUT, ConfigError, at_least
 from corpus.config import TokenizerConfig
 from train.config import EngineConfig
 
@@ -19,9 +19,9 @@ class ProxyConfig(EngineConfig):
     """The proxy model of the screen: every proxy run trains it with these settings (only the data and seed differ).
     OPT measured spikes at 1.3B; the defaults are a laptop's."""
 
-    num_workers: int = 1
+    num_workers: int = field(default=1, metadata={LAYOUT: True})
     """Ray Train workers per proxy run (one per GPU on a cluster). The training stage's default is 2."""
-    cpus_per_worker: float = 1.0
+    cpus_per_worker: float = field(default=1.0, metadata={LAYOUT: True})
     """CPUs each proxy run's worker asks Ray for."""
     zero_stage: int = 0
     """The [ZeRO](glossary.md#zero) stage of the proxy runs, 0 to 3 (fp16 needs 1 to 3)."""

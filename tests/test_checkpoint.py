@@ -282,3 +282,115 @@ def test_a_link_anywhere_inside_a_checkpoint_is_refused(tmp_path):
     os.unlink(step / "ds")
     shutil.copytree(elsewhere, step / "ds")
     assert checkpoint_files.verify(step) is None  # the same files, in the folder itself
+
+
+RESHAPE_STAGES = (0, 1, 2, 3)  # ZeRO stages: 0 loads at any degree as it is; 1-3 through DeepSpeed's universal format
+
+
+def _dp_engine(rank: int, world: int, zero: int):
+    """The tiny model without dropout under ZeRO-`zero` on `world` data-parallel ranks: a global batch of 4
+    sequences in micro-batches of 2, so that gradient accumulation makes up the ranks that are not there."""
+    import deepspeed
+
+    from train.build import build
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    ds = deepspeed_config(micro_batch=2, accumulation=2 // world, world_size=world, zero_stage=zero, precision="fp32",
+                          grad_clip=1.0)
+    model = build(get("tiny").replace(dropout=0.0), ds, seed=0, rank=rank)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=adamw(model, 1e-3, 0.1), config=ds)
+    return engine
+
+
+def _global_step(engine, step: int, rank: int, world: int) -> float:
+    """Global batch `step` (the same 4 sequences whatever the degree), this rank's rows of it; the mean loss."""
+    import torch.distributed as dist
+
+    mine = torch.randint(0, 512, (4, 17), generator=torch.Generator().manual_seed(step)).chunk(world)[rank]
+    total = torch.zeros(())
+    for micro in mine.split(2):
+        loss = engine(micro[:, :-1], micro[:, 1:])
+        engine.backward(loss)
+        engine.step()
+        total += loss.detach() / len(mine.split(2))
+    dist.all_reduce(total)
+    return total.item() / world
+
+
+def _full_weights(engine) -> dict:
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(engine.module.parameters()), enabled=hasattr(
+            next(engine.module.parameters()), "ds_tensor")):
+        return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+
+
+def _dp_phase(rank: int, world: int, root: str, first: int, last: int, save_at: int | None) -> dict:
+    """For each ZeRO stage: steps first..last on `world` ranks, from the checkpoint of step first - 1 in root/zero<k>
+    when first > 1, saving one at step `save_at`; {stage: (losses, weights after `last`)}."""
+    from pathlib import Path
+
+    out = {}
+    for zero in RESHAPE_STAGES:
+        engine, folder = _dp_engine(rank, world, zero), Path(root) / f"zero{zero}"
+        if first > 1:
+            checkpoint_files.load(engine, folder / checkpoint_files.step_name(first - 1))
+        losses = {}
+        for step in range(first, last + 1):
+            losses[step] = _global_step(engine, step, rank, world)
+            if step == save_at:
+                checkpoint_files.save(engine, folder, step, {"health": {"healthy": True}})
+        out[zero] = (losses, _full_weights(engine))
+        engine.destroy()
+    return out
+
+
+def _dp_there_and_back(rank: int, world: int, root: str) -> tuple[dict, dict]:
+    """On 2 ranks: the run that never changes (steps 1-6, saving at step 2); then, once this test's own process has
+    gone on from step 2 to step 4 alone (it writes `alone-done`), steps 5-6 from its checkpoint of step 4. One set of
+    processes for both: each costs seconds to start."""
+    import time
+    from pathlib import Path
+
+    unchanged = _dp_phase(rank, world, root, 1, 6, 2)
+    (Path(root) / f"first-done-{rank}").touch()
+    deadline = time.monotonic() + 300
+    while not (Path(root) / "alone-done").exists():
+        assert time.monotonic() < deadline, "the one-rank phase did not finish"
+        time.sleep(0.05)
+    return unchanged, _dp_phase(rank, world, root, 5, 6, None)
+
+
+def test_a_checkpoint_loads_into_another_data_parallel_degree_under_every_zero_stage(deepspeed_rank, tmp_path, caplog):
+    """Data-parallel 2 -> 1 -> 2 under ZeRO 0-3: written by 2 ranks at step 2, continued by 1 (its gradient
+    accumulation making up the other) to step 4, then by 2 again to step 6. Every step's loss, and the weights at
+    the end, are the never-changed run's: ZeRO 1-3 through DeepSpeed's ds_to_universal and universal loading
+    (train/checkpoint_files.py `universal`), ZeRO-0 as it is. Without the conversion DeepSpeed refuses the load;
+    without the ZeRO-3 mends (each group's weight decay, a step count per state) the weights drift by ~1e-3."""
+    from test_parallel import run_ranks
+
+    import time
+
+    alone = {}
+
+    def go_on_alone():  # this process, rank 0 of 1: steps 3-4 from the 2 ranks' checkpoint of step 2
+        while not all((tmp_path / f"first-done-{rank}").exists() for rank in (0, 1)):
+            time.sleep(0.05)
+        with caplog.at_level(logging.WARNING, logger="train.checkpoint_files"):
+            alone.update(_dp_phase(0, 1, str(tmp_path), 3, 4, 4))
+        (tmp_path / "alone-done").touch()
+
+    [(reference, again), _] = run_ranks(2, _dp_there_and_back, str(tmp_path), meanwhile=go_on_alone)
+    for zero in RESHAPE_STAGES:
+        model_states = next((tmp_path / f"zero{zero}" / "step-00000002" / "ds").glob("*model_states.pt"))
+        assert checkpoint_files.safe_load(model_states)["universal_checkpoint_info"] == checkpoint_files.UNIVERSAL_INFO
+        meta = checkpoint_files.read_meta(tmp_path / f"zero{zero}" / "step-00000002")
+        assert meta["layout"] == {"data_parallel": 2, "zero_stage": zero}
+    converted = [r.getMessage() for r in caplog.records if "universal format" in r.getMessage()]
+    assert len(converted) == 3 and all("written by 2 data-parallel ranks, loaded by 1" in m for m in converted), converted
+    for zero in RESHAPE_STAGES:
+        assert not list((tmp_path / f"zero{zero}").glob(".universal-*"))  # removed once loaded
+        losses = {**alone[zero][0], **again[zero][0]}
+        assert losses == pytest.approx({s: reference[zero][0][s] for s in losses}, rel=1e-5), zero
+        for name, w in reference[zero][1].items():
+            assert torch.allclose(torch.as_tensor(again[zero][1][name]), torch.as_tensor(w), atol=1e-6), (zero, name)

@@ -30,13 +30,16 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(world: int, fn, *args) -> list:
-    """fn(rank, world, *args) in `world` processes joined by a gloo group; each rank's return value."""
+def run_ranks(world: int, fn, *args, meanwhile=None) -> list:
+    """fn(rank, world, *args) in `world` processes joined by a gloo group; each rank's return value. `meanwhile()`,
+    if given, runs in this process while they do (tests/test_checkpoint.py: a step of its own between two of theirs)."""
     ctx = multiprocessing.get_context("spawn")
     port, results = _free_port(), ctx.Queue()
     procs = [ctx.Process(target=_rank_main, args=(rank, world, port, results, fn, args)) for rank in range(world)]
     for p in procs:
         p.start()
+    if meanwhile is not None:
+        meanwhile()
     out = dict(results.get(timeout=240) for _ in procs)
     for p in procs:
         p.join(timeout=60)

@@ -6,7 +6,15 @@ Here a checkpoint is DeepSpeed's own sharded files (every rank writes its shard)
 - `rng-rank<R>.pt`: every rank's torch/numpy/python RNG states, and its GPU's (dropout continues
   exactly);
 - `meta.json`: the step, the loader state, the schedule, the loss scale, health (the autopilot
-  fills it in), the metrics at that step, and the SHA-256, size and writing rank of every file.
+  fills it in), the metrics at that step, the layout that wrote it (`layout_of`), and the SHA-256, size and
+  writing rank of every file.
+
+A checkpoint loads into another data-parallel degree (`load`): under ZeRO 1-3 each rank's files hold its
+partition of the optimizer state, which DeepSpeed refuses to read at another degree ("Automatic adjustment of
+ZeRO's optimizer state partitioning with a new world size is not currently supported", engine.py
+`_load_zero_checkpoint`). So rank 0 first converts it with DeepSpeed's own `ds_to_universal` (one file per
+parameter: its fp32 weights and Adam moments), and every rank loads its new partition from that (`universal`).
+The model states file carries `universal_checkpoint_info`, which the converter requires.
 
 Write: all ranks write into `.tmp-step-<N>/`; each rank hashes the files it wrote itself (at 175B,
 2.4 TB over 992 ranks: each reads back its own 2.5 GB, not a slice of everyone's); rank 0 writes
@@ -25,6 +33,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import hashlib
+import io
 import json
 import logging
 import os
@@ -45,6 +54,10 @@ log = logging.getLogger(__name__)
 
 META = "meta.json"
 TAG = "ds"  # DeepSpeed's tag: its files live in step-<N>/ds/
+# What DeepSpeed's ds_to_universal requires in a checkpoint's model states (checkpoint/ds_to_universal.py
+# `_check_for_required_state`); the engine writes a module's `universal_checkpoint_info` attribute there
+# (engine.py `_save_checkpoint`). Tensor and pipeline runs would add their patterns; none is needed without.
+UNIVERSAL_INFO = {"universal_checkpoint_version": 0.4}
 
 
 def step_name(step: int) -> str:
@@ -137,6 +150,11 @@ def host_copy(obj, memo: dict):
     return copy.deepcopy(obj, memo)
 
 
+def layout_of(engine) -> dict:
+    """How this engine's state is split into files: what a load into another layout must reshape."""
+    return {"data_parallel": engine.dp_world_size, "zero_stage": int(engine.zero_optimization_stage())}
+
+
 def save(engine, root: Path, step: int, meta: dict, background: bool = False) -> "Write":
     """Every rank calls this at the same step. DeepSpeed's state is taken in this call; with `background`, it
     is taken as a copy in host memory and written, hashed and published by a thread while training goes on.
@@ -148,10 +166,11 @@ def save(engine, root: Path, step: int, meta: dict, background: bool = False) ->
         shutil.rmtree(tmp, ignore_errors=True)  # a save of this step that died before its publish
         tmp.mkdir(parents=True)
     barrier()
+    engine.module.universal_checkpoint_info = UNIVERSAL_INFO  # written into the model states: ds_to_universal reads it
     with taking_writes(engine, copy=background) as taken:
         engine.save_checkpoint(str(tmp), tag=TAG)  # collective: each rank hands over its shard
     taken.append((rng_state(), tmp / f"rng-rank{rank:05d}.pt"))
-    write = Write(root, step, meta, taken, rank, world)
+    write = Write(root, step, {**meta, "layout": layout_of(engine)}, taken, rank, world)
     if not background:
         write.run()
         barrier()  # rank 0 has published
@@ -384,11 +403,16 @@ def load_latest(engine, root: Path, on_skip=None, accept=None, data_group=None) 
 
 
 def load(engine, path: Path, data_group=None) -> dict:
-    """Load one (verified) checkpoint into the engine and this rank's RNGs; returns its meta."""
+    """Load one (verified) checkpoint into the engine and this rank's RNGs; returns its meta. Written at another
+    data-parallel degree under ZeRO 1-3, it is loaded through DeepSpeed's universal format (`universal`)."""
     rank, world = rank_world()
     meta = read_meta(path)
-    with reading_once(engine, data_group):
-        engine.load_checkpoint(str(path), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=False)
+    now, change = layout_of(engine), None
+    if reshaped(path, meta, now, world):
+        change = {"from": meta["layout"], "to": now, "seconds": universal(engine, path, meta["layout"], now)}
+    else:
+        with reading_once(engine, data_group):
+            engine.load_checkpoint(str(path), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=False)
     rng = path / f"rng-rank{rank:05d}.pt"
     if meta["world_size"] == world and rng.is_file():
         try:
@@ -399,7 +423,102 @@ def load(engine, path: Path, data_group=None) -> dict:
     elif rank == 0:
         log.warning("checkpoint %s was written by %d ranks, now %d: RNG states not restored", path.name,
                     meta["world_size"], world)
-    return {**meta, "path": str(path)}
+    return {**meta, "path": str(path), **({"reshaped": change} if change else {})}
+
+
+def reshaped(path: Path, meta: dict, now: dict, world: int) -> bool:
+    """Whether checkpoint `path` must be converted to load into the layout `now` (DeepSpeed reads it as it is when
+    the layout is the same, or under ZeRO-0 at any data-parallel degree); raises, saying why, where it cannot load.
+    A checkpoint from before layouts were recorded loads as it is (DeepSpeed says so if it cannot)."""
+    saved = meta.get("layout")
+    if saved is None or saved == now:
+        return False
+    if (saved["zero_stage"] == 0) != (now["zero_stage"] == 0):
+        raise RuntimeError(f"checkpoint {path.name} was written under ZeRO-{saved['zero_stage']} and this run is under "
+                           f"ZeRO-{now['zero_stage']}: ZeRO-0 keeps its optimizer state whole and ZeRO 1-3 in "
+                           "partitions, so neither loads into the other; keep train.zero_stage as it was")
+    split = (meta["world_size"] // saved["data_parallel"], world // now["data_parallel"])
+    if split != (1, 1):
+        raise RuntimeError(f"checkpoint {path.name} was written by {saved['data_parallel']} replicas of a model split "
+                           f"over {split[0]} workers under ZeRO-{saved['zero_stage']}, and this run has "
+                           f"{now['data_parallel']} of {split[1]} under ZeRO-{now['zero_stage']}: a tensor- or "
+                           "pipeline-parallel run cannot change its data-parallel degree or ZeRO stage yet")
+    return now["zero_stage"] > 0
+
+
+def universal(engine, path: Path, saved: dict, now: dict) -> float:
+    """Checkpoint `path`, written at data-parallel degree saved["data_parallel"], loaded at now["data_parallel"]:
+    rank 0 converts it with DeepSpeed's ds_to_universal into `.universal-<step>/` beside it (fresh each time,
+    never published, removed once every rank has loaded), and each rank reads its new partition from there with
+    DeepSpeed's universal loading, from any of ZeRO 1-3 into any of them; a ZeRO-0 checkpoint holds its whole
+    optimizer state in the model states and loads at any degree without this."""
+    rank, _ = rank_world()
+    out = path.parent / f".universal-{path.name}"
+    started = time.monotonic()
+    if rank == 0:
+        shutil.rmtree(out, ignore_errors=True)
+        _convert(path / TAG, out / TAG)
+        log.warning("checkpoint %s: written by %d data-parallel ranks, loaded by %d: converted to DeepSpeed's universal "
+                    "format in %.1f s", path.name, saved["data_parallel"], now["data_parallel"], time.monotonic() - started)
+    barrier()
+    optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)  # the torch optimizer under ZeRO's
+    built = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
+    with _replaced(engine._config, "load_universal_checkpoint", True), _weights_only_loads():
+        engine.load_checkpoint(str(out), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=False)
+    if now["zero_stage"] == 3:
+        _mend_zero3(optimizer, built)
+    barrier()
+    if rank == 0:
+        shutil.rmtree(out, ignore_errors=True)
+    return time.monotonic() - started
+
+
+def _convert(source: Path, target: Path) -> None:
+    """DeepSpeed's ds_to_universal on one checkpoint's files, in this process (one extracting and merging
+    worker: it starts no process pool), every file it reads through `_weights_only_loads`."""
+    import argparse
+
+    from deepspeed.checkpoint import ds_to_universal
+
+    args = argparse.Namespace(input_folder=str(source), output_folder=str(target), num_extract_workers=1,
+                              num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=False)
+    said = io.StringIO()  # its progress bars and prints: shown only if it fails
+    try:
+        with _weights_only_loads(), contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
+            ds_to_universal.main(args)
+    except Exception as exc:
+        raise RuntimeError(f"DeepSpeed's ds_to_universal could not convert {source}: {exc!r}\n{said.getvalue()[-2000:]}") from exc
+
+
+def _mend_zero3(optimizer, built: list[dict]) -> None:
+    """Two faults of DeepSpeed 0.19's ZeRO-3 universal load (runtime/zero/stage3.py `_load_universal_checkpoint`),
+    undone: every parameter group gets the first group's hyperparameters (here the biases' and norms' weight decay
+    0.0 would become 0.1), so each group's are put back as built; and one `step` tensor is shared by every
+    sub-group's state, which AdamW advances in place once per sub-group, so each gets its own, on its parameter's
+    device."""
+    for group, own in zip(optimizer.param_groups, built):
+        group.update(own)
+    for param, state in optimizer.state.items():
+        if torch.is_tensor(state.get("step")):
+            state["step"] = state["step"].detach().clone().to(param.device)
+
+
+@contextlib.contextmanager
+def _weights_only_loads() -> Iterator[None]:
+    """Every `torch.load` in the meantime as `safe_load` reads: DeepSpeed's universal conversion and loading read
+    their files with `torch.load(weights_only=False)` directly, past its checkpoint engine."""
+    original = torch.load
+
+    def load(f, map_location=None, *args, **kwargs):
+        kwargs.pop("weights_only", None)
+        with torch.serialization.safe_globals(deepspeed_types()):
+            return original(f, map_location, *args, weights_only=True, **kwargs)
+
+    torch.load = load
+    try:
+        yield
+    finally:
+        torch.load = original
 
 
 def abandon_after(root: Path, step: int, before: float) -> list[str]:

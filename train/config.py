@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from core.config import ConfigError, at_least, local_path, no_credentials, positive
+from core.config import LAYOUT, ConfigError, at_least, local_path, no_credentials, positive
 from train.rules import DEEPSPEED_MIN_LOSS_SCALE, layout_rule
 
 
@@ -66,12 +66,12 @@ class EngineConfig:
     model: str = "tiny"
     """The OPT model, by name: `tiny` (a laptop's), or one of OPT's Table 1: `125m`, `350m`, `1.3b`, `2.7b`,
     `6.7b`, `13b`, `30b`, `66b`, `175b`."""
-    num_workers: int = 2
+    num_workers: int = field(default=2, metadata={LAYOUT: True})
     """Ray Train workers, one per GPU on a cluster. `parallel.tensor` x `parallel.pipeline` must divide it; what is
     left is the [data-parallel](glossary.md#data-parallelism) size."""
-    gpus_per_worker: int = 0
+    gpus_per_worker: int = field(default=0, metadata={LAYOUT: True})
     """GPUs each worker asks Ray for: 1 on a GPU cluster. 0 trains on CPU, which takes `fp32` or `bf16`."""
-    cpus_per_worker: float = 0.5
+    cpus_per_worker: float = field(default=0.5, metadata={LAYOUT: True})
     """CPUs each worker asks Ray for. Fractional on a laptop, so that Ray Data can still schedule its tasks."""
     zero_stage: int = 2
     """The [ZeRO](glossary.md#zero) stage, 0 to 3: what is sharded over the data-parallel workers (1: optimizer
@@ -79,7 +79,7 @@ class EngineConfig:
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """The training precision. `fp16` keeps fp32 master weights with a dynamic [loss scale](glossary.md#loss-scale),
     as OPT trained, and needs GPUs."""
-    micro_batch_size: int = 1
+    micro_batch_size: int = field(default=1, metadata={LAYOUT: True})
     """Sequences per worker per forward and backward pass. Gradients are accumulated over micro-batches up to the
     global batch."""
     global_batch_tokens: int | None = None

@@ -73,6 +73,12 @@ class Checkpointer:
         resumed = checkpoint_files.load_latest(self.engine, self.dir, on_skip=skipped, data_group=self.data_group)
         if resumed is not None and self.ctx.leader:
             incident(self.ctx, resumed["step"], f"resumed from {Path(resumed['path']).name}")
+            if change := resumed.get("reshaped"):
+                was, now = change["from"], change["to"]
+                incident(self.ctx, resumed["step"], f"layout changed: {was['data_parallel']} data-parallel replicas under "
+                         f"ZeRO-{was['zero_stage']} wrote {Path(resumed['path']).name}, {now['data_parallel']} under "
+                         f"ZeRO-{now['zero_stage']} go on from it (converted to DeepSpeed's universal format and "
+                         f"loaded in {change['seconds']:.1f} s)")
         return resumed
 
     def healthy_before(self, step: int) -> dict | None:
