@@ -394,3 +394,20 @@ def test_a_checkpoint_loads_into_another_data_parallel_degree_under_every_zero_s
         assert losses == pytest.approx({s: reference[zero][0][s] for s in losses}, rel=1e-5), zero
         for name, w in reference[zero][1].items():
             assert torch.allclose(torch.as_tensor(again[zero][1][name]), torch.as_tensor(w), atol=1e-6), (zero, name)
+
+
+def test_a_checkpoint_that_cannot_load_into_this_layout_is_refused_saying_why(tmp_path):
+    """What `load` does with a checkpoint's recorded layout: as it is when unchanged (or unrecorded, from before), or
+    at another degree under ZeRO-0; converted at another degree under ZeRO 1-3; refused, naming why, between ZeRO-0
+    and ZeRO 1-3 and for a model split over tensor or pipeline ranks."""
+    path, two = tmp_path / "step-00000010", {"data_parallel": 2, "zero_stage": 2}
+    assert not checkpoint_files.reshaped(path, {"world_size": 2, "layout": two}, two, 2)
+    assert not checkpoint_files.reshaped(path, {"world_size": 2}, {"data_parallel": 1, "zero_stage": 2}, 1)
+    assert checkpoint_files.reshaped(path, {"world_size": 2, "layout": two}, {"data_parallel": 1, "zero_stage": 2}, 1)
+    assert checkpoint_files.reshaped(path, {"world_size": 2, "layout": two}, {"data_parallel": 4, "zero_stage": 3}, 4)
+    zero0 = {"data_parallel": 2, "zero_stage": 0}
+    assert not checkpoint_files.reshaped(path, {"world_size": 2, "layout": zero0}, {"data_parallel": 1, "zero_stage": 0}, 1)
+    with pytest.raises(RuntimeError, match="under ZeRO-0 and this run is under ZeRO-2: .* neither loads into the other"):
+        checkpoint_files.reshaped(path, {"world_size": 2, "layout": zero0}, two, 2)
+    with pytest.raises(RuntimeError, match="2 replicas of a model split over 2 workers .* cannot change its data-parallel"):
+        checkpoint_files.reshaped(path, {"world_size": 4, "layout": two}, {"data_parallel": 1, "zero_stage": 2}, 2)

@@ -456,7 +456,8 @@ def universal(engine, path: Path, saved: dict, now: dict) -> float:
     out = path.parent / f".universal-{path.name}"
     started = time.monotonic()
     if rank == 0:
-        shutil.rmtree(out, ignore_errors=True)
+        for stale in path.parent.glob(".universal-*"):  # this one, or another left by an attempt that died loading
+            shutil.rmtree(stale, ignore_errors=True)
         _convert(path / TAG, out / TAG)
         log.warning("checkpoint %s: written by %d data-parallel ranks, loaded by %d: converted to DeepSpeed's universal "
                     "format in %.1f s", path.name, saved["data_parallel"], now["data_parallel"], time.monotonic() - started)
@@ -465,8 +466,7 @@ def universal(engine, path: Path, saved: dict, now: dict) -> float:
     built = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]
     with _replaced(engine._config, "load_universal_checkpoint", True), _weights_only_loads():
         engine.load_checkpoint(str(out), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=False)
-    if now["zero_stage"] == 3:
-        _mend_zero3(optimizer, built)
+    _mend(optimizer, built, zero3=now["zero_stage"] == 3)
     barrier()
     if rank == 0:
         shutil.rmtree(out, ignore_errors=True)
@@ -490,14 +490,16 @@ def _convert(source: Path, target: Path) -> None:
         raise RuntimeError(f"DeepSpeed's ds_to_universal could not convert {source}: {exc!r}\n{said.getvalue()[-2000:]}") from exc
 
 
-def _mend_zero3(optimizer, built: list[dict]) -> None:
-    """Two faults of DeepSpeed 0.19's ZeRO-3 universal load (runtime/zero/stage3.py `_load_universal_checkpoint`),
-    undone: every parameter group gets the first group's hyperparameters (here the biases' and norms' weight decay
-    0.0 would become 0.1), so each group's are put back as built; and one `step` tensor is shared by every
-    sub-group's state, which AdamW advances in place once per sub-group, so each gets its own, on its parameter's
-    device."""
-    for group, own in zip(optimizer.param_groups, built):
-        group.update(own)
+def _mend(optimizer, built: list[dict], zero3: bool) -> None:
+    """After DeepSpeed 0.19's universal load: each state's step count its own tensor, on its parameter's device. The
+    converter reads them to the CPU (checkpoint/zero_checkpoint.py), where fused AdamW on a GPU keeps them on the
+    GPU; and ZeRO-3's load (runtime/zero/stage3.py `_load_universal_checkpoint`) puts one tensor in every
+    sub-group's state, which AdamW then advances once per sub-group. ZeRO-3's load also gives every parameter group
+    the first group's hyperparameters (here the biases' and norms' weight decay 0.0 would become 0.1): each group's
+    are put back as built."""
+    if zero3:
+        for group, own in zip(optimizer.param_groups, built):
+            group.update(own)
     for param, state in optimizer.state.items():
         if torch.is_tensor(state.get("step")):
             state["step"] = state["step"].detach().clone().to(param.device)

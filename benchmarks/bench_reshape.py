@@ -1,0 +1,124 @@
+"""What a change of data-parallel degree costs a restart: loading a checkpoint written by 2 ranks into 1, through
+DeepSpeed's ds_to_universal and universal loading (train/checkpoint_files.py `universal`), against loading one that
+1 rank wrote (the baseline: the same model, stage and loading rank, no conversion). One process loads both, in turns.
+
+    python benchmarks/bench_reshape.py [--model 125m] [--zero 2] [--rounds 2]
+
+Each rank trains one step of the model (fp32, so that Adam's moments exist) and saves with
+`checkpoint_files.save`; the 2-rank checkpoint is written by 2 spawned gloo ranks. Prints the checkpoint's bytes,
+each load's seconds (the conversion's apart) and the ratio, for docs/benchmarks.md; docs/scale.md prices 175B from
+the conversion's bytes per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+
+import provenance  # noqa: E402  (benchmarks/provenance.py: a script's folder is on sys.path)
+
+SEQ, MICRO = 128, 2  # tokens per sequence, sequences per micro-batch
+
+
+def engine(model: str, zero: int, world: int, rank: int):
+    import deepspeed
+
+    from model.configs import get
+    from train.build import build
+    from train.optim import adamw, deepspeed_config
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    ds = deepspeed_config(micro_batch=MICRO, accumulation=2 // world, world_size=world, zero_stage=zero,
+                          precision="fp32", grad_clip=1.0)
+    module = build(get(model).replace(dropout=0.0), ds, seed=0, rank=rank)
+    built, *_ = deepspeed.initialize(model=module, optimizer=adamw(module, 1e-4, 0.1), config=ds)
+    return built
+
+
+def one_step(built, rank: int, world: int) -> None:
+    vocab = built.module.config.vocab_size if hasattr(built.module, "config") else 50272
+    ids = torch.randint(0, vocab, (2 * MICRO, SEQ + 1), generator=torch.Generator().manual_seed(0)).chunk(world)[rank]
+    for micro in ids.split(MICRO):
+        built.backward(built(micro[:, :-1], micro[:, 1:]))
+        built.step()
+
+
+def write(rank: int, world: int, root: str, model: str, zero: int, port: int) -> None:
+    """Rank `rank` of `world`: one step, then its share of the checkpoint root/step-00000001."""
+    import deepspeed
+
+    from train import checkpoint_files
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu")
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # no g++ build of a shared-memory op
+    deepspeed.init_distributed(dist_backend="gloo")
+    built = engine(model, zero, world, rank)
+    one_step(built, rank, world)
+    checkpoint_files.save(built, Path(root), 1, {"health": {"healthy": True}})
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="125m", help="the OPT model by name (model/configs.py)")
+    p.add_argument("--zero", type=int, default=2, choices=(1, 2, 3), help="the ZeRO stage of both checkpoints")
+    p.add_argument("--rounds", type=int, default=2, help="loads of each checkpoint, in turns")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    print(provenance.header(), flush=True)
+    import torch.multiprocessing as mp
+
+    from train import checkpoint_files
+
+    with tempfile.TemporaryDirectory() as tmp:
+        two, one = Path(tmp) / "two", Path(tmp) / "one"
+        began = time.perf_counter()
+        mp.spawn(write, args=(2, str(two), args.model, args.zero, free_port()), nprocs=2, join=True)
+        print(f"written by 2 ranks in {time.perf_counter() - began:.1f} s", flush=True)
+        write(0, 1, str(one), args.model, args.zero, free_port())  # this process becomes rank 0 of 1 here
+        size = sum(p.stat().st_size for p in (two / "step-00000001").rglob("*") if p.is_file())
+        built = engine(args.model, args.zero, 1, 0)
+        times: dict[str, list[float]] = {"same degree": [], "another degree": [], "conversion": []}
+        for _ in range(args.rounds):
+            began = time.perf_counter()
+            checkpoint_files.load(built, one / "step-00000001")
+            times["same degree"].append(time.perf_counter() - began)
+            began = time.perf_counter()
+            meta = checkpoint_files.load(built, two / "step-00000001")
+            times["another degree"].append(time.perf_counter() - began)
+            times["conversion"].append(meta["reshaped"]["seconds"])
+    same, other = statistics.median(times["same degree"]), statistics.median(times["another degree"])
+    print(f"\n{args.model}, ZeRO-{args.zero}, fp32; the checkpoint of 2 ranks: {size / 1e9:.2f} GB; medians of "
+          f"{args.rounds} loads each, in turns, by one rank\n")
+    print("| load | seconds | / same degree |\n|---|---:|---:|")
+    print(f"| written by 1 rank (the baseline) | {same:.1f} | 1.00x |")
+    print(f"| written by 2 ranks: converted and loaded | {other:.1f} | {other / same:.2f}x |")
+    print(f"\nconversion and universal load: {statistics.median(times['conversion']):.1f} s (each: "
+          f"{', '.join(f'{t:.1f}' for t in times['another degree'])}); "
+          f"{size / 1e6 / statistics.median(times['another degree']):.0f} MB of checkpoint a second")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
