@@ -47,8 +47,8 @@ def engine(model: str, zero: int, world: int, rank: int):
 
 
 def one_step(built, rank: int, world: int) -> None:
-    vocab = built.module.config.vocab_size if hasattr(built.module, "config") else 50272
-    ids = torch.randint(0, vocab, (2 * MICRO, SEQ + 1), generator=torch.Generator().manual_seed(0)).chunk(world)[rank]
+    ids = torch.randint(0, built.module.config.vocab_size, (2 * MICRO, SEQ + 1),
+                        generator=torch.Generator().manual_seed(0)).chunk(world)[rank]
     for micro in ids.split(MICRO):
         built.backward(built(micro[:, :-1], micro[:, 1:]))
         built.step()

@@ -411,3 +411,17 @@ def test_a_checkpoint_that_cannot_load_into_this_layout_is_refused_saying_why(tm
         checkpoint_files.reshaped(path, {"world_size": 2, "layout": zero0}, two, 2)
     with pytest.raises(RuntimeError, match="2 replicas of a model split over 2 workers .* cannot change its data-parallel"):
         checkpoint_files.reshaped(path, {"world_size": 4, "layout": two}, {"data_parallel": 1, "zero_stage": 2}, 2)
+
+
+def test_deepspeeds_own_loads_in_a_conversion_read_no_pickle(tmp_path):
+    """DeepSpeed's ds_to_universal and universal loading call `torch.load(weights_only=False)` themselves; while
+    they run (`_weights_only_loads`), every such load reads weights only and refuses, naming the file, what needs
+    pickle's code. Outside it, torch.load is torch's again."""
+    torch.save({"w": torch.ones(2)}, tmp_path / "fine.pt")
+    torch.save({"w": _RunsCode(tmp_path / "ran")}, tmp_path / "planted.pt")
+    with checkpoint_files._weights_only_loads():
+        assert torch.equal(torch.load(tmp_path / "fine.pt", map_location="cpu", weights_only=False)["w"], torch.ones(2))
+        with pytest.raises(RuntimeError, match=r"planted\.pt holds more than tensors .* refused, since loading it could run code"):
+            torch.load(tmp_path / "planted.pt", map_location=torch.device("cpu"), weights_only=False)
+    assert not (tmp_path / "ran").exists()
+    assert torch.load.__module__ == "torch.serialization" and torch.load.__name__ == "load"

@@ -126,14 +126,15 @@ def taking_writes(engine, copy: bool) -> Iterator[list[tuple[object, Path]]]:
 
 
 @contextlib.contextmanager
-def _replaced(ckpt_engine, name: str, method) -> Iterator[None]:
-    """DeepSpeed's checkpoint engine with `method` in place of its `name` method, for the duration."""
-    original = getattr(ckpt_engine, name)
-    setattr(ckpt_engine, name, method)
+def _replaced(owner, name: str, value) -> Iterator[None]:
+    """`owner`'s attribute `name` (a method of DeepSpeed's checkpoint engine, a flag of its config, torch's load)
+    set to `value` for the duration, then put back."""
+    original = getattr(owner, name)
+    setattr(owner, name, value)
     try:
         yield
     finally:
-        setattr(ckpt_engine, name, original)
+        setattr(owner, name, original)
 
 
 def host_copy(obj, memo: dict):
@@ -332,9 +333,15 @@ def safe_load(path, map_location=None, mmap: bool = False):
     `weights_only=False` (runtime/checkpoint_engine/torch_checkpoint_engine.py), so a file planted in a shared
     folder would run code on every rank that resumes; here it stops the load, naming the file. `mmap`: the
     tensors' bytes are read only when used."""
+    return _weights_only(torch.load, path, map_location, mmap=mmap)
+
+
+def _weights_only(load, path, map_location=None, **kwargs):
+    """`load` (torch's) of `path` with `weights_only=True` and DeepSpeed's known types allowed; a file that needs
+    more is refused, naming it."""
     with torch.serialization.safe_globals(deepspeed_types()):
         try:
-            return torch.load(path, map_location=map_location, weights_only=True, mmap=mmap)
+            return load(path, map_location=map_location, weights_only=True, **kwargs)
         except pickle.UnpicklingError as exc:
             first = str(exc).split("WeightsUnpickler error: ")[-1].splitlines()[0][:160]
             raise RuntimeError(f"checkpoint file {path} holds more than tensors and DeepSpeed's known types ({first}):"
@@ -507,20 +514,17 @@ def _mend(optimizer, built: list[dict], zero3: bool) -> None:
 
 @contextlib.contextmanager
 def _weights_only_loads() -> Iterator[None]:
-    """Every `torch.load` in the meantime as `safe_load` reads: DeepSpeed's universal conversion and loading read
-    their files with `torch.load(weights_only=False)` directly, past its checkpoint engine."""
+    """Every `torch.load` in the meantime as `safe_load` reads (a file that needs pickle's code refused, named):
+    DeepSpeed's universal conversion and loading read their files with `torch.load(weights_only=False)` directly,
+    past its checkpoint engine."""
     original = torch.load
 
-    def load(f, map_location=None, *args, **kwargs):
+    def load(f, map_location=None, **kwargs):
         kwargs.pop("weights_only", None)
-        with torch.serialization.safe_globals(deepspeed_types()):
-            return original(f, map_location, *args, weights_only=True, **kwargs)
+        return _weights_only(original, f, map_location, **kwargs)
 
-    torch.load = load
-    try:
+    with _replaced(torch, "load", load):
         yield
-    finally:
-        torch.load = original
 
 
 def abandon_after(root: Path, step: int, before: float) -> list[str]:
