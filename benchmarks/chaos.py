@@ -16,7 +16,10 @@ SPEC is a comma-separated list of kind@step[:node], node 1 or 2 (default 1):
   its node must also be drained at the next checkpoint and the run restarted from it on a replacement;
 - unhealthy: from that step on, the node fails its health check; it must be found by the next check (at step
   0, the one before the first start; later, the next restart's, whichever node that restart was for);
-- error: a deterministic exception on every attempt: the run must stop, naming it.
+- error: a deterministic exception on every attempt: the run must stop, naming it;
+- lost: the node dies and no replacement comes (needs `--set train.elastic.enabled=true`): the run must go on
+  with fewer replicas, from its last checkpoint, the same global batch;
+- back: a new node joins in the lost one's place: the run must grow back at its next checkpoint.
 The default schedule has one of each. Each is a `train.inject` fault of the run, the node named by its id.
 A schedule that marks both nodes unhealthy at step 0 must stop the run before it starts, draining neither
 (the cause looks systemic): the drill then exits 1 with `"stopped"` saying so.
@@ -25,12 +28,13 @@ Prints a table of each fault and what the run did, the last step's loss against 
 step, and the goodput breakdown; `--json` prints one object instead:
 {"faults": [{"kind", "step", "node", "handled", "action"}...], "final_loss", "clean_loss", "ettr",
 "excluded_nodes", "stragglers", "probed_nodes", "head_node", "drains_refused", "stopped", "clean_stragglers",
-"clean_drained"}.
+"clean_drained", "resized": [{"step", "from", "to"}...]}.
 The head has no CPU, as cluster.yaml's: it can host no training worker, so it must never be probed nor
 drained. `--set` passes a config override (full.py's syntax) to both runs. Exits 0 when every fault was
 handled, the last step's loss equals the clean run's, nothing but an injected error stopped the run, and
 the clean run (no fault) drained no node: a straggler it names is a false alarm, reported; drained, it
-costs a planned restart.
+costs a planned restart. A run that changed size matches the clean run's loss within 1%, not exactly: its
+micro-batches are summed in another order, and each replica draws its own dropout masks.
 """
 
 from __future__ import annotations
@@ -52,6 +56,7 @@ from train import goodput, records  # noqa: E402
 DEFAULT = "crash@4:1,slow@2:2,hang@9:2,unhealthy@10:1,crash@12:1,error@20:2"
 SLOW = 2.0  # a straggler's compute, as a factor of its own
 SEQ, BATCH = 64, 8
+KINDS = ("crash", "hang", "slow", "unhealthy", "error", "lost", "back")
 
 
 def parse(spec: str) -> list[dict]:
@@ -59,9 +64,8 @@ def parse(spec: str) -> list[dict]:
     for item in filter(None, spec.split(",")):
         kind, _, rest = item.partition("@")
         step, _, node = rest.partition(":")
-        if kind not in ("crash", "hang", "slow", "unhealthy", "error") or not step.isdigit() or node not in ("", "1", "2"):
-            raise SystemExit(f"--faults: {item!r} is not kind@step[:node] (kinds crash, hang, slow, unhealthy, error; "
-                             "node 1 or 2)")
+        if kind not in KINDS or not step.isdigit() or node not in ("", "1", "2"):
+            raise SystemExit(f"--faults: {item!r} is not kind@step[:node] (kinds {', '.join(KINDS)}; node 1 or 2)")
         faults.append({"kind": kind, "step": int(step), "node": int(node or 1)})
     return faults
 
@@ -72,21 +76,26 @@ def overrides(steps: int, inject: list[dict]) -> list[str]:
             f"train.global_batch_tokens={BATCH * SEQ}", "train.micro_batch_size=2", "train.checkpoint_every=2",
             "train.eval_every=0", "train.seeds=1", "train.warmup_tokens=0", "train.hang_seconds=15", "train.startup_seconds=120",
             "train.collective_timeout_seconds=300", "train.health.enabled=true",
-            "train.stragglers.window=3", "train.autopilot.enabled=false", f"train.inject={faults}"]
+            "train.stragglers.window=3", "train.autopilot.enabled=false", "train.elastic.replacement_wait_seconds=5",
+            f"train.inject={faults}"]
 
 
 def to_inject(faults: list[dict], cluster: Cluster) -> list[dict]:
-    kinds = {"crash": "kill", "hang": "hang", "slow": "slow", "error": "error", "unhealthy": "unhealthy"}
-    return [{"kind": kinds[f["kind"]], "step": f["step"], "node": cluster.node_id(f["node"]),
+    kinds = {"crash": "kill", "hang": "hang", "slow": "slow", "error": "error", "unhealthy": "unhealthy", "lost": "lost",
+             "back": "back"}
+    return [{"kind": kinds[f["kind"]], "step": f["step"],
+             "node": str(f["node"]) if f["kind"] == "back" else cluster.node_id(f["node"]),
              **({"factor": SLOW} if f["kind"] == "slow" else {})} for f in faults]
 
 
 def watch(cluster: Cluster, runs: Path, done: threading.Event) -> None:
-    """Play the autoscaler for both runs: replace the nodes either drains. (The clean run drains one only on a
-    false alarm, which the report names; unreplaced, its run would wait for the lost node forever.)"""
+    """Play the autoscaler for both runs: replace the nodes either drains (the clean run drains one only on a
+    false alarm, which the report names; unreplaced, its run would wait for the lost node forever), and serve the
+    drill's `lost` and `back` (a node removed for good, a node that joins)."""
     while not done.wait(0.5):
         for run_dir in runs.glob("*"):  # none until the stage has made its run folder
             cluster.replace_drained(run_dir)
+            cluster.serve(run_dir)
 
 
 def run(out: Path, label: str, shards: Path, extra: list[str]) -> tuple[Path, str | None]:
@@ -127,11 +136,26 @@ def judge(faults: list[dict], run_dir: Path, stopped: str | None, cluster: Clust
             action = (f"failed its health check ({seen[0]['failed']}), "
                       f"{'not drained: the run stopped, the cause looked systemic' if refused else 'drained, replaced'}"
                       if handled else late or "not excluded")
+        elif f["kind"] in ("lost", "back"):
+            handled, action = resized(f, records.read(run_dir, records.RESIZE), cluster)
         else:
             handled = bool(stopped) and f"injected error at step {f['step']}" in stopped
             action = "stopped: " + stopped.splitlines()[0][:90] if handled else "not stopped"
         out.append({"kind": f["kind"], "step": f["step"], "node": f["node"], "handled": handled, "action": action})
     return out
+
+
+def resized(fault: dict, resizes: list[dict], cluster: Cluster) -> tuple[bool, str]:
+    """A lost node: removed, and the run went on smaller; one that came back: joined, and the run grew after it."""
+    if fault["kind"] == "lost":
+        done = [r for r in resizes if r["to"] < r["from"]]
+        if fault["node_id"] not in cluster.lost or not done:
+            return False, "node not removed" if fault["node_id"] not in cluster.lost else "the run did not shrink"
+        return True, f"node removed, not replaced; the run went on with {done[0]['to']} replica(s) from step {done[0]['step']}"
+    grew = [r for r in resizes if r["to"] > r["from"] and r["step"] >= fault["step"]]
+    if str(fault["node"]) not in cluster.joined or not grew:
+        return False, "no node joined" if str(fault["node"]) not in cluster.joined else "the run did not grow back"
+    return True, f"a node joined; the run grew to {grew[0]['to']} replicas at the checkpoint of step {grew[0]['step']}"
 
 
 def found_late(seen: list[dict], failed: list[dict], incidents: list[dict], node: str) -> str | None:
@@ -171,6 +195,9 @@ def main() -> int:
 
         return chaos_data.run(args.data, args.at, args.docs, Path(args.out + "-data"), args.json, args.set)
     faults = parse(args.faults)
+    if any(f["kind"] == "lost" for f in faults) and "train.elastic.enabled=true" not in args.set:
+        raise SystemExit("--faults lost needs --set train.elastic.enabled=true: otherwise the run waits for a "
+                         "replacement that never comes")
     from bench_tokenize import make_shards
 
     out = Path(args.out)
@@ -189,7 +216,7 @@ def main() -> int:
         (clean_dir,) = (out / "work" / "train" / "runs").glob("*-clean*")
         false_alarms = set(cluster.replaced.copy())  # nodes the clean run drained: no fault was injected there
         for f in faults:
-            f["node_id"] = cluster.node_id(f["node"])
+            f["node_id"] = None if f["kind"] == "back" else cluster.node_id(f["node"])
         _, stopped = run(out, "faults", shards, [*overrides(args.steps, to_inject(faults, cluster)), *args.set])
         (run_dir,) = (out / "work" / "train" / "runs").glob("*-faults*")
         results = judge(faults, run_dir, stopped, cluster, "train.stragglers.exclude=true" in args.set)
@@ -199,6 +226,7 @@ def main() -> int:
         done.set()
         cluster.shutdown()
     report = summarize(results, clean_dir, run_dir, excluded, stopped)
+    report["resized"] = [{k: r[k] for k in ("step", "from", "to")} for r in records.read(run_dir, records.RESIZE)]
     probes = records.read(run_dir, records.PROBE)
     report.update(probed_nodes=sorted({p["node"] for p in probes}), head_node=head, clean_drained=sorted(false_alarms),
                   drains_refused=sum(1 for p in probes if p["failed"] and not p["drained"]))
@@ -218,11 +246,13 @@ def losses(run_dir: Path) -> dict[int, float]:
 
 def summarize(results: list[dict], clean_dir: Path, run_dir: Path, excluded: list[str], stopped: str | None) -> dict:
     clean, faulty = losses(clean_dir), losses(run_dir)
+    tolerance = 1e-2 if records.read(run_dir, records.RESIZE) else 1e-6  # a resize sums in another order
     last = max(faulty, default=None)
     account = goodput.account(run_dir)
     stragglers = records.read(run_dir, records.STRAGGLER, records.DRAIN)
     return {"faults": results, "final_step": last, "final_loss": faulty.get(last), "clean_loss": clean.get(last),
-            "loss_matches": last is not None and abs(faulty[last] - clean[last]) <= 1e-6 * abs(clean[last]),
+            "loss_matches": last is not None and abs(faulty[last] - clean[last]) <= tolerance * abs(clean[last]),
+            "loss_tolerance": tolerance,
             "ettr": account["ettr"],
             "goodput": {k: v for k, v in account.items() if k.endswith("_seconds")}, "excluded_nodes": excluded,
             "stragglers": [{"rank": s["rank"], "node": s["node"], "step": s["step"], **({"drained": s["drained"]}
@@ -235,6 +265,12 @@ def summarize(results: list[dict], clean_dir: Path, run_dir: Path, excluded: lis
                                  for s in records.read(clean_dir, records.STRAGGLER)]}
 
 
+def agreement(report: dict) -> str:
+    if not report["loss_matches"]:
+        return "DIFFERENT"
+    return "equal" if report["loss_tolerance"] < 1e-3 else "within 1%: the run changed size"
+
+
 def print_table(report: dict) -> None:
     print("| fault | step | node | handled | what the run did |\n|---|---:|---:|---|---|")
     for f in report["faults"]:
@@ -243,9 +279,11 @@ def print_table(report: dict) -> None:
         print("\nno step ran with the faults")
     else:
         print(f"\nloss at step {report['final_step']}: {report['final_loss']:.6f} with the faults, "
-              f"{report['clean_loss']:.6f} clean ({'equal' if report['loss_matches'] else 'DIFFERENT'})")
+              f"{report['clean_loss']:.6f} clean ({agreement(report)})")
     named = ", ".join(f"rank {s['rank']} at step {s['step']}" for s in report["stragglers"])
     print(f"excluded nodes: {', '.join(report['excluded_nodes']) or 'none'}; stragglers: {named or 'none'}")
+    if report["resized"]:
+        print("resized: " + ", ".join(f"{r['from']} -> {r['to']} replicas at step {r['step']}" for r in report["resized"]))
     false = ", ".join(f"rank {s['rank']} at step {s['step']} ({s['seconds'] * 1e3:.0f} ms against "
                       f"{s['others_seconds'] * 1e3:.0f})" for s in report["clean_stragglers"])
     print(f"stragglers named in the clean run (false alarms): {false or 'none'}; nodes it drained: "

@@ -29,6 +29,8 @@ class Cluster:
         self.ids = {k: node.node_id for k, node in self.nodes.items()}
         self.head = self.cluster.head_node.node_id
         self.replaced: dict[str, str] = {}
+        self.lost: list[str] = []  # nodes a drill removed for good (`lost`)
+        self.joined: dict[str, str] = {}  # nodes a drill added (`back`): name -> node id
         self.session = ray._private.worker._global_node.get_session_dir_path()  # every process of it names it
 
     def node_id(self, k: int) -> str:
@@ -56,9 +58,23 @@ class Cluster:
 
         failed = set(drained_nodes(run_dir))
         for k, node_id in list(self.ids.items()):
-            if node_id in failed and node_id not in self.replaced:
+            if node_id in failed and node_id not in self.replaced and node_id not in self.lost:  # lost: for good
                 self.replaced[node_id] = self.start_node(f"chaos_node_{k}_replacement")
                 self.ids[k] = self.replaced[node_id]  # the drained node stays, taking nothing new
+
+    def serve(self, run_dir: Path) -> None:
+        """The run's drill's requests (train/loop/drill.py `request`): a node lost (removed, not replaced) or a node
+        that joins; each marker removed once done."""
+        from train.loop.drill import requested
+
+        for node_id, marker in requested(run_dir, "lost"):
+            k = next(k for k, n in self.ids.items() if n == node_id)
+            self.cluster.remove_node(self.nodes.pop(k), allow_graceful=False)
+            self.lost.append(node_id)
+            marker.unlink()
+        for name, marker in requested(run_dir, "back"):
+            self.joined[name] = self.start_node(f"chaos_node_{name}_back")
+            marker.unlink()
 
     def shutdown(self) -> None:
         """The cluster, and the nodes `ray start` added (their processes name the session's folder)."""

@@ -103,16 +103,18 @@ def section_type(tp: Any) -> tuple[type | None, bool]:
     return None, False
 
 
-def entries(cls: type, prefix: str = "", depth: int = 0) -> Iterator[Entry]:
-    """Every key of `cls`, in field order, each section followed by the keys under it (depth first)."""
+def entries(cls: type, prefix: str = "", depth: int = 0, laid_out: bool = False) -> Iterator[Entry]:
+    """Every key of `cls`, in field order, each section followed by the keys under it (depth first). A section
+    marked LAYOUT makes every key under it one (`laid_out`), as the fingerprint leaves it out whole."""
     hints, docs = typing.get_type_hints(cls), field_docs(cls)
     for f in dataclasses.fields(cls):
         key = prefix + f.name
         inner, is_list = section_type(hints[f.name])
+        layout = laid_out or bool(f.metadata.get(LAYOUT))
         yield Entry(key, type_name(hints[f.name]), default_text(f), docs.get(f.name, ""), inner is None, depth,
-                    bool(f.metadata.get(KEYED_APART)), bool(f.metadata.get(LAYOUT)))
+                    bool(f.metadata.get(KEYED_APART)), layout)
         if inner is not None:
-            yield from entries(inner, key + ("[]." if is_list else "."), depth + 1)
+            yield from entries(inner, key + ("[]." if is_list else "."), depth + 1, layout)
 
 
 def missing_docs(cls: type) -> list[str]:

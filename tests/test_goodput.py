@@ -30,11 +30,31 @@ def test_every_second_of_the_wall_time_is_in_one_part_and_ettr_counts_only_kept_
     report = goodput.account(tmp_path)
     expected = {"kept": 5.0, "lost": 1.0, "scheduling": 2.0, "health_check": 1.5, "startup_build": 3 + 2 + 1 + 0.5,
                 "startup_load": 3.5, "restart": (112 - 109 - 1.5) + (130 - 127.5), "planned_restart": 136 - 135.5,
-                "hang": 10.5, "checkpoint_blocked": 0.5, "evaluation": 1.0, "export": 2.0, "seed_runs": 3.0, "other": 2.0}
+                "hang": 10.5, "checkpoint_blocked": 0.5, "evaluation": 1.0, "export": 2.0, "seed_runs": 3.0, "other": 2.0,
+                "replacement_wait": 0.0}
     assert {p: report[f"{p}_seconds"] for p in goodput.PARTS} == pytest.approx(expected)
     assert report["wall_seconds"] == 43.0 and report["ettr"] == pytest.approx(5 / 43, abs=1e-4)
     assert "| restart | 4.0 | 9.3% |" in goodput.summary(report)
     assert goodput.plot(report, tmp_path / "goodput.png").stat().st_size > 5_000
+
+
+def test_an_elastic_runs_wait_for_its_nodes_and_its_time_at_a_reduced_size_are_counted_apart(tmp_path):
+    """A node lost after step 2: the group restarts with 1 of its 2 replicas, waits 5 s for a replacement that does
+    not come, trains steps 3 and 4 short, grows back at step 4's checkpoint (planned), and trains step 5 whole."""
+    events = [("launch", 100), ("start", 101), ("built", 102), ("ready", 103, None, 2),
+              ("start", 110), ("built", 111), ("ready", 112, None, 1), ("waiting", 117, 5.0),
+              ("planned", 121), ("start", 122), ("built", 123), ("ready", 124, None, 2), ("finish", 126)]
+    lines = [{"event": e[0], "time": e[1], **({"seconds": e[2]} if len(e) > 2 and e[2] else {}),
+              **({"replicas": e[3], "of": 2} if len(e) > 3 else {})} for e in events]
+    (tmp_path / records.TIMELINE).write_text("".join(json.dumps(line) + "\n" for line in lines))
+    rows = [{"step": s, "loss": 5.0, "seconds": sec, "time": t}
+            for s, t, sec in ((1, 104, 1.0), (2, 105, 1.0), (3, 118.5, 1.5), (4, 120, 1.5), (5, 125, 1.0))]
+    (tmp_path / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    report = goodput.account(tmp_path)
+    assert report["replacement_wait_seconds"] == 5.0 and report["planned_restart_seconds"] == 1.0
+    assert report["kept_seconds"] == 6.0 and report["kept_reduced_seconds"] == 3.0  # steps 3 and 4 only
+    assert report["startup_load_seconds"] == 3.0  # each ready less its built; the wait comes after, in its own part
+    assert "3.0 s trained on fewer replicas than configured" in goodput.summary(report)
 
 
 def test_a_run_stopped_by_its_first_health_check_has_the_checks_wall_time(tmp_path):

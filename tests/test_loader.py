@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from corpus.tokenize import FORMAT, INDEX, write_rows
-from train.loader import Loader, Permutation, ShardError, TokenShards, eval_batches
+from train.loader import Loader, Permutation, ShardError, TokenShards, eval_batches, share
 
 BLOCK = 9
 
@@ -93,6 +93,23 @@ def test_ranks_split_each_global_batch_without_overlap(shards):
             assert sorted(union) == sorted(batch) and len(set(union)) == len(union)
 
 
+def test_a_run_that_shrinks_and_grows_sees_every_sample_of_every_step_once(shards):
+    """An elastic run (train.elastic) of 4 replicas: 4 ranks to step 4, 3 from its checkpoint to step 9 (its 4
+    micro-batches of 2 split 2, 1, 1), 4 again to step 16, across an epoch's end. Each step's samples over the ranks
+    are the unchanged run's, none twice, none skipped."""
+    unchanged = run(Loader(shards, 8, seed=1), 16)  # 12 batches an epoch
+    assert [share(4, r, 3) for r in range(3)] == [(0, 2), (2, 1), (3, 1)]
+    seen, state = [], None
+    for world, steps in ((4, 4), (3, 5), (4, 7)):
+        loaders = [Loader(shards, 8, seed=1, micro_batch=2, rank=r, world_size=world, state=state) for r in range(world)]
+        shares = [run(loader, steps) for loader in loaders]
+        for step in range(steps):
+            assert len({g for g, _ in (share[step] for share in shares)}) == 1  # every rank on the same global batch
+            seen.append((shares[0][step][0], sorted(s for share in shares for s in share[step][1])))
+        state = json.loads(json.dumps(loaders[0].state_dict()))  # the checkpoint's, from rank 0
+    assert seen == [(g, sorted(batch)) for g, batch in unchanged]
+
+
 def test_batches_hold_the_shard_rows(shards):
     loader = Loader(shards, 4, seed=0)
     batch = loader.batch(7)
@@ -107,8 +124,10 @@ def test_state_from_another_layout_is_refused(shards):
         Loader(shards, 4, seed=1, state=state)
     with pytest.raises(ValueError, match="seed=1"):
         Loader(shards, 8, seed=2, state=state)
-    with pytest.raises(ValueError, match="does not split over 3 ranks"):
-        Loader(shards, 8, world_size=3)
+    with pytest.raises(ValueError, match="does not split into micro-batches of 3, at least one for each of 1 ranks"):
+        Loader(shards, 8, micro_batch=3)
+    with pytest.raises(ValueError, match="at least one for each of 5 ranks"):
+        Loader(shards, 8, micro_batch=2, world_size=5)
     with pytest.raises(ValueError, match="end exclusive"):
         Loader(shards, 8, skip_ranges=[(5, 5)])
 

@@ -19,7 +19,7 @@ import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from train.config import AutopilotConfig, InjectConfig, StragglerConfig, TrainConfig
+from train.config import AutopilotConfig, ElasticConfig, InjectConfig, StragglerConfig, TrainConfig
 from corpus.tokenize import FORMAT, INDEX, write_rows
 from train.loader import Loader
 from train.loop.checkpointer import Checkpointer
@@ -27,6 +27,7 @@ from train.loop.config import loop_config
 from train.loop.context import Context
 from train.loop.engine import build_engine
 from train.loop.drill import Drill, Effects
+from train.loop.elastic import hostable
 from train.loop.metrics import Metrics
 from train.loop.pilot import Pilot
 from train.loop.step import Feed, StepResult, TrainStep, gradient_norm
@@ -97,11 +98,23 @@ def test_the_loop_config_is_typed_derived_from_the_shards_and_travels(shards, tm
     with pytest.raises(ValueError, match="fewer than one global batch of 128"):
         loop_config(section(global_batch_tokens=128 * SEQ), shards, tmp_path, export_dir=None, tracking_uri=None,
                     mlflow_run_id=None)
+    # an elastic run on 4 replicas short of some: 4 micro-batches of 2 on 2 or 1 of them, or 2, 1, 1 on 3 (padded to 2)
+    elastic = loop_config(dataclasses.replace(section(global_batch_tokens=8 * SEQ, num_workers=4),
+                                              elastic=ElasticConfig(enabled=True)), shards, tmp_path, export_dir=None,
+                          tracking_uri=None, mlflow_run_id=None)
+    assert [elastic.accumulation_at(d) for d in (4, 3, 2, 1)] == [1, 2, 2, 4] and elastic.accumulation == 1
+
+
+def test_an_elastic_run_counts_the_workers_the_reserved_resources_hold_as_ray_train_does():
+    """Each node by itself: half a GPU here and half there is no worker; a resource a worker does not need, none."""
+    reserved = {"a": {"CPU": 8.0, "GPU": 8.0}, "b": {"CPU": 8.0, "GPU": 3.5}, "c": {"CPU": 2.0, "GPU": 8.0}, "d": {"CPU": 8.0}}
+    assert hostable(reserved, 1.0, 1.0) == 8 + 3 + 2 + 0
+    assert hostable(reserved, 0.5, 0.0) == 16 + 16 + 4 + 16
 
 
 def test_the_feed_gives_micro_batches_in_order_and_restarts_from_the_loaders_state(shards, tmp_path):
     loader = Loader(shards, 4, seed=0)
-    feed = Feed(loader, context(tmp_path), micro_batch=2)
+    feed = Feed(loader, context(tmp_path), micro_batch=2, accumulation=2)
     g, micro = feed.next()
     tokens = torch.from_numpy(loader.batch(g).astype(np.int64))
     assert g == 0 and [tuple(i.shape) + tuple(t.shape) for i, t in micro] == [(2, SEQ, 2, SEQ)] * 2
@@ -114,6 +127,41 @@ def test_the_feed_gives_micro_batches_in_order_and_restarts_from_the_loaders_sta
     feed.restart()
     again = feed.next()
     assert again[0] == second[0] == 1 and all(torch.equal(a, b) for x, y in zip(again[1], second[1]) for a, b in zip(x, y))
+
+
+def _uneven_steps(rank: int, world: int, shards: str, root: str) -> tuple[list[tuple[float, float]], dict]:
+    """3 steps of an elastic run of 4 replicas (ZeRO-2) on `world` data-parallel ranks: each step's loss and gradient
+    norm, and the final weights."""
+    from pathlib import Path
+
+    cfg = loop_config(section(num_workers=4, zero_stage=2, global_batch_tokens=8 * SEQ), shards, Path(root),
+                      export_dir=None, tracking_uri=None, mlflow_run_id=None)
+    ctx = Context(rank=rank, world=world, run_dir=Path(root), device=torch.device("cpu"))
+    built = build_engine(cfg, ctx, spans_nodes=False)
+    loader = Loader(shards, cfg.global_batch, rank=rank, world_size=world, seed=0, micro_batch=2)
+    step = TrainStep(built.engine, built.model, Feed(loader, ctx, 2, cfg.accumulation_at(world)), ctx, built.own_grad_norm)
+    losses = [(r.loss, r.grad_norm) for r in (step(lr=1e-3) for _ in range(3))]
+    weights = {n: p.detach().clone() for n, p in built.model.named_parameters()}
+    built.engine.destroy()
+    return losses, weights
+
+
+def test_replicas_that_do_not_divide_the_batch_pad_and_train_as_the_whole_run_does(deepspeed_rank, shards, tmp_path):
+    """An elastic run short of replicas (train/loop/step.py `Feed`): the global batch's 4 micro-batches on 3 ranks
+    under ZeRO-2 are 2, 1 and 1, and the last two ranks each run a padding micro-batch whose gradient counts for
+    nothing, so that every rank runs 2 backward passes. Each step's loss and gradient norm, and the weights after 3
+    steps, are those of one rank running all 4 (measured 1.6e-6 apart at most, 3e-7 on 2 ranks; with the padding
+    counted, 6e-3; without the real micro-batches' weight of 3 x 2 / 4, the gradient norm is 2/3 of its own)."""
+    from test_parallel import run_ranks
+
+    alone = {}
+    ranks = run_ranks(3, _uneven_steps, str(shards), str(tmp_path / "three"),
+                      meanwhile=lambda: alone.update(zip(("losses", "weights"),
+                                                         _uneven_steps(0, 1, str(shards), str(tmp_path / "one")))))
+    for losses, weights in ranks:
+        assert [x for pair in losses for x in pair] == pytest.approx([x for pair in alone["losses"] for x in pair], rel=1e-5)
+        for name, w in alone["weights"].items():
+            assert torch.allclose(torch.as_tensor(weights[name]), w, atol=5e-6), name
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +182,7 @@ def test_a_step_trains_the_next_batch_and_measures_loss_and_norms_alike_under_ze
     results = {}
     for zero, (cfg, built) in engines.items():
         loader = Loader(shards, cfg.global_batch, seed=0)
-        step = TrainStep(built.engine, built.model, Feed(loader, context(tmp_path), 2), context(tmp_path),
+        step = TrainStep(built.engine, built.model, Feed(loader, context(tmp_path), 2, cfg.accumulation), context(tmp_path),
                          built.own_grad_norm)
         tokens = torch.from_numpy(loader.batch(0).astype(np.int64))
         with torch.no_grad():  # the loss the step should report: its batch's, before the update

@@ -113,12 +113,14 @@ def test_export_loads_in_transformers_with_the_same_loss(baseline):
     assert AutoTokenizer.from_pretrained(export).eos_token_id == 2
 
 
-def test_rerun_after_the_driver_died_resumes_the_same_run_on_fewer_workers(baseline, tmp_path):
-    """The driver killed with its Ray after the first checkpoint; the same command again, with one worker instead of
-    two (`train.num_workers` is a layout key, not part of the run's identity), goes on with the same run: its folder,
-    its MLflow run, from its newest checkpoint, which the one worker loads through DeepSpeed's universal format
-    (ZeRO-2's optimizer partitions written by 2 ranks). Gradient accumulation makes up the missing worker: the same
-    global batches, and the run ends where the same seed's run that never changed did (the baseline's seed 1)."""
+def test_rerun_after_the_driver_died_goes_on_elastic_with_the_one_worker_its_ray_can_host(baseline, tmp_path):
+    """The driver killed with its Ray after the first checkpoint; the same command again goes on with the same run (its
+    folder, its MLflow run) from its newest checkpoint, now elastic (`train.elastic`) with workers of 2 CPUs, one of
+    which the suite's Ray of 2 CPUs hosts: layout keys, not part of the run's identity. Ray Train starts the group short, the
+    group waits for the missing node (1 s), then goes on with one replica, saying so (resizes.jsonl, the logbook, an
+    incident, MLflow), and loads the checkpoint through DeepSpeed's universal format (ZeRO-2's optimizer partitions
+    written by 2 ranks). Gradient accumulation makes up the missing replica: the same global batches, and the run
+    ends where the same seed's run that never changed did (the baseline's seed 1)."""
     cfg, wd, train0, _ = baseline
     args = ["--config", str(cfg), "--only", "train", "--set", "train.seed=1", "--set", "train.seeds=1"]
     runs_before = set(glob.glob(f"{wd}/train/runs/*"))
@@ -144,7 +146,9 @@ def test_rerun_after_the_driver_died_resumes_the_same_run_on_fewer_workers(basel
     run_dir = Path(next(iter(new)))
     (attempt_file,) = set((wd / "train").glob(".attempt-*.json")) - attempts_before
     attempt = json.loads(attempt_file.read_text())
-    assert main(args + ["--set", "train.num_workers=1"]) == 0
+    # the suite's Ray has 2 CPUs (conftest.py): room for one worker of 2
+    elastic = ["train.cpus_per_worker=2", "train.elastic.enabled=true", "train.elastic.replacement_wait_seconds=1"]
+    assert main(args + [a for kv in elastic for a in ("--set", kv)]) == 0
     train = manifest(wd, "train")
     assert train["mlflow_run_id"] == attempt["mlflow_run_id"] and train["steps"] == 30
     assert train["run_dir"] == str(run_dir)
@@ -158,8 +162,17 @@ def test_rerun_after_the_driver_died_resumes_the_same_run_on_fewer_workers(basel
     # Each step's loss within 1% of it (the dropout masks after the change are the one rank's own: measured 1e-4 apart).
     assert losses(run_dir / "metrics.jsonl") == pytest.approx(same_seed, rel=0.01)
     assert not attempt_file.exists()  # finished: the next change starts a new run
-    tags = MlflowClient(f"sqlite:///{wd}/mlflow.db").get_run(train["mlflow_run_id"]).data.tags
-    assert tags["resumes"] == "1"
+    (resize,) = [json.loads(line) for line in (run_dir / "resizes.jsonl").read_text().splitlines()]
+    assert (resize["step"], resize["from"], resize["to"]) == (int(resumed[0][-8:]), 2, 1)
+    assert "hosts 1 of the 2 replicas" in resize["why"] and "replacement_wait_seconds (1 s)" in resize["why"]
+    assert any(w.startswith(f"resized from 2 to 1 of 2 data-parallel replicas at step {resize['step']}: 4 micro-batches")
+               for w in incidents)
+    mlflow_run = MlflowClient(f"sqlite:///{wd}/mlflow.db").get_run(train["mlflow_run_id"])
+    assert mlflow_run.data.tags["resumes"] == "1" and mlflow_run.data.tags["resize.1"].startswith(
+        f"step {resize['step']}: 2 -> 1 replicas: the cluster hosts 1 of the 2")
+    assert mlflow_run.data.metrics["resizes"] == 1 and mlflow_run.data.metrics["interventions"] == 0  # the cluster's doing
+    assert mlflow_run.data.metrics["goodput.replacement_wait_seconds"] >= 1.0
+    assert 0 < mlflow_run.data.metrics["goodput.kept_reduced_seconds"] <= mlflow_run.data.metrics["goodput.kept_seconds"]
 
 
 def test_too_little_data_for_one_batch_fails_before_any_worker_starts(baseline, capsys):
@@ -327,7 +340,8 @@ def test_restarts_from_the_same_checkpoint_stop_after_the_limit_within_one_launc
 
 def test_one_ledger_holds_starts_and_failures_and_reads_an_older_failures_file(tmp_path):
     """The repeated-error rule reads the same ledger: two attempts that fail alike in start-up stop the run
-    at the next start. A run folder of an earlier version (failures.jsonl, no `record`) reads as failures."""
+    at the next start. A run folder of an earlier version (failures.jsonl, no `record`) reads as failures. Restarts
+    the run planned itself do not count towards max_stalled_restarts."""
     from train import records
     from train.failures import Failure, give_up, history
 
@@ -342,6 +356,18 @@ def test_one_ledger_holds_starts_and_failures_and_reads_an_older_failures_file(t
     stop = give_up(ledger + [{"record": "start", "resumes": 0, "time": time.time()}], max_stalled_restarts=3)
     assert stop.rule == "repeated-error" and "the same error in start-up on attempts 1 and 2" in stop.detail
     assert give_up(ledger[:2], max_stalled_restarts=3) is None  # one failed attempt: try again
+    # planned ends (a straggler's node left, an elastic group grown or restarted whole) are no stalled restarts
+    planned = dict(rank=0, kind="planned", type="PlannedRestart", message="grow", where="x.py:2 in g", step=10)
+    ledger = [{"record": "start", "resumes": 10, "time": 1.0}]
+    for attempt in range(1, 6):
+        ledger += [{"record": "failure", **dataclasses.asdict(Failure(attempt=attempt, **planned))},
+                   {"record": "start", "resumes": 10, "time": 1.0 + attempt}]
+    assert give_up(ledger, max_stalled_restarts=2) is None
+    crash = dict(planned, kind="hardware", type="ActorDiedError", message="died")
+    for attempt in range(6, 9):
+        ledger += [{"record": "failure", **dataclasses.asdict(Failure(attempt=attempt, **crash))},
+                   {"record": "start", "resumes": 10, "time": 1.0 + attempt}]
+    assert give_up(ledger, max_stalled_restarts=2).rule == "stalled-restarts"  # 3 unplanned from step 10
 
 
 def test_split_layouts_train_as_one_worker_through_a_spike_a_hang_and_a_kill_and_export_the_unsplit_model(baseline):

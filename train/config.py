@@ -226,21 +226,44 @@ class HealthConfig:
 
 
 @dataclass
+class ElasticConfig:
+    """Going on with fewer data-parallel replicas when nodes are lost and not replaced (train/loop/elastic.py).
+    Ray Train starts the group with the replicas the cluster can host, `min_replicas` at least; gradient
+    accumulation makes up the missing ones, so the global batch, the schedule and the samples are the same."""
+
+    enabled: bool = False
+    """Go on at a reduced size instead of waiting for the whole group (Ray Train's elastic worker group)."""
+    min_replicas: int = 1
+    """The fewest data-parallel replicas the run trains on; below it, it waits for nodes. A size that does not
+    divide the global batch's micro-batches pads: some replicas run one micro-batch that counts for nothing."""
+    replacement_wait_seconds: float = 300.0
+    """How long a group started short waits for the missing nodes (an autoscaler's replacements) before it goes
+    on without them. Once reduced, the run grows back at the first checkpoint after they join."""
+
+    def validate(self, key: str) -> None:
+        at_least(self, key, 1, "min_replicas")
+        at_least(self, key, 0, "replacement_wait_seconds")
+
+
+@dataclass
 class InjectConfig:
     """A fault to inject, for tests and demos; each fires once, even across restarts."""
 
-    kind: Literal["kill", "hang", "error", "slow", "spike", "nan", "overflow", "unhealthy"]
+    kind: Literal["kill", "hang", "error", "slow", "spike", "nan", "overflow", "unhealthy", "lost", "back"]
     """The fault. `kill`: a worker process dies. `hang`: a step stalls until the watchdog ends it. `error`: the
     worker raises, on every attempt (a bug). `slow`: from `step` on, the worker's compute takes `factor` times as
     long (a straggler). `spike`: the LR is multiplied by `factor` for one step. `nan`: that step's gradients are
-    NaN. `overflow`: `count` steps overflow. `unhealthy`: `node` fails every health check from `step` on."""
+    NaN. `overflow`: `count` steps overflow. `unhealthy`: `node` fails every health check from `step` on. `lost`:
+    `node` dies and is not replaced; `back`: a node named `node` joins (both need a drill that owns the cluster,
+    benchmarks/chaos.py, which acts on the markers they leave in the run folder)."""
     step: int
     """The step it fires at. `kill`, `hang` and `error` at 0 fire during start-up, before the checkpoint load;
     `unhealthy` at 0 fails the check before the first start. The other kinds take 1 or more."""
     rank: int | None = None
     """`kill`, `hang`, `error`, `slow`: the worker it happens on, below `num_workers`. `null`: the last rank."""
     node: str | None = None
-    """Instead of `rank`: every worker on this Ray node (its id). Required for `unhealthy`."""
+    """Instead of `rank`: every worker on this Ray node (its id). Required for `unhealthy` and `lost`; for `back`, the
+    joining node's name."""
     factor: float | None = None
     """`spike`: the LR multiplier (`null`: 50). `slow`: how many times as long each step's compute takes, over 1
     (`null`: 2)."""
@@ -254,8 +277,10 @@ class InjectConfig:
         at_least(self, key, 0, "rank")
         if self.factor is not None and not self.factor > (1.0 if self.kind == "slow" else 0.0):
             raise ConfigError(f"{key}.factor", f"expected a number over {1 if self.kind == 'slow' else 0}, got {self.factor}")
-        if self.kind == "unhealthy" and not self.node:
-            raise ConfigError(f"{key}.node", "an unhealthy fault names its node (a Ray node id)")
+        if self.kind in ("unhealthy", "lost", "back") and not self.node:
+            what = "a name for the node that joins" if self.kind == "back" else "a Ray node id"
+            raise ConfigError(f"{key}.node", f"{'an' if self.kind == 'unhealthy' else 'a'} {self.kind} fault names its "
+                              f"node ({what})")
 
     @property
     def times(self) -> float:
@@ -340,6 +365,9 @@ class TrainConfig(EngineConfig):
     all of them."""
     health: HealthConfig = field(default_factory=HealthConfig)
     """Node health checks: probe the nodes before the first start and after failures, and drain a bad one."""
+    elastic: ElasticConfig = field(default_factory=ElasticConfig, metadata={LAYOUT: True})
+    """[Elastic](training.md#elastic-going-on-without-a-lost-node) data parallelism: a run that loses nodes with no
+    replacement goes on with fewer replicas, the same global batch, and grows back when they return."""
 
     @property
     def data_parallel(self) -> int:
@@ -365,6 +393,7 @@ class TrainConfig(EngineConfig):
             raise ConfigError(f"{key}.dropout", f"expected a probability in [0, 1), got {self.dropout}")
         if not 0.0 <= self.final_lr_ratio <= 1.0:
             raise ConfigError(f"{key}.final_lr_ratio", f"expected a fraction in [0, 1], got {self.final_lr_ratio}")
+        self.validate_elastic(f"{key}.elastic")
         for i, fault in enumerate(self.inject):
             if fault.rank is not None and fault.rank >= self.num_workers:
                 raise ConfigError(f"{key}.inject[{i}].rank", f"expected a rank below num_workers={self.num_workers}, got {fault.rank}")
@@ -372,3 +401,18 @@ class TrainConfig(EngineConfig):
     def resolve_paths(self, key: str) -> None:
         if self.storage is not None:
             self.storage = local_path(self.storage, f"{key}.storage")
+
+    def validate_elastic(self, key: str) -> None:
+        if not self.elastic.enabled:
+            return
+        if self.elastic.replacement_wait_seconds >= self.startup_seconds:
+            raise ConfigError(f"{key}.replacement_wait_seconds", f"expected less than startup_seconds "
+                              f"({self.startup_seconds:g}), got {self.elastic.replacement_wait_seconds:g}: the wait is "
+                              "part of a start-up, and its watchdog would end it")
+        if self.elastic.min_replicas > self.data_parallel:
+            raise ConfigError(f"{key}.min_replicas", f"expected at most the run's {self.data_parallel} data-parallel "
+                              f"replicas, got {self.elastic.min_replicas}")
+        if self.parallel.model_parallel > 1:
+            raise ConfigError(f"{key}.enabled", "a tensor- or pipeline-parallel run cannot change its data-parallel "
+                              "degree: its checkpoints load only into their own layout (docs/training.md#restarts)")
+

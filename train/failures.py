@@ -242,8 +242,23 @@ def give_up(ledger: list[dict], max_stalled_restarts: int) -> GiveUp | None:
     repeated = repeated_error(failures)
     if repeated is not None:
         return GiveUp("repeated-error", 0, repeated, "a restart would fail the same way")
-    resumes = [r["resumes"] for r in ledger if r["record"] == records.START.name]
-    return stalled(resumes, max_stalled_restarts)
+    return stalled(unplanned_resumes(ledger), max_stalled_restarts)
+
+
+def unplanned_resumes(ledger: list[dict]) -> list[int]:
+    """Each start's checkpoint step, less the starts after an attempt the run ended itself (every primary failure
+    `planned`: a straggler's node left, an elastic group grown at a checkpoint, or restarted whole once its missing
+    nodes joined): those are no fault coming back, and an elastic run's may follow one another from one checkpoint."""
+    resumes, ended = [], []
+    for row in ledger:
+        if row["record"] == records.FAILURE.name:
+            ended.append(row)
+        elif row["record"] == records.START.name:
+            primary = [f for f in ended if f.get("primary", True)]
+            if not (primary and all(f["kind"] == "planned" for f in primary)):
+                resumes.append(row["resumes"])
+            ended = []
+    return resumes
 
 
 def stalled(resumes: list[int], limit: int) -> GiveUp | None:

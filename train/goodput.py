@@ -8,7 +8,10 @@ above 90%; OPT-175B, by hand, did not say. The run's records give every term:
   (model and DeepSpeed engine), `ready` (checkpoint loaded: the first step starts), `export`, `seed_runs`
   (the evaluation-only runs of other seeds, `train.seeds`, after the run on the same workers); a watchdog's
   `hang` (with how long the step had stalled); rank 0's `planned` (the run ends its attempt at a checkpoint
-  to leave a straggler's drained node: the gap to the next start is `planned_restart`, not `restart`);
+  to leave a straggler's drained node, or to grow an elastic run: the gap to the next start is `planned_restart`,
+  not `restart`); rank 0's `waiting` (an elastic group started short, waiting for its nodes: `replacement_wait`),
+  and each `ready` says the attempt's replicas and the configured ones (the kept time at a reduced size,
+  `kept_reduced_seconds`, a share of `kept`);
 - `metrics.jsonl`: each step's end time and seconds, each validation's seconds, each checkpoint's
   blocked seconds.
 
@@ -25,7 +28,8 @@ from pathlib import Path
 
 from train import records
 
-PARTS = ("kept", "lost", "scheduling", "health_check", "startup_build", "startup_load", "restart", "planned_restart", "hang",
+PARTS = ("kept", "lost", "scheduling", "health_check", "startup_build", "startup_load", "replacement_wait", "restart",
+         "planned_restart", "hang",
          "checkpoint_blocked", "evaluation", "export", "seed_runs", "other")
 
 
@@ -58,7 +62,21 @@ def account(run_dir: Path | str) -> dict:
     wall = _walk(events, rows, seconds, spans)
     seconds["other"] = max(0.0, wall - sum(v for k, v in seconds.items() if k != "other"))
     return {**{f"{k}_seconds": round(v, 3) for k, v in seconds.items()}, "wall_seconds": round(wall, 3),
+            "kept_reduced_seconds": round(reduced(events, steps, last_of), 3),
             "ettr": round(seconds["kept"] / wall, 4) if wall > 0 else 0.0, "spans": spans}
+
+
+def reduced(events: list[dict], steps: list[dict], last_of: dict[int, int]) -> float:
+    """Of the kept steps' time, what an elastic run trained with fewer replicas than configured: each step belongs to
+    the attempt whose `ready` (which says its `replicas` and the configured ones, `of`) came last before it."""
+    readies = sorted((e["time"], e.get("replicas", 0) < e.get("of", 0)) for e in events if e["event"] == "ready")
+    total, k, short = 0.0, 0, False
+    for i, r in sorted(enumerate(steps), key=lambda pair: pair[1]["time"]):
+        while k < len(readies) and readies[k][0] <= r["time"]:
+            short, k = readies[k][1], k + 1
+        if short and last_of[r["step"]] == i:
+            total += r["seconds"]
+    return total
 
 
 def _walk(events: list[dict], rows: list[dict], seconds: dict, spans: list) -> float:
@@ -97,6 +115,9 @@ def _walk(events: list[dict], rows: list[dict], seconds: dict, spans: list) -> f
             seconds["hang"] += max(0.0, t - begin)
             spans.append(("hang", begin, t))
             hang_until = max(hang_until, t)
+        elif kind == "waiting":  # an elastic group started short, waiting for its missing nodes (train.elastic)
+            seconds["replacement_wait"] += e["seconds"]
+            spans.append(("replacement_wait", t - e["seconds"], t))
         elif kind == "health":  # probes between attempts (or before the first): not counted in the gap
             seconds["health_check"] += e["seconds"]
             checking += e["seconds"]
@@ -115,7 +136,7 @@ def _walk(events: list[dict], rows: list[dict], seconds: dict, spans: list) -> f
 
 
 COLORS = {"kept": "tab:green", "lost": "tab:red", "scheduling": "tab:gray", "health_check": "tab:pink", "startup_build": "tab:blue",
-          "startup_load": "tab:cyan", "restart": "tab:orange", "planned_restart": "gold", "hang": "tab:purple", "checkpoint_blocked": "black",
+          "startup_load": "tab:cyan", "replacement_wait": "lightgray", "restart": "tab:orange", "planned_restart": "gold", "hang": "tab:purple", "checkpoint_blocked": "black",
           "evaluation": "tab:olive", "export": "tab:brown",
           "seed_runs": "tab:cyan"}
 
@@ -150,4 +171,7 @@ def summary(report: dict) -> str:
     lines = ["## Goodput", "", f"Effective training time (ETTR): {report['ettr']:.1%} of {report['wall_seconds']:.1f} s "
              "of wall time went into steps the model kept.", "", "| part | seconds | share |", "|---|---:|---:|"]
     lines += [f"| {p} | {report[p + '_seconds']:.1f} | {report[p + '_seconds'] / wall:.1%} |" for p in PARTS]
+    if report["kept_reduced_seconds"]:
+        lines += ["", f"Of the kept time, {report['kept_reduced_seconds']:.1f} s trained on fewer replicas than configured "
+                      "(train.elastic: resizes.jsonl says when and why)."]
     return "\n".join(lines) + "\n"

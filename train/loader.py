@@ -3,7 +3,8 @@
 Global batch g (counted from the start of training, across epochs) is a pure function of
 (index.json, seed, g): epoch e = g // batches_per_epoch orders the sequences by a seeded
 permutation of its own, and batch g is the next `global_batch` positions of that order. Rank r
-of w takes rows [r * G/w, (r+1) * G/w) of it. Hence:
+of w takes rows [r * G/w, (r+1) * G/w) of it, in whole micro-batches; when w does not divide them (an
+elastic run short of replicas), the first ranks take one micro-batch more (`share`). Hence:
 
 - resuming at any step is building the loader with the saved state; there is no iterator state
   to lose (Ray Data iterators cannot resume mid-epoch, so they are not used here);
@@ -129,18 +130,28 @@ class Permutation:
         return out.astype(np.int64)
 
 
+def share(micro_batches: int, rank: int, world_size: int) -> tuple[int, int]:
+    """Where `rank`'s micro-batches of a global batch start and how many it has: in order, split as evenly as they
+    go, the first ranks one more when `world_size` does not divide them (an elastic run short of replicas)."""
+    each, extra = divmod(micro_batches, world_size)
+    return rank * each + min(rank, extra), each + (rank < extra)
+
+
 class Loader:
-    """This rank's share of every global batch, in order, from `state` on, skipping `skip_ranges`."""
+    """This rank's share of every global batch, in order, from `state` on, skipping `skip_ranges`: whole
+    micro-batches of `micro_batch` sequences, as even a split over the ranks as they go (`share`)."""
 
     def __init__(self, folder: str | Path, global_batch: int, *, rank: int = 0, world_size: int = 1, seed: int = 0,
-                 skip_ranges: Sequence[tuple[int, int]] = (), state: dict | None = None):
-        if global_batch % world_size:
-            raise ValueError(f"global batch of {global_batch} sequences does not split over {world_size} ranks")
+                 micro_batch: int = 1, skip_ranges: Sequence[tuple[int, int]] = (), state: dict | None = None):
+        if global_batch % micro_batch or global_batch < micro_batch * world_size:
+            raise ValueError(f"global batch of {global_batch} sequences does not split into micro-batches of "
+                             f"{micro_batch}, at least one for each of {world_size} ranks")
         if not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in [0, {world_size})")
         self.shards = TokenShards(folder)
         self.global_batch, self.rank, self.world_size, self.seed = global_batch, rank, world_size, seed
-        self.local_batch = global_batch // world_size
+        first, count = share(global_batch // micro_batch, rank, world_size)  # in micro-batches
+        self.first, self.local_batch = first * micro_batch, count * micro_batch  # in sequences
         self.batches_per_epoch = len(self.shards) // global_batch
         if self.batches_per_epoch == 0:
             raise ShardError(f"{folder}: {len(self.shards)} sequences, fewer than one global batch of {global_batch}")
@@ -165,7 +176,7 @@ class Loader:
     def sequences(self, g: int) -> np.ndarray:
         """The sequence numbers of this rank's share of global batch g."""
         epoch, step = divmod(g, self.batches_per_epoch)
-        first = step * self.global_batch + self.rank * self.local_batch
+        first = step * self.global_batch + self.first
         return self._permutation(epoch)(np.arange(first, first + self.local_batch, dtype=np.uint64))
 
     def batch(self, g: int) -> np.ndarray:

@@ -28,6 +28,7 @@ LOGBOOK = "logbook.jsonl"  # what was seen, what was done and why (LOGBOOK_MD: t
 ATTEMPTS = "attempts.jsonl"  # the ledger of attempts: rank 0 as each starts, the controller as one fails
 STRAGGLERS = "stragglers.jsonl"  # rank 0: stragglers named, and their nodes' drains
 HEALTH = "health.jsonl"  # the health checks: a row per node probed
+RESIZES = "resizes.jsonl"  # rank 0: each change of an elastic run's data-parallel size (train.elastic)
 # Whole files.
 LOGBOOK_MD = "LOGBOOK.md"
 SUMMARY = "summary.json"  # rank 0, at the end: steps, the final loss, why the run stopped (if it did)
@@ -45,7 +46,7 @@ INJECT = "inject"  # the drill's markers of an unhealthy node
 # restarts without progress starts again).
 FORMERLY = {ATTEMPTS: "failures.jsonl"}
 # What the stage copies into its output folder, for MLflow and a reader of the stage's output.
-COPIED = (METRICS, INCIDENTS, ATTEMPTS, STRAGGLERS, HEALTH, LOOP_CONFIG, LOGBOOK, LOGBOOK_MD, TRAIN_LOG)
+COPIED = (METRICS, INCIDENTS, ATTEMPTS, STRAGGLERS, HEALTH, RESIZES, LOOP_CONFIG, LOGBOOK, LOGBOOK_MD, TRAIN_LOG)
 
 
 @dataclass(frozen=True)
@@ -68,7 +69,8 @@ FAILURE = Kind("failure", ATTEMPTS, ("attempt", "rank", "kind", "type", "message
 STRAGGLER = Kind("straggler", STRAGGLERS, ("time", "step", "rank", "node", "host", "seconds", "others_seconds"))
 DRAIN = Kind("drain", STRAGGLERS, ("time", "step", "rank", "node", "drained", "refused"))
 PROBE = Kind("probe", HEALTH, ("node", "time", "failed", "drained"))
-KINDS = {k.name: k for k in (STEP, EVALUATION, CHECKPOINT, EVENT, INCIDENT, ENTRY, START, FAILURE, STRAGGLER, DRAIN, PROBE)}
+RESIZE = Kind("resize", RESIZES, ("time", "step", "from", "to", "why"))  # replicas before and after
+KINDS = {k.name: k for k in (STEP, EVALUATION, CHECKPOINT, EVENT, INCIDENT, ENTRY, START, FAILURE, STRAGGLER, DRAIN, PROBE, RESIZE)}
 _OF_FILE = {file: [k for k in KINDS.values() if k.file == file] for file in {k.file for k in KINDS.values()}}
 
 

@@ -24,7 +24,7 @@ from __future__ import annotations
 import dataclasses
 from pathlib import Path
 
-from train.config import TrainConfig
+from train.config import EngineConfig, TrainConfig
 from core.console import Bar, note
 from core.dag import StageContext, StageResult
 from train import goodput, health, records
@@ -40,7 +40,7 @@ def run_dir(ctx: StageContext) -> Path:
     return storage / f"{ctx.config.name}-{ctx.fingerprint[:16]}"
 
 
-def fit(cfg: TrainConfig, config, folder: Path, loop=None):
+def fit(cfg: EngineConfig, config, folder: Path, loop=None):
     """One Ray Train job: `loop(config)` (train_loop with a LoopConfig by default; the screen's proxy jobs and
     the placement probe pass their own loop and its typed config) on cfg.num_workers workers, restarted up to max_failures times (-1: always); Ray Train's own records go to
     `folder`/ray. Returns Ray Train's Result. The trainer is train/ray_trainer.py's: Ray Train's, less the actors
@@ -59,8 +59,8 @@ def fit(cfg: TrainConfig, config, folder: Path, loop=None):
     trainer = LeanTorchTrainer(
         loop or train_loop, train_loop_config=config,
         torch_config=TorchConfig(timeout_s=int(cfg.collective_timeout_seconds)),
-        scaling_config=ScalingConfig(num_workers=cfg.num_workers, use_gpu=cfg.gpus_per_worker > 0,
-                                     resources_per_worker=resources),
+        scaling_config=ScalingConfig(num_workers=workers(cfg), use_gpu=cfg.gpus_per_worker > 0,
+                                     resources_per_worker=resources, elastic_resize_monitor_interval_s=NEVER),
         run_config=RunConfig(name="ray", storage_path=str(folder), failure_config=FailureConfig(max_failures=cfg.max_failures),
                              callbacks=[FailureRecorder(str(folder)),
                                         *([RestartHealthCheck(str(folder), cfg.health,
@@ -69,6 +69,19 @@ def fit(cfg: TrainConfig, config, folder: Path, loop=None):
                                           if checks_health(cfg) else [])]),
     )
     return trainer.fit()
+
+
+NEVER = 10.0 ** 9  # Ray Train's own resize of a running group: off (train/loop/elastic.py grows at a checkpoint)
+
+
+def workers(cfg: EngineConfig) -> int | tuple[int, int]:
+    """Ray Train's `num_workers`: the configured count, or with `train.elastic` the range it may start in, from
+    `min_replicas` replicas up. Ray Train then starts (and restarts) the group with what the cluster can host. It
+    would also resize a running group when nodes join, at any step: our loop grows at its next checkpoint instead,
+    so nothing is lost (train/loop/elastic.py), and Ray's monitor is set to never."""
+    if not (isinstance(cfg, TrainConfig) and cfg.elastic.enabled):  # the screen's proxies: a fixed group
+        return cfg.num_workers
+    return cfg.elastic.min_replicas * cfg.parallel.model_parallel, cfg.num_workers
 
 
 def export_dir(output: Path, seed: int, first: int) -> Path:
@@ -137,7 +150,8 @@ def run(ctx: StageContext) -> StageResult:
     incidents = records.read(folder, records.INCIDENT)
     metrics = {"steps": summary["steps"], "final_loss": summary["final_loss"], "sequences_trained": sequences,
                "tokens_trained": sequences * config.seq_len, "incidents": len(incidents),
-               "interventions": len(interventions(logbook)), "stragglers": len(records.read(folder, records.STRAGGLER)), **curve_summary(folder),
+               "interventions": len(interventions(logbook)), "stragglers": len(records.read(folder, records.STRAGGLER)),
+               "resizes": len(records.read(folder, records.RESIZE)), **curve_summary(folder),
                **{f"goodput.{k}": v for k, v in time_spent.items() if k != "spans"}, **checkpoint_times(folder),
                **evaluations}
     return StageResult(index["sequences"], index["sequences"], {}, metrics, tags=tags,
@@ -202,8 +216,9 @@ def check_nodes(ctx: StageContext, cfg: TrainConfig, folder: Path) -> None:
 
 def interventions(logbook: list[dict]) -> list[dict]:
     """The logbook's entries that changed the run (a straggler named, or its drain refused, is in the logbook, but
-    changed nothing; a straggler's node drained and the run restarted did)."""
-    return [e for e in logbook if e["kind"] not in ("straggler", "straggler_kept")]
+    changed nothing; a straggler's node drained and the run restarted did). An elastic run's change of size is the
+    cluster's doing, not a decision of the run's: counted apart (`resizes`)."""
+    return [e for e in logbook if e["kind"] not in ("straggler", "straggler_kept", "resized")]
 
 
 def checkpoint_times(folder: Path) -> dict[str, float]:
@@ -229,6 +244,8 @@ def track_logbook(ctx: StageContext, logbook: list[dict], files: list[Path]) -> 
         else:
             stage_run.set_tag(f"straggler.rank{straggler['rank']}",
                               f"step {straggler['step']}: {straggler['host']} (node {straggler['node']})")
+    for i, resize in enumerate(records.read(ctx.output, records.RESIZE), 1):  # train.elastic: when and why
+        stage_run.set_tag(f"resize.{i}", f"step {resize['step']}: {resize['from']} -> {resize['to']} replicas: {resize['why']}")
     logbook = interventions(logbook)
     stage_run.set_tag("autopilot.interventions", str(len(logbook)))
     for i, entry in enumerate(logbook, 1):

@@ -29,7 +29,7 @@ class LoopConfig:
     export_dir: str | None  # the Hugging Face export; None: none (proxy runs)
     seq_len: int
     global_batch: int  # sequences per step, over all data-parallel ranks
-    accumulation: int  # micro-batches per data-parallel rank per step
+    accumulation: int  # micro-batches per data-parallel rank per step, on the configured replicas (accumulation_at)
     peak_lr: float  # train.lr, or the model's from OPT's Table 1
     warmup_steps: int
     total_steps: int  # the schedule's length (total_tokens' worth of steps)
@@ -39,6 +39,12 @@ class LoopConfig:
     mlflow_run_id: str | None
     launched_at: float = 0.0  # when the driver launched this run: failures before it belong to an earlier launch
 
+
+    def accumulation_at(self, replicas: int) -> int:
+        """Micro-batches per data-parallel rank per step on `replicas` replicas: an elastic run started short makes up
+        the missing ones with more, so that every step still takes the global batch. Where the replicas do not divide
+        its micro-batches, the most any rank has: the others pad (train/loop/step.py `Feed`)."""
+        return -(-self.global_batch // (self.train.micro_batch_size * replicas))
 
     @property
     def tokens_per_step(self) -> int:

@@ -2,7 +2,8 @@
 fixed points and applies the effects it returns, knowing no fault kind.
 
 - `Drill`: each fault fired once, even across restarts; a kill, a hang, an error, a spike, a nan, an overflow
-  burst, a straggler, a node that fails its health check.
+  burst, a straggler, a node that fails its health check, a node lost or one that joins (`request`: the drill's
+  cluster does it).
 - `SimulatedScaler`: fp16's dynamic loss scale where the run has none, for an overflow burst on a CPU.
 - `before_launch`: what the driver does before the first start (a node that fails the first health check).
 - `NodeFaults`: the hook at a health check (the stage's, and the controller's at a restart): a node the drill
@@ -38,6 +39,21 @@ def mark_unhealthy(run_dir, node: str) -> None:
     marker = Path(run_dir) / records.INJECT / f"unhealthy-{node}"
     marker.parent.mkdir(exist_ok=True)
     marker.touch()
+
+
+def request(run_dir, kind: str, node: str) -> Path:
+    """A marker asking the drill's cluster (benchmarks/chaos.py) to act on a node: `lost` (remove it, no replacement)
+    or `back` (a node of that name joins); the cluster removes the marker once done."""
+    marker = Path(run_dir) / records.INJECT / f"{kind}-{node}"
+    marker.parent.mkdir(exist_ok=True)
+    marker.touch()
+    return marker
+
+
+def requested(run_dir, kind: str) -> list[tuple[str, Path]]:
+    """The drill's cluster's side of `request`: each node a `kind` request names, with its marker (to remove once
+    done)."""
+    return [(m.name.removeprefix(f"{kind}-"), m) for m in sorted((Path(run_dir) / records.INJECT).glob(f"{kind}-*"))]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,6 +170,12 @@ class Drill:
                     mark_unhealthy(self.ctx.run_dir, fault["node"])
                     incident(self.ctx, step, f"injected unhealthy: node {fault['node']}")
                 continue
+            if fault["kind"] == "back":  # a node joins: the drill's cluster starts it
+                if self.ctx.leader:
+                    self._record(fault["index"])
+                    incident(self.ctx, step, f"injected back: node {fault['node']} joins")
+                    self._served(request(self.ctx.run_dir, "back", fault["node"]))
+                continue
             if not self._here(fault):
                 continue
             rank = self.ctx.rank
@@ -164,11 +186,20 @@ class Drill:
             incident(self.ctx, step, f"injected {fault['kind']} on rank {rank}")
             if fault["kind"] == "kill":
                 os._exit(1)  # the worker process dies, as on a lost GPU or an ECC error
+            if fault["kind"] == "lost":  # the drill's cluster removes the node, this process with it
+                request(self.ctx.run_dir, "lost", fault["node"])
+                time.sleep(10 * hang_seconds)  # (if it never does, the watchdog ends the process)
             if fault["kind"] == "hang":
                 time.sleep(10 * hang_seconds)  # stalls until the watchdog ends the process
         barrier()
         effects.slow = slow
         return effects
+
+    def _served(self, marker: Path) -> None:
+        """Waits, under the start-up limit, until the drill's cluster has done what `marker` asked (it removes it)."""
+        deadline = time.monotonic() + self.startup_seconds
+        while marker.exists() and time.monotonic() < deadline:
+            time.sleep(0.2)
 
     def _here(self, fault: dict) -> bool:
         """Whether a fault of one worker happens on this one: the rank named, every rank on the node named,

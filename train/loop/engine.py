@@ -46,7 +46,7 @@ def build_engine(cfg: LoopConfig, ctx: Context, *, spans_nodes: bool) -> Built:
     t = cfg.train
     if ctx.device.type == "cpu":  # DeepSpeed's shared-memory allreduce would be compiled with g++ on first use
         deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
-    ds_config = deepspeed_config(micro_batch=t.micro_batch_size, accumulation=cfg.accumulation,
+    ds_config = deepspeed_config(micro_batch=t.micro_batch_size, accumulation=cfg.accumulation_at(ctx.data_world),
                                  world_size=ctx.data_world, zero_stage=t.zero_stage, precision=t.precision,
                                  grad_clip=t.grad_clip, pipeline=ctx.pipelined)
     if ctx.pipelined:  # only this stage's layers, each drawn from its own streams (the same weights as built whole)

@@ -8,6 +8,7 @@ Each part has one job, in its own module of this package:
 - `metrics.Metrics`: metrics.jsonl, MLflow and the progress line (rank 0);
 - `evaluation.Evaluation`, `export.export`;
 - `faults`: the watchdog (and, before a Trainer is built, each attempt's start and the decision to give up);
+- `elastic.Elastic`: a short group's wait for its nodes, and its growth at a checkpoint (`train.elastic`);
 - `drill.Drill`: the faults a drill injects (`train.inject`), called at fixed points, a no-op without any.
 """
 
@@ -26,6 +27,7 @@ from train.loop.context import Context, rank_seed, seed_everything
 from train.loop.engine import build_engine, groups_for
 from train.loop.export import export
 from train.loop.drill import Drill
+from train.loop.elastic import Elastic
 from train.loop.faults import watchdog_for
 from train.loop.metrics import Metrics
 from train.loop.pilot import Pilot
@@ -83,15 +85,20 @@ class Trainer:
         resumed = self.checkpointer.resume()
         self.pilot.resume(resumed)
         self.loader = Loader(cfg.shards, cfg.global_batch, rank=ctx.data_rank, world_size=ctx.data_world, seed=t.seed,
-                             skip_ranges=self.pilot.state.skip_ranges, state=resumed and resumed["loader"])
-        self.step = TrainStep(self.engine, self.model, Feed(self.loader, ctx, t.micro_batch_size), ctx,
-                              built.own_grad_norm)
+                             micro_batch=t.micro_batch_size, skip_ranges=self.pilot.state.skip_ranges,
+                             state=resumed and resumed["loader"])
+        feed = Feed(self.loader, ctx, t.micro_batch_size, cfg.accumulation_at(ctx.data_world))
+        self.step = TrainStep(self.engine, self.model, feed, ctx, built.own_grad_norm)
         self.evaluation = Evaluation(self.engine, cfg, ctx)
         self.stragglers = Stragglers(ctx, t.stragglers)
         self.replacing: set[int] = set()  # ranks named stragglers, their nodes to leave at the next checkpoint
         self.progress = Progress(step=resumed["step"] if resumed else 0)
+        self.elastic = Elastic(cfg, ctx)
+        # ready: before the initial save (its blocked time is a checkpoint's, not start-up's), and before a short
+        # elastic group's wait for its nodes (goodput's replacement_wait, under the start-up limit)
+        self.mark("ready", replicas=ctx.data_world, of=t.data_parallel)
+        self.elastic.start(self.progress.step)
         self.watchdog.beat(self.progress.step, t.hang_seconds)  # start-up is done: each step has hang_seconds
-        self.mark("ready")  # before the initial save: its blocked time is a checkpoint's, not start-up's
         if resumed is None and self.pilot.enabled:
             self.save(healthy=True)  # the initial weights: a rollback target before the first checkpoint
 
@@ -127,6 +134,9 @@ class Trainer:
                 self.watchdog.beat(run.step)
                 if self.replacing:
                     self.leave_stragglers(run.step)
+                if run.step < cfg.last_step and (grow := self.elastic.grow(run.step)):
+                    self.checkpointer.flush()  # published before the group ends
+                    raise PlannedRestart(grow)
         run.phase = "checkpoint"
         self.checkpointer.flush()  # the last save, written and published
         self.watchdog.stop()
