@@ -78,6 +78,7 @@ class Batches:
 
     def __init__(self, tokens: torch.Tensor, micro: int):
         self.micro_batches = [(m[:, :-1], m[:, 1:]) for m in tokens.split(micro)]
+        self.weights = [1.0] * len(self.micro_batches)  # one rank: each micro-batch's gradient as it is
         self.count = 0
 
     def next(self):

@@ -383,9 +383,13 @@ def test_a_checkpoint_loads_into_another_data_parallel_degree_under_every_zero_s
     [(reference, again), _] = run_ranks(2, _dp_there_and_back, str(tmp_path), meanwhile=go_on_alone)
     for zero in RESHAPE_STAGES:
         model_states = next((tmp_path / f"zero{zero}" / "step-00000002" / "ds").glob("*model_states.pt"))
-        assert checkpoint_files.safe_load(model_states)["universal_checkpoint_info"] == checkpoint_files.UNIVERSAL_INFO
+        info = checkpoint_files.safe_load(model_states)["universal_checkpoint_info"]
+        assert info["universal_checkpoint_version"] == 0.4  # and how each parameter splits over tensor ranks:
+        assert r"decoder\.layers\.1\.fc2\.weight$" in info[checkpoint_files.ROW_PATTERNS]  # by input
+        assert r"decoder\.layers\.1\.fc2\.bias$" in info[checkpoint_files.REPLICATED_PATTERNS]  # whole on each
+        assert not any("q_proj" in p for p in info[checkpoint_files.ROW_PATTERNS] + info[checkpoint_files.REPLICATED_PATTERNS])
         meta = checkpoint_files.read_meta(tmp_path / f"zero{zero}" / "step-00000002")
-        assert meta["layout"] == {"data_parallel": 2, "zero_stage": zero}
+        assert meta["layout"] == {"data_parallel": 2, "zero_stage": zero, "tensor": 1, "pipeline": 1}
     converted = [r.getMessage() for r in caplog.records if "universal format" in r.getMessage()]
     assert len(converted) == 3 and all("written by 2 data-parallel ranks, loaded by 1" in m for m in converted), converted
     for zero in RESHAPE_STAGES:
@@ -398,19 +402,30 @@ def test_a_checkpoint_loads_into_another_data_parallel_degree_under_every_zero_s
 
 def test_a_checkpoint_that_cannot_load_into_this_layout_is_refused_saying_why(tmp_path):
     """What `load` does with a checkpoint's recorded layout: as it is when unchanged (or unrecorded, from before), or
-    at another degree under ZeRO-0; converted at another degree under ZeRO 1-3; refused, naming why, between ZeRO-0
-    and ZeRO 1-3 and for a model split over tensor or pipeline ranks."""
-    path, two = tmp_path / "step-00000010", {"data_parallel": 2, "zero_stage": 2}
-    assert not checkpoint_files.reshaped(path, {"world_size": 2, "layout": two}, two, 2)
-    assert not checkpoint_files.reshaped(path, {"world_size": 2}, {"data_parallel": 1, "zero_stage": 2}, 1)
-    assert checkpoint_files.reshaped(path, {"world_size": 2, "layout": two}, {"data_parallel": 1, "zero_stage": 2}, 1)
-    assert checkpoint_files.reshaped(path, {"world_size": 2, "layout": two}, {"data_parallel": 4, "zero_stage": 3}, 4)
-    zero0 = {"data_parallel": 2, "zero_stage": 0}
-    assert not checkpoint_files.reshaped(path, {"world_size": 2, "layout": zero0}, {"data_parallel": 1, "zero_stage": 0}, 1)
+    at another data-parallel degree under ZeRO-0; converted at another data-parallel or tensor degree under ZeRO 1-3;
+    refused, naming why, between ZeRO-0 and ZeRO 1-3, between ZeRO 1-2 and ZeRO-3, for a tensor change under ZeRO-0,
+    for any change of a pipeline, and for a split one recorded before its degrees were."""
+    def layout(dp, zero, tensor=1, pipeline=1):
+        return {"data_parallel": dp, "zero_stage": zero, "tensor": tensor, "pipeline": pipeline}
+
+    path, two = tmp_path / "step-00000010", layout(2, 2)
+    reshaped = checkpoint_files.reshaped
+    assert not reshaped(path, {"world_size": 2, "layout": two}, two, 2)
+    assert not reshaped(path, {"world_size": 2}, layout(1, 2), 1)
+    assert not reshaped(path, {"world_size": 2, "layout": {"data_parallel": 2, "zero_stage": 2}}, two, 2)  # recorded
+    assert reshaped(path, {"world_size": 2, "layout": two}, layout(1, 2), 1)  # before tensor and pipeline were
+    assert reshaped(path, {"world_size": 2, "layout": layout(1, 1, tensor=2)}, layout(2, 1), 2)
+    assert not reshaped(path, {"world_size": 2, "layout": layout(2, 0)}, layout(1, 0), 1)
     with pytest.raises(RuntimeError, match="under ZeRO-0 and this run is under ZeRO-2: .* neither loads into the other"):
-        checkpoint_files.reshaped(path, {"world_size": 2, "layout": zero0}, two, 2)
-    with pytest.raises(RuntimeError, match="2 replicas of a model split over 2 workers .* cannot change its data-parallel"):
-        checkpoint_files.reshaped(path, {"world_size": 4, "layout": two}, {"data_parallel": 1, "zero_stage": 2}, 2)
+        reshaped(path, {"world_size": 2, "layout": layout(2, 0)}, two, 2)
+    with pytest.raises(RuntimeError, match="under ZeRO-2 and this run is under ZeRO-3: DeepSpeed 0.19's ZeRO-3"):
+        reshaped(path, {"world_size": 2, "layout": two}, layout(4, 3), 4)
+    with pytest.raises(RuntimeError, match="tensor degree 2 and this run's is 1: under ZeRO-0 no optimizer partitions"):
+        reshaped(path, {"world_size": 2, "layout": layout(1, 0, tensor=2)}, layout(2, 0), 2)
+    with pytest.raises(RuntimeError, match="tensor 1 x pipeline 2 x data 2 under ZeRO-1 .* cannot change its layout"):
+        reshaped(path, {"world_size": 4, "layout": layout(2, 1, pipeline=2)}, layout(1, 1, pipeline=2), 2)
+    with pytest.raises(RuntimeError, match="2 replicas of a model split over 2 workers, before its tensor and pipeline"):
+        reshaped(path, {"world_size": 4, "layout": {"data_parallel": 2, "zero_stage": 2}}, layout(1, 2, tensor=2), 2)
 
 
 def test_deepspeeds_own_loads_in_a_conversion_read_no_pickle(tmp_path):

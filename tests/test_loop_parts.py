@@ -164,6 +164,96 @@ def test_replicas_that_do_not_divide_the_batch_pad_and_train_as_the_whole_run_do
             assert torch.allclose(torch.as_tensor(weights[name]), w, atol=5e-6), name
 
 
+def _tp_steps(rank: int, world: int, shards: str, root: str, zero: int, tp: int, steps: range,
+              load: str | None = None, save_at: int | None = None) -> tuple[dict[int, float], dict]:
+    """`steps` of a 2-worker run at tensor degree `tp` (the rest data-parallel) under ZeRO-`zero`, the production
+    parts, from checkpoint `load` if given, saving one at `save_at` into `root`: each step's loss, the whole weights."""
+    from pathlib import Path
+
+    from train import checkpoint_files
+    from train.config import ParallelConfig
+    from train.loop.engine import groups_for
+    from train.parallel.groups import full_state_dict
+
+    cfg = loop_config(section(num_workers=2, zero_stage=zero, global_batch_tokens=4 * SEQ, parallel=ParallelConfig(tensor=tp)),
+                      shards, Path(root), export_dir=None, tracking_uri=None, mlflow_run_id=None)
+    ctx = Context(rank=rank, world=world, run_dir=Path(root), device=torch.device("cpu"))
+    ctx.groups = groups_for(cfg, ctx, rank, world)
+    built = build_engine(cfg, ctx, spans_nodes=False)
+    state = checkpoint_files.load(built.engine, Path(load))["loader"] if load else None
+    loader = Loader(shards, cfg.global_batch, rank=ctx.data_rank, world_size=ctx.data_world, seed=0, micro_batch=2,
+                    state=state)
+    step = TrainStep(built.engine, built.model, Feed(loader, ctx, 2, cfg.accumulation_at(ctx.data_world)), ctx,
+                     built.own_grad_norm)
+    losses = {}
+    for k in steps:
+        losses[k] = step(lr=1e-3).loss
+        if k == save_at:
+            checkpoint_files.save(built.engine, Path(root), k, {"loader": loader.state_dict(), "health": {"healthy": True}})
+    weights = full_state_dict(built.model, ctx.groups) if ctx.groups else \
+        {n: p.detach().clone() for n, p in built.model.named_parameters()}
+    built.engine.destroy()
+    return losses, weights
+
+
+def _tp_split(rank: int, world: int, shards: str, root: str) -> dict:
+    """Tensor 2 on 2 ranks, for ZeRO 1 and 2: the unchanged run (steps 1-6, saving at step 2); then, once the other
+    ranks have gone on at tensor 1 (`_tp_whole` writes `whole-done`), steps 5-6 from their checkpoint of step 4.
+    DeepSpeed keeps the first layout's process groups for the process's life, so each layout has processes of its
+    own, as a restart's workers do."""
+    import time
+    from pathlib import Path
+
+    from train.checkpoint_files import step_name
+
+    unchanged = {zero: _tp_steps(rank, world, shards, f"{root}/zero{zero}/unchanged", zero, 2, range(1, 7), save_at=2)
+                 for zero in (1, 2)}
+    (Path(root) / f"split-done-{rank}").touch()
+    deadline = time.monotonic() + 300
+    while not (Path(root) / "whole-done").exists():
+        assert time.monotonic() < deadline, "the tensor-1 phase did not finish"
+        time.sleep(0.05)
+    return {zero: (unchanged[zero], _tp_steps(rank, world, shards, f"{root}/zero{zero}/changed", zero, 2, range(5, 7),
+                                              load=f"{root}/zero{zero}/changed/{step_name(4)}"))
+            for zero in (1, 2)}
+
+
+def _tp_whole(rank: int, world: int, shards: str, root: str) -> dict:
+    """Tensor 1 (2 data-parallel replicas) for ZeRO 1 and 2: steps 3-4 from the split run's checkpoint of step 2."""
+    from train.checkpoint_files import step_name
+
+    return {zero: _tp_steps(rank, world, shards, f"{root}/zero{zero}/changed", zero, 1, range(3, 5),
+                            load=f"{root}/zero{zero}/unchanged/{step_name(2)}", save_at=4)[0] for zero in (1, 2)}
+
+
+def test_a_checkpoint_loads_into_another_tensor_degree(shards, tmp_path):
+    """Tensor 2 -> 1 -> 2 under ZeRO 1 and 2 (train/checkpoint_files.py `universal_info`, `reshaped`): a checkpoint
+    of the model split over 2 tensor ranks goes on in 2 whole data-parallel replicas, whose checkpoint goes on split
+    again. Every step's loss, and the whole weights at the end, are the unchanged run's."""
+    from test_parallel import run_ranks
+
+    whole = {}
+
+    def go_on_whole():
+        while not all((tmp_path / f"split-done-{rank}").exists() for rank in (0, 1)):
+            time.sleep(0.05)
+        whole.update(run_ranks(2, _tp_whole, str(shards), str(tmp_path))[0])
+        (tmp_path / "whole-done").touch()
+
+    rank0, _ = run_ranks(2, _tp_split, str(shards), str(tmp_path), meanwhile=go_on_whole)
+    from train import checkpoint_files
+
+    for zero, ((reference, weights), (again, final)) in rank0.items():
+        for run, step, tensor in (("unchanged", 2, 2), ("changed", 4, 1)):
+            meta = checkpoint_files.read_meta(tmp_path / f"zero{zero}" / run / checkpoint_files.step_name(step))
+            assert meta["layout"] == {"data_parallel": 2 // tensor, "zero_stage": zero, "tensor": tensor, "pipeline": 1}
+        assert not list((tmp_path / f"zero{zero}").glob("*/.universal-*"))  # converted, loaded, removed
+        losses = {**whole[zero], **again}
+        assert losses == pytest.approx({s: reference[s] for s in losses}, rel=1e-5), zero
+        for name, w in weights.items():
+            assert torch.allclose(torch.as_tensor(final[name]), torch.as_tensor(w), atol=1e-6), (zero, name)
+
+
 @pytest.fixture(scope="module")
 def engines(deepspeed_rank, shards, tmp_path_factory):
     """The same tiny model under ZeRO-0 (the loop measures the grad norm itself) and ZeRO-1 (DeepSpeed does)."""

@@ -39,6 +39,7 @@ import logging
 import os
 import pickle
 import random
+import re
 import shutil
 import threading
 import time
@@ -54,10 +55,9 @@ log = logging.getLogger(__name__)
 
 META = "meta.json"
 TAG = "ds"  # DeepSpeed's tag: its files live in step-<N>/ds/
-# What DeepSpeed's ds_to_universal requires in a checkpoint's model states (checkpoint/ds_to_universal.py
-# `_check_for_required_state`); the engine writes a module's `universal_checkpoint_info` attribute there
-# (engine.py `_save_checkpoint`). Tensor and pipeline runs would add their patterns; none is needed without.
-UNIVERSAL_INFO = {"universal_checkpoint_version": 0.4}
+UNIVERSAL_VERSION = {"universal_checkpoint_version": 0.4}  # deepspeed/checkpoint/constants.py's, 0.19
+ROW_PATTERNS = "parameter_with_row_parallelism_patterns"  # constants.py PARAMETER_WITH_ROW_PARALLELISM_PATTERNS
+REPLICATED_PATTERNS = "tp_replicated_parameter_patterns"  # constants.py TP_REPLICATED_PARAMETER_PATTERNS
 
 
 def step_name(step: int) -> str:
@@ -153,7 +153,40 @@ def host_copy(obj, memo: dict):
 
 def layout_of(engine) -> dict:
     """How this engine's state is split into files: what a load into another layout must reshape."""
-    return {"data_parallel": engine.dp_world_size, "zero_stage": int(engine.zero_optimization_stage())}
+    if pipelined(engine):  # its engine's grid is its process groups
+        tensor, stages = engine.grid.get_slice_parallel_world_size(), engine.num_stages
+    else:
+        tensor, stages = engine.mpu.get_tensor_model_parallel_world_size() if engine.mpu is not None else 1, 1
+    return {"data_parallel": engine.dp_world_size, "zero_stage": int(engine.zero_optimization_stage()),
+            "tensor": tensor, "pipeline": stages}
+
+
+def pipelined(engine) -> bool:
+    """Whether `engine` runs a pipeline stage (as DeepSpeed's own load tells: engine.py `load_checkpoint`)."""
+    from deepspeed.runtime.pipe.module import PipelineModule
+
+    return isinstance(engine.module, PipelineModule)
+
+
+def universal_info(engine) -> dict:
+    """What DeepSpeed's ds_to_universal asks of a checkpoint (checkpoint/ds_to_universal.py
+    `_check_for_required_state`, read from the first model-states file only), written into the model states from
+    the module's attribute (engine.py `_save_checkpoint`). For the OPT's own names (a run without a pipeline), how
+    the converter merges each parameter's tensor shards (`merge_tp_slices`) and so how the universal load cuts it
+    for another tensor degree (checkpoint/universal_checkpoint.py `load_hp_checkpoint_state`): the ones split by
+    input concatenate along dim 1, the ones every tensor rank holds whole are kept once, and the rest concatenate
+    along dim 0, the converter's default (train/parallel/groups.py `split_dim`, the rule `parallelize` follows).
+    Written at every tensor degree, 1 included: without it, a whole checkpoint's fc2 would be cut along the wrong
+    dimension at tensor degree 2, and nothing would say so. One exact pattern a name, as the converter's strict
+    mode wants every pattern to match. A pipeline stage names its layers by index and holds only its own: the
+    version alone (its layout does not change)."""
+    if pipelined(engine):
+        return dict(UNIVERSAL_VERSION)
+    from train.parallel.groups import split_dim
+
+    names = [name for name, _ in engine.module.named_parameters()]
+    return {**UNIVERSAL_VERSION, ROW_PATTERNS: [re.escape(n) + "$" for n in names if split_dim(n) == 1],
+            REPLICATED_PATTERNS: [re.escape(n) + "$" for n in names if split_dim(n) is None]}
 
 
 def save(engine, root: Path, step: int, meta: dict, background: bool = False) -> "Write":
@@ -167,7 +200,7 @@ def save(engine, root: Path, step: int, meta: dict, background: bool = False) ->
         shutil.rmtree(tmp, ignore_errors=True)  # a save of this step that died before its publish
         tmp.mkdir(parents=True)
     barrier()
-    engine.module.universal_checkpoint_info = UNIVERSAL_INFO  # written into the model states: ds_to_universal reads it
+    engine.module.universal_checkpoint_info = universal_info(engine)  # into the model states: ds_to_universal reads it
     with taking_writes(engine, copy=background) as taken:
         engine.save_checkpoint(str(tmp), tag=TAG)  # collective: each rank hands over its shard
     taken.append((rng_state(), tmp / f"rng-rank{rank:05d}.pt"))
@@ -411,7 +444,8 @@ def load_latest(engine, root: Path, on_skip=None, accept=None, data_group=None) 
 
 def load(engine, path: Path, data_group=None) -> dict:
     """Load one (verified) checkpoint into the engine and this rank's RNGs; returns its meta. Written at another
-    data-parallel degree under ZeRO 1-3, it is loaded through DeepSpeed's universal format (`universal`)."""
+    data-parallel or tensor degree under ZeRO 1-3, it is loaded through DeepSpeed's universal format (`universal`).
+    The RNG states only into the layout that wrote them: elsewhere a rank's stream belongs to another shard."""
     rank, world = rank_world()
     meta = read_meta(path)
     now, change = layout_of(engine), None
@@ -421,44 +455,65 @@ def load(engine, path: Path, data_group=None) -> dict:
         with reading_once(engine, data_group):
             engine.load_checkpoint(str(path), tag=TAG, load_optimizer_states=True, load_lr_scheduler_states=False)
     rng = path / f"rng-rank{rank:05d}.pt"
-    if meta["world_size"] == world and rng.is_file():
+    if meta["world_size"] == world and change is None and rng.is_file():  # the same ranks in the same places
         try:
             set_rng_state(torch.load(rng, weights_only=True))  # no pickle: rng_state holds tensors and numbers
         except pickle.UnpicklingError as exc:  # a file that needs pickle: planted, or from before this format
             log.warning("checkpoint %s: %s holds more than tensors and numbers, not loaded (%s): RNG states not "
                         "restored", path.name, rng.name, str(exc).splitlines()[0][:120])
     elif rank == 0:
-        log.warning("checkpoint %s was written by %d ranks, now %d: RNG states not restored", path.name,
-                    meta["world_size"], world)
+        log.warning("checkpoint %s was written by %d ranks in another layout, now %d: RNG states not restored",
+                    path.name, meta["world_size"], world)
     return {**meta, "path": str(path), **({"reshaped": change} if change else {})}
 
 
 def reshaped(path: Path, meta: dict, now: dict, world: int) -> bool:
     """Whether checkpoint `path` must be converted to load into the layout `now` (DeepSpeed reads it as it is when
-    the layout is the same, or under ZeRO-0 at any data-parallel degree); raises, saying why, where it cannot load.
-    A checkpoint from before layouts were recorded loads as it is (DeepSpeed says so if it cannot)."""
+    the layout is the same, or under ZeRO-0 at another data-parallel degree); raises, saying why, where it cannot
+    load. A checkpoint from before layouts were recorded loads as it is (DeepSpeed says so if it cannot)."""
     saved = meta.get("layout")
-    if saved is None or saved == now:
+    if saved is None:
         return False
+    if "tensor" not in saved:  # recorded before its tensor and pipeline degrees were: only their product is known
+        split = meta["world_size"] // saved["data_parallel"]
+        saved = {**saved, "tensor": 1 if split == 1 else None, "pipeline": 1 if split == 1 else None}
+    if saved == now:
+        return False
+    was, to = f"ZeRO-{saved['zero_stage']}", f"ZeRO-{now['zero_stage']}"
     if (saved["zero_stage"] == 0) != (now["zero_stage"] == 0):
-        raise RuntimeError(f"checkpoint {path.name} was written under ZeRO-{saved['zero_stage']} and this run is under "
-                           f"ZeRO-{now['zero_stage']}: ZeRO-0 keeps its optimizer state whole and ZeRO 1-3 in "
-                           "partitions, so neither loads into the other; keep train.zero_stage as it was")
-    split = (meta["world_size"] // saved["data_parallel"], world // now["data_parallel"])
-    if split != (1, 1):
+        raise RuntimeError(f"checkpoint {path.name} was written under {was} and this run is under {to}: ZeRO-0 keeps "
+                           "its optimizer state whole and ZeRO 1-3 in partitions, so neither loads into the other; "
+                           "keep train.zero_stage as it was")
+    if saved["zero_stage"] != now["zero_stage"] and 3 in (saved["zero_stage"], now["zero_stage"]):
+        raise RuntimeError(f"checkpoint {path.name} was written under {was} and this run is under {to}: DeepSpeed "
+                           "0.19's ZeRO-3 universal load reads a step count the other stages do not convert; keep "
+                           "train.zero_stage as it was")
+    if saved["tensor"] is None:
         raise RuntimeError(f"checkpoint {path.name} was written by {saved['data_parallel']} replicas of a model split "
-                           f"over {split[0]} workers under ZeRO-{saved['zero_stage']}, and this run has "
-                           f"{now['data_parallel']} of {split[1]} under ZeRO-{now['zero_stage']}: a tensor- or "
-                           "pipeline-parallel run cannot change its data-parallel degree or ZeRO stage yet")
+                           f"over {meta['world_size'] // saved['data_parallel']} workers, before its tensor and "
+                           f"pipeline degrees were recorded: it loads only into its own layout")
+    if 1 != saved["pipeline"] or 1 != now["pipeline"]:
+        raise RuntimeError(f"checkpoint {path.name} was written in {_described(saved)} and this run is "
+                           f"{_described(now)}: a pipeline-parallel run cannot change its layout yet (its stages name "
+                           "their layers by index, and only the first stage's are described to the converter)")
+    if saved["tensor"] != now["tensor"] and now["zero_stage"] == 0:
+        raise RuntimeError(f"checkpoint {path.name} was written at tensor degree {saved['tensor']} and this run's is "
+                           f"{now['tensor']}: under ZeRO-0 no optimizer partitions are written, which DeepSpeed's "
+                           "converter merges; a tensor degree change takes zero_stage 1 or 2")
     return now["zero_stage"] > 0
 
 
+def _described(layout: dict) -> str:
+    return (f"tensor {layout['tensor']} x pipeline {layout['pipeline']} x data {layout['data_parallel']} under "
+            f"ZeRO-{layout['zero_stage']}")
+
+
 def universal(engine, path: Path, saved: dict, now: dict) -> float:
-    """Checkpoint `path`, written at data-parallel degree saved["data_parallel"], loaded at now["data_parallel"]:
+    """Checkpoint `path`, written in layout `saved`, loaded in `now` (another data-parallel or tensor degree):
     rank 0 converts it with DeepSpeed's ds_to_universal into `.universal-<step>/` beside it (fresh each time,
     never published, removed once every rank has loaded), and each rank reads its new partition from there with
-    DeepSpeed's universal loading, from any of ZeRO 1-3 into any of them; a ZeRO-0 checkpoint holds its whole
-    optimizer state in the model states and loads at any degree without this."""
+    DeepSpeed's universal loading, under ZeRO 1-3 (1 and 2 into each other, 3 into 3); a ZeRO-0 checkpoint holds
+    its whole optimizer state in the model states and loads at any data-parallel degree without this."""
     rank, _ = rank_world()
     out = path.parent / f".universal-{path.name}"
     started = time.monotonic()
@@ -466,8 +521,11 @@ def universal(engine, path: Path, saved: dict, now: dict) -> float:
         for stale in path.parent.glob(".universal-*"):  # this one, or another left by an attempt that died loading
             shutil.rmtree(stale, ignore_errors=True)
         _convert(path / TAG, out / TAG)
-        log.warning("checkpoint %s: written by %d data-parallel ranks, loaded by %d: converted to DeepSpeed's universal "
-                    "format in %.1f s", path.name, saved["data_parallel"], now["data_parallel"], time.monotonic() - started)
+        was_tensor = saved.get("tensor", 1)
+        tensor = f", tensor degree {was_tensor} then {now['tensor']}" if was_tensor != now["tensor"] else ""
+        log.warning("checkpoint %s: written by %d data-parallel ranks, loaded by %d%s: converted to DeepSpeed's "
+                    "universal format in %.1f s", path.name, saved["data_parallel"], now["data_parallel"], tensor,
+                    time.monotonic() - started)
     barrier()
     optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)  # the torch optimizer under ZeRO's
     built = [{k: v for k, v in group.items() if k != "params"} for group in optimizer.param_groups]

@@ -413,6 +413,7 @@ class TrainConfig(EngineConfig):
             raise ConfigError(f"{key}.min_replicas", f"expected at most the run's {self.data_parallel} data-parallel "
                               f"replicas, got {self.elastic.min_replicas}")
         if self.parallel.model_parallel > 1:
-            raise ConfigError(f"{key}.enabled", "a tensor- or pipeline-parallel run cannot change its data-parallel "
-                              "degree: its checkpoints load only into their own layout (docs/training.md#restarts)")
+            raise ConfigError(f"{key}.enabled", f"a replica here is {self.parallel.model_parallel} workers (tensor x "
+                              "pipeline), and Ray Train's elastic group counts workers one by one, not whole "
+                              "replicas: a tensor- or pipeline-parallel run is not elastic yet")
 

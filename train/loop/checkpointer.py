@@ -75,10 +75,12 @@ class Checkpointer:
             incident(self.ctx, resumed["step"], f"resumed from {Path(resumed['path']).name}")
             if change := resumed.get("reshaped"):
                 was, now = change["from"], change["to"]
-                incident(self.ctx, resumed["step"], f"layout changed: {was['data_parallel']} data-parallel replicas under "
-                         f"ZeRO-{was['zero_stage']} wrote {Path(resumed['path']).name}, {now['data_parallel']} under "
-                         f"ZeRO-{now['zero_stage']} go on from it (converted to DeepSpeed's universal format and "
-                         f"loaded in {change['seconds']:.1f} s)")
+                split = {k: f" of a model split over {v['tensor']} tensor ranks" if v.get("tensor", 1) > 1 else ""
+                         for k, v in (("was", was), ("now", now))}
+                incident(self.ctx, resumed["step"], f"layout changed: {was['data_parallel']} data-parallel replicas"
+                         f"{split['was']} under ZeRO-{was['zero_stage']} wrote {Path(resumed['path']).name}, "
+                         f"{now['data_parallel']}{split['now']} under ZeRO-{now['zero_stage']} go on from it (converted "
+                         f"to DeepSpeed's universal format and loaded in {change['seconds']:.1f} s)")
         return resumed
 
     def healthy_before(self, step: int) -> dict | None:

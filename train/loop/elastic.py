@@ -93,7 +93,7 @@ class Elastic:
             return None
         why = None
         if self.ctx.leader and (room := self.room()) > self.replicas:
-            why = f"the cluster hosts {room} of the {self.configured} replicas again: a restart from step {step} on them"
+            why = f"the cluster hosts {room} of the {self.configured} replicas again: a restart from step {step}"
             goodput.mark(self.ctx.run_dir, "planned")
         restart = not all_ok(why is None)
         return (why or "the cluster hosts more replicas") if restart else None

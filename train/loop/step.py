@@ -24,23 +24,20 @@ class Feed:
     When the data-parallel ranks do not divide the global batch's micro-batches (an elastic run short of
     replicas: train/loop/elastic.py), the first ranks take one more (train/loader.py `share`), and each of the
     others runs a padding micro-batch, a copy of one of its own whose gradient is scaled to nothing: every rank runs
-    the engine's `accumulation` backward passes, and ZeRO's reductions stay in step. Each real micro-batch's
-    gradient is then scaled by `weight`, ranks x accumulation / micro-batches, so that what DeepSpeed averages over
-    the ranks' accumulation slots is the global batch's mean: 1.0 when the split is even."""
+    the engine's `accumulation` backward passes, and ZeRO's reductions stay in step. `weights` scales each slot's
+    gradient: ranks x accumulation / micro-batches for a real one, so that what DeepSpeed averages over the ranks'
+    slots is the global batch's mean, and 0 for a padding one; all 1.0 when the split is even."""
 
     def __init__(self, loader: Loader, ctx: Context, micro_batch: int, accumulation: int):
         self.loader, self.ctx, self.micro_batch, self.accumulation = loader, ctx, micro_batch, accumulation
         self.positions = loader.positions()
-        self.micro_batches = loader.global_batch // micro_batch
-        self.weight = ctx.data_world * accumulation / self.micro_batches
+        mine = loader.local_batch // micro_batch
+        weight = ctx.data_world * accumulation / (loader.global_batch // micro_batch)
+        self.weights = [weight] * mine + [0.0] * (accumulation - mine)
 
     def restart(self) -> None:
         """Continue from the loader's state (after a rollback reloaded it)."""
         self.positions = self.loader.positions()
-
-    def real(self, count: int) -> int:
-        """Of `count` micro-batches `next` gave, how many are this rank's own (the rest pad)."""
-        return min(count, self.loader.local_batch // self.micro_batch)
 
     def next(self) -> tuple[int, list[tuple[torch.Tensor, torch.Tensor]]]:
         """The next global batch's number and this rank's (inputs, targets) micro-batches."""
@@ -149,11 +146,7 @@ class TrainStep:
         if not self.own_grad_norm:
             grad_norm = engine.get_global_grad_norm()  # a tensor on the device (a float after an overflow)
         # The step's one read of the device: the loss and activation norm averaged over ranks, and the grad norm.
-        # The loss: each rank's sum over its real micro-batches, so that the mean over ranks is the global batch's
-        # (a pipeline's is its schedule's mean already).
-        mine = torch.stack(losses).mean() if self.ctx.pipelined else \
-            torch.stack(losses).sum() * (self.ctx.data_world / self.feed.micro_batches)
-        loss, act_norm, *norm = all_mean([mine, activations],
+        loss, act_norm, *norm = all_mean([torch.stack(losses).sum(), activations],
                                          [] if grad_norm is None else [grad_norm])
         grad_norm = norm[0] if norm else None
         seconds = time.perf_counter() - t0
@@ -174,14 +167,13 @@ class TrainStep:
         return losses, pipeline.activation_norm(engine.module, self.ctx.groups), None
 
     def _whole(self, micro_batches: list, poison: float, timer: ComputeTimer):
-        engine, grad_norm, losses, real = self.engine, None, [], self.feed.real(len(micro_batches))
-        for k, (inputs, targets) in enumerate(micro_batches):
+        engine, grad_norm, losses = self.engine, None, []
+        for (inputs, targets), weight in zip(micro_batches, self.feed.weights, strict=True):
             # no collective in a forward of ZeRO 0-2 (ZeRO-3 gathers weights in it, tensor groups reduce)
             with timer, self.ctx.compute():
                 micro_loss = engine(inputs, targets)
-            if k < real:  # on the device: one reduction per step, no sync per micro-batch
-                losses.append(micro_loss.detach())
-            weight = self.feed.weight if k < real else 0.0  # a padding micro-batch's gradient counts for nothing
+            # on the device, one reduction a step: each rank's share of the global batch's mean (padding: none)
+            losses.append(micro_loss.detach() * (weight / len(micro_batches)))
             engine.backward(pipeline.scale_gradient(micro_loss, poison * weight))
             if self.own_grad_norm and engine.is_gradient_accumulation_boundary():
                 grad_norm = gradient_norm(self.model, self.ctx.groups)  # all-reduced by backward, before the clip

@@ -132,6 +132,24 @@ class Groups:
         return t
 
 
+COLUMN = ("q_proj", "k_proj", "v_proj", "fc1")  # split by output: weight and bias along dim 0
+ROW = ("out_proj", "fc2")  # split by input: the weight along dim 1, the bias whole
+
+
+def split_dim(name: str) -> int | None:
+    """How `parallelize` splits the parameter `name` of the unsplit OPT (model/opt.py's names): the dimension its
+    shards concatenate along, or None when every tensor rank holds it whole. What a checkpoint tells DeepSpeed's
+    converter (train/checkpoint_files.py `universal_info`), at any tensor degree, 1 included."""
+    *path, leaf = name.split(".")
+    if path[-1:] == ["embed_tokens"]:
+        return 0  # by vocabulary
+    if path[-1:] and path[-1] in COLUMN:
+        return 0
+    if path[-1:] and path[-1] in ROW:
+        return 1 if leaf == "weight" else None
+    return None
+
+
 def parallelize(model: OPT, groups: Groups) -> OPT:
     """This rank's tensor-parallel shard of `model`, in place: q/k/v and fc1 split by output (heads, FFN
     columns), out_proj and fc2 by input, the token embedding (and so the tied output layer) by vocabulary.
@@ -164,11 +182,11 @@ def split_block(block: nn.Module, groups: Groups) -> nn.Module:
     """One decoder block's tensor-parallel shard, in place."""
     tp, rank, group = groups.dims.tp, groups.tensor_rank, groups.tensor
     attn = block.self_attn
-    for name in ("q_proj", "k_proj", "v_proj"):
-        setattr(attn, name, ColumnParallelLinear(getattr(attn, name), group, rank, tp))
-    attn.out_proj = RowParallelLinear(attn.out_proj, group, rank, tp)
-    block.fc1 = ColumnParallelLinear(block.fc1, group, rank, tp)
-    block.fc2 = RowParallelLinear(block.fc2, group, rank, tp)
+    for module in (attn, block):
+        for name in COLUMN + ROW:
+            if hasattr(module, name):
+                split = ColumnParallelLinear if name in COLUMN else RowParallelLinear
+                setattr(module, name, split(getattr(module, name), group, rank, tp))
     return block
 
 
