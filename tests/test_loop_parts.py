@@ -105,11 +105,29 @@ def test_the_loop_config_is_typed_derived_from_the_shards_and_travels(shards, tm
     assert [elastic.accumulation_at(d) for d in (4, 3, 2, 1)] == [1, 2, 2, 4] and elastic.accumulation == 1
 
 
-def test_an_elastic_run_counts_the_workers_the_reserved_resources_hold_as_ray_train_does():
-    """Each node by itself: half a GPU here and half there is no worker; a resource a worker does not need, none."""
+def test_an_elastic_run_counts_the_workers_the_reserved_resources_hold_as_ray_train_does(shards, tmp_path, monkeypatch,
+                                                                                            caplog):
+    """Each node by itself: half a GPU here and half there is no worker; a resource a worker does not need, none.
+    A short run of 4 replicas on 2 asks Ray's coordinator; when it cannot say, the run trains on at its size."""
+    from train.loop import elastic
+
     reserved = {"a": {"CPU": 8.0, "GPU": 8.0}, "b": {"CPU": 8.0, "GPU": 3.5}, "c": {"CPU": 2.0, "GPU": 8.0}, "d": {"CPU": 8.0}}
     assert hostable(reserved, 1.0, 1.0) == 8 + 3 + 2 + 0
     assert hostable(reserved, 0.5, 0.0) == 16 + 16 + 4 + 16
+    cfg = loop_config(dataclasses.replace(section(num_workers=4, global_batch_tokens=8 * SEQ, cpus_per_worker=1.0),
+                                          elastic=ElasticConfig(enabled=True)), shards, tmp_path, export_dir=None,
+                      tracking_uri=None, mlflow_run_id=None)
+    short = elastic.Elastic(cfg, Context(rank=0, world=2, run_dir=tmp_path, device=torch.device("cpu")))
+    monkeypatch.setattr(elastic, "reserved", lambda: {"a": {"CPU": 3.0}, "b": {"CPU": 0.5}})
+    assert short.short and short.room() == 3
+    monkeypatch.setattr(elastic, "reserved", lambda: reserved)
+    assert short.room() == 4  # at most the configured replicas
+
+    def unreachable():
+        raise TimeoutError("the coordinator did not answer")
+
+    monkeypatch.setattr(elastic, "reserved", unreachable)
+    assert short.room() == 2 and "did not say what it reserves (TimeoutError" in caplog.text
 
 
 def test_the_feed_gives_micro_batches_in_order_and_restarts_from_the_loaders_state(shards, tmp_path):

@@ -28,7 +28,7 @@ import time
 
 from train import goodput, records
 from train.loop.config import LoopConfig
-from train.loop.context import Context, incident
+from train.loop.context import Context, incident, log
 from train.parallel.collectives import all_ok
 
 POLL_SECONDS = 2.0  # between looks at the cluster while a group started short waits for its nodes
@@ -69,8 +69,15 @@ class Elastic:
         return self.enabled and self.replicas < self.configured
 
     def room(self) -> int:
-        """The replicas Ray Train would start now, up to the configured ones."""
-        return min(hostable(reserved(), *self.worker) // self.per_replica, self.configured)
+        """The replicas Ray Train would start now, up to the configured ones; this size when Ray's coordinator cannot
+        say (unreachable, or moved in another Ray): the run trains on short rather than stop, and its log says why."""
+        try:
+            workers = hostable(reserved(), *self.worker)
+        except Exception as exc:  # Ray's errors, or its private modules moved
+            log.warning("train.elastic: Ray's autoscaling coordinator did not say what it reserves (%s: %s); "
+                        "training on at %d replicas", type(exc).__name__, str(exc)[:200], self.replicas)
+            return self.replicas
+        return min(workers // self.per_replica, self.configured)
 
     def start(self, step: int) -> None:
         """After the checkpoint load (`step`: the one resumed from): a short group waits for its nodes; raises
