@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 
 import pytest
@@ -14,6 +15,7 @@ from model.configs import get
 from model.opt import OPT
 from train import checkpoint_files
 from train.optim import Schedule, adamw, autocast_dtype, deepspeed_config, param_groups
+from train.parallel.pipeline import TIED
 
 
 @pytest.fixture(scope="module")
@@ -402,9 +404,9 @@ def test_a_checkpoint_loads_into_another_data_parallel_degree_under_every_zero_s
 
 def test_a_checkpoint_that_cannot_load_into_this_layout_is_refused_saying_why(tmp_path):
     """What `load` does with a checkpoint's recorded layout: as it is when unchanged (or unrecorded, from before), or
-    at another data-parallel degree under ZeRO-0; converted at another data-parallel or tensor degree under ZeRO 1-3;
-    refused, naming why, between ZeRO-0 and ZeRO 1-3, between ZeRO 1-2 and ZeRO-3, for a tensor change under ZeRO-0,
-    for any change of a pipeline, and for a split one recorded before its degrees were."""
+    at another data-parallel degree under ZeRO-0; converted at another data-parallel, tensor or pipeline degree under
+    ZeRO 1-3; refused, naming why, between ZeRO-0 and ZeRO 1-3, between ZeRO 1-2 and ZeRO-3, for a tensor change
+    under ZeRO-0, and for a split one recorded before its degrees were."""
     def layout(dp, zero, tensor=1, pipeline=1):
         return {"data_parallel": dp, "zero_stage": zero, "tensor": tensor, "pipeline": pipeline}
 
@@ -422,8 +424,14 @@ def test_a_checkpoint_that_cannot_load_into_this_layout_is_refused_saying_why(tm
         reshaped(path, {"world_size": 2, "layout": two}, layout(4, 3), 4)
     with pytest.raises(RuntimeError, match="tensor degree 2 and this run's is 1: under ZeRO-0 no optimizer partitions"):
         reshaped(path, {"world_size": 2, "layout": layout(1, 0, tensor=2)}, layout(2, 0), 2)
-    with pytest.raises(RuntimeError, match="tensor 1 x pipeline 2 x data 2 under ZeRO-1 .* cannot change its layout"):
+    (path / "ds").mkdir(parents=True)  # a pipeline's first model states, as written before they described every stage
+    torch.save({"universal_checkpoint_info": {"universal_checkpoint_version": 0.4}}, path / "ds" / "mp_rank_00_model_states.pt")
+    with pytest.raises(RuntimeError, match="pipeline of 2 stages before its first stage described every stage's"):
         reshaped(path, {"world_size": 4, "layout": layout(2, 1, pipeline=2)}, layout(1, 1, pipeline=2), 2)
+    torch.save({"universal_checkpoint_info": checkpoint_files.UNIVERSAL_VERSION | {
+        checkpoint_files.PIPELINE_REPLICATED_PATTERNS: [re.escape(TIED)]}}, path / "ds" / "mp_rank_00_model_states.pt")
+    assert reshaped(path, {"world_size": 4, "layout": layout(2, 1, pipeline=2)}, layout(1, 1, pipeline=2), 2)
+    assert reshaped(path, {"world_size": 2, "layout": layout(1, 1, pipeline=2)}, layout(2, 2), 2)  # out of a pipeline
     with pytest.raises(RuntimeError, match="2 replicas of a model split over 2 workers, before its tensor and pipeline"):
         reshaped(path, {"world_size": 4, "layout": {"data_parallel": 2, "zero_stage": 2}}, layout(1, 2, tensor=2), 2)
 

@@ -194,10 +194,11 @@ def test_replicas_that_do_not_divide_the_batch_pad_and_train_as_the_whole_run_do
             assert torch.allclose(torch.as_tensor(weights[name]), w, atol=5e-6), name
 
 
-def _tp_steps(rank: int, world: int, shards: str, root: str, zero: int, tp: int, steps: range,
-              load: str | None = None, save_at: int | None = None) -> tuple[dict[int, float], dict]:
-    """`steps` of a 2-worker run at tensor degree `tp` (the rest data-parallel) under ZeRO-`zero`, the production
-    parts, from checkpoint `load` if given, saving one at `save_at` into `root`: each step's loss, the whole weights."""
+def _layout_steps(rank: int, world: int, shards: str, root: str, zero: int, split: dict, steps: range,
+                  load: str | None = None, save_at: int | None = None) -> tuple[dict[int, float], dict]:
+    """`steps` of a 2-worker run whose model is split as `split` says (`{"tensor": 2}`, `{"pipeline": 2}` or `{}`,
+    the rest data-parallel) under ZeRO-`zero`, the production parts, from checkpoint `load` if given, saving one at
+    `save_at` into `root`: each step's loss, and the weights this rank holds (whole, or its pipeline stage's)."""
     from pathlib import Path
 
     from train import checkpoint_files
@@ -205,7 +206,7 @@ def _tp_steps(rank: int, world: int, shards: str, root: str, zero: int, tp: int,
     from train.loop.engine import groups_for
     from train.parallel.groups import full_state_dict
 
-    cfg = loop_config(section(num_workers=2, zero_stage=zero, global_batch_tokens=4 * SEQ, parallel=ParallelConfig(tensor=tp)),
+    cfg = loop_config(section(num_workers=2, zero_stage=zero, global_batch_tokens=4 * SEQ, parallel=ParallelConfig(**split)),
                       shards, Path(root), export_dir=None, tracking_uri=None, mlflow_run_id=None)
     ctx = Context(rank=rank, world=world, run_dir=Path(root), device=torch.device("cpu"))
     ctx.groups = groups_for(cfg, ctx, rank, world)
@@ -226,62 +227,80 @@ def _tp_steps(rank: int, world: int, shards: str, root: str, zero: int, tp: int,
     return losses, weights
 
 
-def _tp_split(rank: int, world: int, shards: str, root: str) -> dict:
-    """Tensor 2 on 2 ranks, for ZeRO 1 and 2: the unchanged run (steps 1-6, saving at step 2); then, once the other
-    ranks have gone on at tensor 1 (`_tp_whole` writes `whole-done`), steps 5-6 from their checkpoint of step 4.
-    DeepSpeed keeps the first layout's process groups for the process's life, so each layout has processes of its
-    own, as a restart's workers do."""
+def _split_phases(rank: int, world: int, shards: str, root: str, split: dict, zeros: tuple[int, ...]) -> dict:
+    """The model split as `split` on 2 ranks, for each ZeRO stage of `zeros`: the unchanged run (steps 1-6, saving
+    at step 2); then, once the other ranks have gone on with the model whole (`_whole_phase` writes `whole-done`),
+    steps 5-6 from their checkpoint of step 4. DeepSpeed keeps the first layout's process groups for the process's
+    life, so each layout has processes of its own, as a restart's workers do."""
     import time
     from pathlib import Path
 
     from train.checkpoint_files import step_name
 
-    unchanged = {zero: _tp_steps(rank, world, shards, f"{root}/zero{zero}/unchanged", zero, 2, range(1, 7), save_at=2)
-                 for zero in (1, 2)}
+    unchanged = {zero: _layout_steps(rank, world, shards, f"{root}/zero{zero}/unchanged", zero, split, range(1, 7),
+                                     save_at=2) for zero in zeros}
     (Path(root) / f"split-done-{rank}").touch()
     deadline = time.monotonic() + 300
     while not (Path(root) / "whole-done").exists():
-        assert time.monotonic() < deadline, "the tensor-1 phase did not finish"
+        assert time.monotonic() < deadline, "the whole model's phase did not finish"
         time.sleep(0.05)
-    return {zero: (unchanged[zero], _tp_steps(rank, world, shards, f"{root}/zero{zero}/changed", zero, 2, range(5, 7),
-                                              load=f"{root}/zero{zero}/changed/{step_name(4)}"))
-            for zero in (1, 2)}
+    return {zero: (unchanged[zero], _layout_steps(rank, world, shards, f"{root}/zero{zero}/changed", zero, split,
+                                                  range(5, 7), load=f"{root}/zero{zero}/changed/{step_name(4)}"))
+            for zero in zeros}
 
 
-def _tp_whole(rank: int, world: int, shards: str, root: str) -> dict:
-    """Tensor 1 (2 data-parallel replicas) for ZeRO 1 and 2: steps 3-4 from the split run's checkpoint of step 2."""
+def _whole_phase(rank: int, world: int, shards: str, root: str, zeros: tuple[int, ...]) -> dict:
+    """The model whole (2 data-parallel replicas) for each ZeRO stage of `zeros`: steps 3-4 from the split run's
+    checkpoint of step 2."""
     from train.checkpoint_files import step_name
 
-    return {zero: _tp_steps(rank, world, shards, f"{root}/zero{zero}/changed", zero, 1, range(3, 5),
-                            load=f"{root}/zero{zero}/unchanged/{step_name(2)}", save_at=4)[0] for zero in (1, 2)}
+    return {zero: _layout_steps(rank, world, shards, f"{root}/zero{zero}/changed", zero, {}, range(3, 5),
+                                load=f"{root}/zero{zero}/unchanged/{step_name(2)}", save_at=4)[0] for zero in zeros}
 
 
-def test_a_checkpoint_loads_into_another_tensor_degree(shards, tmp_path):
-    """Tensor 2 -> 1 -> 2 under ZeRO 1 and 2 (train/checkpoint_files.py `universal_info`, `reshaped`): a checkpoint
-    of the model split over 2 tensor ranks goes on in 2 whole data-parallel replicas, whose checkpoint goes on split
-    again. Every step's loss, and the whole weights at the end, are the unchanged run's."""
+@pytest.mark.parametrize("split, zeros", [({"tensor": 2}, (1, 2)), ({"pipeline": 2}, (1,))], ids=["tensor", "pipeline"])
+def test_a_checkpoint_loads_into_another_tensor_or_pipeline_degree(shards, tmp_path, split, zeros):
+    """Tensor 2 -> 1 -> 2 under ZeRO 1 and 2 (train/checkpoint_files.py `universal_info`, `reshaped`), and pipeline
+    2 -> 1 -> 2 under ZeRO-1 (a pipeline's parameters renamed for the whole model and back, `universal`): a
+    checkpoint of the split model goes on in 2 whole data-parallel replicas, whose checkpoint goes on split again.
+    Every step's loss, and the weights at the end (each pipeline stage's, its tied embedding included), are the
+    unchanged run's."""
     from test_parallel import run_ranks
+
+    from train import checkpoint_files
 
     whole = {}
 
     def go_on_whole():
         while not all((tmp_path / f"split-done-{rank}").exists() for rank in (0, 1)):
             time.sleep(0.05)
-        whole.update(run_ranks(2, _tp_whole, str(shards), str(tmp_path))[0])
+        whole.update(run_ranks(2, _whole_phase, str(shards), str(tmp_path), zeros)[0])
         (tmp_path / "whole-done").touch()
 
-    rank0, _ = run_ranks(2, _tp_split, str(shards), str(tmp_path), meanwhile=go_on_whole)
-    from train import checkpoint_files
-
-    for zero, ((reference, weights), (again, final)) in rank0.items():
-        for run, step, tensor in (("unchanged", 2, 2), ("changed", 4, 1)):
+    ranks = run_ranks(2, _split_phases, str(shards), str(tmp_path), split, zeros, meanwhile=go_on_whole)
+    degrees = {"tensor": split.get("tensor", 1), "pipeline": split.get("pipeline", 1)}
+    for zero in zeros:
+        for run, step, layout in (("unchanged", 2, degrees), ("changed", 4, {"tensor": 1, "pipeline": 1})):
             meta = checkpoint_files.read_meta(tmp_path / f"zero{zero}" / run / checkpoint_files.step_name(step))
-            assert meta["layout"] == {"data_parallel": 2 // tensor, "zero_stage": zero, "tensor": tensor, "pipeline": 1}
+            assert meta["layout"] == {"data_parallel": 2 // (layout["tensor"] * layout["pipeline"]), "zero_stage": zero,
+                                      **layout}
         assert not list((tmp_path / f"zero{zero}").glob("*/.universal-*"))  # converted, loaded, removed
-        losses = {**whole[zero], **again}
-        assert losses == pytest.approx({s: reference[s] for s in losses}, rel=1e-5), zero
-        for name, w in weights.items():
-            assert torch.allclose(torch.as_tensor(final[name]), torch.as_tensor(w), atol=1e-6), (zero, name)
+        for rank in ranks:
+            (reference, weights), (again, final) = rank[zero]
+            losses = {**whole[zero], **again}
+            assert losses == pytest.approx({s: reference[s] for s in losses}, rel=1e-5), zero
+            assert weights.keys() == final.keys()
+            for name, w in weights.items():
+                assert torch.allclose(torch.as_tensor(final[name]), torch.as_tensor(w), atol=1e-6), (zero, name)
+    if "pipeline" in split:  # each stage's own names, and its tied embedding on both, are the whole model's
+        from model.configs import CONFIGS
+        from train.parallel.pipeline import opt_name, pipeline_name, whole_names
+
+        stages = [set(rank[zeros[0]][0][1]) for rank in ranks]
+        assert stages[0] & stages[1] == {"tied_modules.embed.tokens.weight"}
+        n_layer = CONFIGS["tiny"].n_layer
+        assert sorted(opt_name(n, n_layer) for n in stages[0] | stages[1]) == sorted(whole_names(CONFIGS["tiny"]))
+        assert all(pipeline_name(opt_name(n, n_layer), n_layer) == n for n in stages[0] | stages[1])
 
 
 @pytest.fixture(scope="module")

@@ -43,6 +43,7 @@ import re
 import shutil
 import threading
 import time
+from functools import partial
 from pathlib import Path
 from typing import Iterator
 
@@ -50,6 +51,7 @@ import numpy as np
 import torch
 
 from train.parallel.collectives import all_ok, barrier, rank_world, read_once
+from train.parallel.pipeline import TIED, opt_name, pipeline_name, whole_names
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +60,7 @@ TAG = "ds"  # DeepSpeed's tag: its files live in step-<N>/ds/
 UNIVERSAL_VERSION = {"universal_checkpoint_version": 0.4}  # deepspeed/checkpoint/constants.py's, 0.19
 ROW_PATTERNS = "parameter_with_row_parallelism_patterns"  # constants.py PARAMETER_WITH_ROW_PARALLELISM_PATTERNS
 REPLICATED_PATTERNS = "tp_replicated_parameter_patterns"  # constants.py TP_REPLICATED_PARAMETER_PATTERNS
+PIPELINE_REPLICATED_PATTERNS = "pipeline_replicated_parameter_patterns"  # PIPELINE_REPLICATED_PARAMETER_PATTERNS
 
 
 def step_name(step: int) -> str:
@@ -171,22 +174,26 @@ def pipelined(engine) -> bool:
 def universal_info(engine) -> dict:
     """What DeepSpeed's ds_to_universal asks of a checkpoint (checkpoint/ds_to_universal.py
     `_check_for_required_state`, read from the first model-states file only), written into the model states from
-    the module's attribute (engine.py `_save_checkpoint`). For the OPT's own names (a run without a pipeline), how
-    the converter merges each parameter's tensor shards (`merge_tp_slices`) and so how the universal load cuts it
-    for another tensor degree (checkpoint/universal_checkpoint.py `load_hp_checkpoint_state`): the ones split by
-    input concatenate along dim 1, the ones every tensor rank holds whole are kept once, and the rest concatenate
-    along dim 0, the converter's default (train/parallel/groups.py `split_dim`, the rule `parallelize` follows).
-    Written at every tensor degree, 1 included: without it, a whole checkpoint's fc2 would be cut along the wrong
-    dimension at tensor degree 2, and nothing would say so. One exact pattern a name, as the converter's strict
-    mode wants every pattern to match. A pipeline stage names its layers by index and holds only its own: the
-    version alone (its layout does not change)."""
-    if pipelined(engine):
-        return dict(UNIVERSAL_VERSION)
+    the module's attribute (engine.py `_save_checkpoint`): how the converter merges each parameter's tensor shards
+    (`merge_tp_slices`) and so how the universal load cuts it for another tensor degree
+    (checkpoint/universal_checkpoint.py `load_hp_checkpoint_state`). The ones split by input concatenate along dim
+    1, the ones every tensor rank holds whole are kept once, and the rest concatenate along dim 0, the converter's
+    default (train/parallel/groups.py `split_dim`, the rule `parallelize` follows). Written at every tensor degree,
+    1 included: without it, a whole checkpoint's fc2 would be cut along the wrong dimension at tensor degree 2, and
+    nothing would say so. One exact pattern a name, as the converter's strict mode wants every pattern to match.
+    A pipeline stage describes the whole model under the pipeline's names, since only the first stage's file is
+    read, and its tied embedding as kept by the first stage alone (`extract_zero_shards` skips the last's copy)."""
     from train.parallel.groups import split_dim
 
-    names = [name for name, _ in engine.module.named_parameters()]
-    return {**UNIVERSAL_VERSION, ROW_PATTERNS: [re.escape(n) + "$" for n in names if split_dim(n) == 1],
-            REPLICATED_PATTERNS: [re.escape(n) + "$" for n in names if split_dim(n) is None]}
+    if pipelined(engine):
+        config = engine.module.opt_config
+        names = {pipeline_name(n, config.n_layer): n for n in whole_names(config)}
+        tied = {PIPELINE_REPLICATED_PATTERNS: [re.escape(TIED)]}
+    else:
+        names, tied = {n: n for n, _ in engine.module.named_parameters()}, {}
+    return {**UNIVERSAL_VERSION, **tied,
+            ROW_PATTERNS: [re.escape(own) + "$" for own, n in names.items() if split_dim(n) == 1],
+            REPLICATED_PATTERNS: [re.escape(own) + "$" for own, n in names.items() if split_dim(n) is None]}
 
 
 def save(engine, root: Path, step: int, meta: dict, background: bool = False) -> "Write":
@@ -492,10 +499,10 @@ def reshaped(path: Path, meta: dict, now: dict, world: int) -> bool:
         raise RuntimeError(f"checkpoint {path.name} was written by {saved['data_parallel']} replicas of a model split "
                            f"over {meta['world_size'] // saved['data_parallel']} workers, before its tensor and "
                            f"pipeline degrees were recorded: it loads only into its own layout")
-    if 1 != saved["pipeline"] or 1 != now["pipeline"]:
-        raise RuntimeError(f"checkpoint {path.name} was written in {_described(saved)} and this run is "
-                           f"{_described(now)}: a pipeline-parallel run cannot change its layout yet (its stages name "
-                           "their layers by index, and only the first stage's are described to the converter)")
+    if saved["pipeline"] > 1 and not _describes_every_stage(path):
+        raise RuntimeError(f"checkpoint {path.name} was written by a pipeline of {saved['pipeline']} stages before "
+                           "its first stage described every stage's parameters to DeepSpeed's converter (issue 58): "
+                           "it loads only into its own layout")
     if saved["tensor"] != now["tensor"] and now["zero_stage"] == 0:
         raise RuntimeError(f"checkpoint {path.name} was written at tensor degree {saved['tensor']} and this run's is "
                            f"{now['tensor']}: under ZeRO-0 no optimizer partitions are written, which DeepSpeed's "
@@ -503,17 +510,22 @@ def reshaped(path: Path, meta: dict, now: dict, world: int) -> bool:
     return now["zero_stage"] > 0
 
 
-def _described(layout: dict) -> str:
-    return (f"tensor {layout['tensor']} x pipeline {layout['pipeline']} x data {layout['data_parallel']} under "
-            f"ZeRO-{layout['zero_stage']}")
+def _describes_every_stage(path: Path) -> bool:
+    """Whether a pipeline's checkpoint describes the whole model to the converter (`universal_info`). One written
+    before does not: its tied embedding would be taken from both stages, and a tensor-split one's shards merged
+    along the default dimension. Its first model-states file holds no weights (a pipeline's are in layer files)."""
+    states = safe_load(path / TAG / "mp_rank_00_model_states.pt", "cpu", mmap=True)
+    return PIPELINE_REPLICATED_PATTERNS in states.get("universal_checkpoint_info", {})
 
 
 def universal(engine, path: Path, saved: dict, now: dict) -> float:
-    """Checkpoint `path`, written in layout `saved`, loaded in `now` (another data-parallel or tensor degree):
-    rank 0 converts it with DeepSpeed's ds_to_universal into `.universal-<step>/` beside it (fresh each time,
-    never published, removed once every rank has loaded), and each rank reads its new partition from there with
-    DeepSpeed's universal loading, under ZeRO 1-3 (1 and 2 into each other, 3 into 3); a ZeRO-0 checkpoint holds
-    its whole optimizer state in the model states and loads at any data-parallel degree without this."""
+    """Checkpoint `path`, written in layout `saved`, loaded in `now` (another data-parallel, tensor or pipeline
+    degree): rank 0 converts it with DeepSpeed's ds_to_universal into `.universal-<step>/` beside it (fresh each
+    time, never published, removed once every rank has loaded), and each rank reads its new partition from there
+    with DeepSpeed's universal loading, under ZeRO 1-3 (1 and 2 into each other, 3 into 3); a ZeRO-0 checkpoint
+    holds its whole optimizer state in the model states and loads at any data-parallel degree without this.
+    DeepSpeed's universal load takes the weights from the fp32 masters (engine.py `load_checkpoint`:
+    `update_lp_params`) and reads no model-states file's weights, so a pipeline stage needs no layer files."""
     rank, _ = rank_world()
     out = path.parent / f".universal-{path.name}"
     started = time.monotonic()
@@ -521,10 +533,13 @@ def universal(engine, path: Path, saved: dict, now: dict) -> float:
         for stale in path.parent.glob(".universal-*"):  # this one, or another left by an attempt that died loading
             shutil.rmtree(stale, ignore_errors=True)
         _convert(path / TAG, out / TAG)
-        was_tensor = saved.get("tensor", 1)
-        tensor = f", tensor degree {was_tensor} then {now['tensor']}" if was_tensor != now["tensor"] else ""
+        if (saved.get("pipeline", 1) > 1) != (now["pipeline"] > 1):  # into a pipeline's names, or out of them
+            _rename(out / TAG / "zero", partial(pipeline_name if now["pipeline"] > 1 else opt_name,
+                                                n_layer=_model_config(engine).n_layer))
+        split = "".join(f", {what} degree {saved.get(what, 1)} then {now[what]}" for what in ("tensor", "pipeline")
+                        if saved.get(what, 1) != now[what])
         log.warning("checkpoint %s: written by %d data-parallel ranks, loaded by %d%s: converted to DeepSpeed's "
-                    "universal format in %.1f s", path.name, saved["data_parallel"], now["data_parallel"], tensor,
+                    "universal format in %.1f s", path.name, saved["data_parallel"], now["data_parallel"], split,
                     time.monotonic() - started)
     barrier()
     optimizer = getattr(engine.optimizer, "optimizer", engine.optimizer)  # the torch optimizer under ZeRO's
@@ -536,6 +551,21 @@ def universal(engine, path: Path, saved: dict, now: dict) -> float:
     if rank == 0:
         shutil.rmtree(out, ignore_errors=True)
     return time.monotonic() - started
+
+
+def _rename(zero: Path, rename) -> None:
+    """The universal folder's parameters (a folder each, under `zero/`) renamed for the layout that loads them,
+    which DeepSpeed's universal load looks up by its own parameters' names (base_optimizer.py
+    `load_hp_checkpoint_state_from_checkpoint_dir`): a pipeline's (`train/parallel/pipeline.py` `pipeline_name`) or
+    the whole OPT's (`opt_name`)."""
+    for entry in zero.iterdir():
+        if entry.is_dir():
+            entry.rename(zero / rename(entry.name))
+
+
+def _model_config(engine):
+    """The OPT's config, whether the engine runs a pipeline stage or the model."""
+    return engine.module.opt_config if pipelined(engine) else engine.module.config
 
 
 def _convert(source: Path, target: Path) -> None:

@@ -87,7 +87,7 @@ class EngineConfig:
     worker. `null`: the model's batch in OPT's Table 1."""
     lr: float | None = None
     """The peak learning rate. `null`: the model's in OPT's Table 1."""
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig, metadata={LAYOUT: True})
     """How the workers split the model; data parallelism is what is left: `num_workers` / (tensor x pipeline).
     `.venv/bin/python -m pipelines.plan` says which [layout](glossary.md#layout) is fastest."""
 

@@ -75,8 +75,7 @@ class Checkpointer:
             incident(self.ctx, resumed["step"], f"resumed from {Path(resumed['path']).name}")
             if change := resumed.get("reshaped"):
                 was, now = change["from"], change["to"]
-                split = {k: f" of a model split over {v['tensor']} tensor ranks" if v.get("tensor", 1) > 1 else ""
-                         for k, v in (("was", was), ("now", now))}
+                split = {k: _split(v) for k, v in (("was", was), ("now", now))}
                 incident(self.ctx, resumed["step"], f"layout changed: {was['data_parallel']} data-parallel replicas"
                          f"{split['was']} under ZeRO-{was['zero_stage']} wrote {Path(resumed['path']).name}, "
                          f"{now['data_parallel']}{split['now']} under ZeRO-{now['zero_stage']} go on from it (converted "
@@ -118,3 +117,11 @@ class Checkpointer:
                 (Path(tmp) / "pointer.json").write_text(json.dumps({"step": step, "path": str(path)}))
                 checkpoint_arg = ray.train.Checkpoint.from_directory(tmp)
             ray.train.report({"step": step, "loss": loss}, checkpoint=checkpoint_arg)
+
+
+def _split(layout: dict) -> str:
+    """How a layout splits each replica, for the incident: ` of a model split over 2 tensor ranks x 2 pipeline
+    stages`, or nothing for a whole one."""
+    parts = [f"{layout.get(key, 1)} {what}" for key, what in (("tensor", "tensor ranks"), ("pipeline", "pipeline stages"))
+             if layout.get(key, 1) > 1]
+    return f" of a model split over {' x '.join(parts)}" if parts else ""

@@ -44,7 +44,12 @@ class LoopConfig:
         """Micro-batches per data-parallel rank per step on `replicas` replicas: an elastic run started short makes up
         the missing ones with more, so that every step still takes the global batch. Where the replicas do not divide
         its micro-batches, the most any rank has: the others pad (train/loop/step.py `Feed`)."""
-        return -(-self.global_batch // (self.train.micro_batch_size * replicas))
+        return -(-self.micro_batches // replicas)
+
+    @property
+    def micro_batches(self) -> int:
+        """The global batch's micro-batches, over all replicas."""
+        return self.global_batch // self.train.micro_batch_size
 
     @property
     def tokens_per_step(self) -> int:

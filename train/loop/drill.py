@@ -34,16 +34,15 @@ def before_launch(run_dir, faults: list[InjectConfig]) -> None:
 
 
 def mark_unhealthy(run_dir, node: str) -> None:
-    """From now on, `node` fails this run's health checks (a marker in the run folder: the check runs on the
-    driver or on Ray Train's controller, the fault fires on rank 0)."""
-    marker = Path(run_dir) / records.INJECT / f"unhealthy-{node}"
-    marker.parent.mkdir(exist_ok=True)
-    marker.touch()
+    """From now on, `node` fails this run's health checks (a marker in the run folder, never removed: the check runs
+    on the driver or on Ray Train's controller, the fault fires on rank 0)."""
+    request(run_dir, "unhealthy", node)
 
 
 def request(run_dir, kind: str, node: str) -> Path:
-    """A marker asking the drill's cluster (benchmarks/chaos.py) to act on a node: `lost` (remove it, no replacement)
-    or `back` (a node of that name joins); the cluster removes the marker once done."""
+    """A marker in the run folder that a drill's fault acts on elsewhere: `unhealthy` (the health checks fail the
+    node: `NodeFaults`), or asking the drill's cluster (benchmarks/chaos.py) for `lost` (remove the node, no
+    replacement) or `back` (a node of that name joins), which the cluster removes once done."""
     marker = Path(run_dir) / records.INJECT / f"{kind}-{node}"
     marker.parent.mkdir(exist_ok=True)
     marker.touch()
@@ -68,8 +67,8 @@ class NodeFaults:
         return cls(str(run_dir)) if any(f.kind == "unhealthy" for f in faults) else None
 
     def failing(self, nodes: list[str]) -> dict[str, str]:
-        folder = Path(self.run_dir) / records.INJECT
-        return {node: "marked unhealthy by a drill" for node in nodes if (folder / f"unhealthy-{node}").exists()}
+        marked = {node for node, _ in requested(self.run_dir, "unhealthy")}
+        return {node: "marked unhealthy by a drill" for node in nodes if node in marked}
 
 
 class SimulatedScaler:

@@ -62,7 +62,7 @@ class Elastic:
         self.configured, self.replicas = t.data_parallel, ctx.data_world
         self.worker, self.per_replica = (t.cpus_per_worker, t.gpus_per_worker), t.parallel.model_parallel
         self.accumulation = cfg.accumulation_at(self.replicas)
-        self.padding = self.replicas * self.accumulation - cfg.global_batch // t.micro_batch_size  # (Feed's) slots
+        self.padding = self.replicas * self.accumulation - cfg.micro_batches  # (Feed's) padding slots
 
     @property
     def short(self) -> bool:

@@ -24,7 +24,7 @@ DeepSpeed broadcasts the first's at start, sums the two gradients every step
 from __future__ import annotations
 
 import os
-from functools import partial
+from functools import cache, partial
 from pathlib import Path
 
 import torch
@@ -35,7 +35,7 @@ from torch.utils.checkpoint import checkpoint
 
 from model.configs import OPTConfig
 from model.hf import PREFIX, SHARD_BYTES, export_parts, file_names, shard_plan, write_metadata
-from model.opt import OPT, POSITION_OFFSET, Block, TokenEmbedding, init_seeded
+from model.opt import OPT, POSITION_OFFSET, Block, Decoder, TokenEmbedding, init_seeded
 from train.parallel.groups import Groups, check_split, split_block, split_embedding, unsplit
 
 
@@ -131,6 +131,45 @@ class Loss:
         return scale_gradient(self.embedding.tokens.loss(logits, targets), self.gradient_factor)
 
 
+# A PipelineModule names each layer's parameters by the layer's index in `layer_specs` (1 the positions, 2 to
+# n_layer + 1 the blocks, n_layer + 2 the final norm) and the tied embedding's under `tied_modules`, whatever the
+# number of stages: these two turn those names into the whole OPT's (model/opt.py) and back, for a checkpoint's
+# optimizer state that loads into a layout with a pipeline from one without, or the other way
+# (train/checkpoint_files.py `universal`). Each layer's own `opt_name` says the same of its parameters.
+TIED = "tied_modules.embed.tokens."
+
+
+def opt_name(name: str, n_layer: int) -> str:
+    """Pipeline parameter `name`'s name in the whole OPT."""
+    if name.startswith(TIED):
+        return "decoder.embed_tokens." + name.removeprefix(TIED)
+    index, rest = name.split(".", 1)
+    if int(index) == 1:
+        return "decoder." + rest
+    if int(index) < n_layer + 2:
+        return f"decoder.layers.{int(index) - 2}.{rest}"
+    return "decoder.final_layer_norm." + rest
+
+
+def pipeline_name(name: str, n_layer: int) -> str:
+    """The whole OPT's parameter `name` as a pipeline names it (`opt_name`'s inverse)."""
+    for prefix, to in (("decoder.embed_tokens.", TIED), ("decoder.final_layer_norm.", f"{n_layer + 2}.")):
+        if name.startswith(prefix):
+            return to + name.removeprefix(prefix)
+    if name.startswith("decoder.layers."):
+        index, rest = name.removeprefix("decoder.layers.").split(".", 1)
+        return f"{int(index) + 2}.{rest}"
+    return "1." + name.removeprefix("decoder.")
+
+
+@cache
+def whole_names(config: OPTConfig) -> tuple[str, ...]:
+    """Every parameter name of the whole OPT, in order, without its weights (built on the meta device): what stage 0
+    describes to DeepSpeed's converter for every stage (train/checkpoint_files.py `universal_info`)."""
+    with torch.device("meta"):
+        return tuple(f"decoder.{name}" for name, _ in Decoder(config).named_parameters())  # OPT's, less its init
+
+
 PARTITION_METHOD = "type:PipeBlock"  # the blocks balanced; the embeddings with the first, the head with the last
 
 
@@ -167,6 +206,7 @@ def pipeline_module(config: OPTConfig, groups: Groups, *, seed: int, activation_
         # pipe/engine.py's _recv_tensor_meta) per micro-batch; validation turns it on for itself.
         dynamic_shape=False)
     last = groups.stage == dims.pp - 1
+    module.opt_config = config  # the whole model's, which this stage's checkpoints describe (`whole_names`)
     module.loss_fn = Loss(module.tied_modules["embed"] if last else None)
     return module
 
