@@ -1,6 +1,8 @@
 """What a change of data-parallel degree costs a restart: loading a checkpoint written by 2 ranks into 1, through
 DeepSpeed's ds_to_universal and universal loading (train/checkpoint_files.py `universal`), against loading one that
 1 rank wrote (the baseline: the same model, stage and loading rank, no conversion). One process loads both, in turns.
+Then the other way, the 1-rank checkpoint into 2 ranks: its conversion shared by both ranks (`_spread`), against
+rank 0 converting alone while the other waits (the baseline: how it ran before issue 58's third step), in turns.
 
     python benchmarks/bench_reshape.py [--model 125m] [--zero 2] [--rounds 2]
 
@@ -13,6 +15,7 @@ the conversion's bytes per second.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import socket
 import statistics
@@ -70,6 +73,56 @@ def write(rank: int, world: int, root: str, model: str, zero: int, port: int) ->
     checkpoint_files.save(built, Path(root), 1, {"health": {"healthy": True}})
 
 
+def load_in_two(rank: int, world: int, root: str, model: str, zero: int, port: int, rounds: int) -> None:
+    """Rank `rank` of 2: load the 1-rank checkpoint root/one/step-00000001 `rounds` times in each of two ways, in
+    turns: the conversion shared (`_spread`) or by rank 0 alone; rank 0 writes each conversion's seconds to
+    root/two-ranks.json."""
+    import deepspeed
+
+    from train import checkpoint_files
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+                      LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu")
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // world))
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False
+    deepspeed.init_distributed(dist_backend="gloo")
+    built = engine(model, zero, world, rank)
+    shared, spread, times = checkpoint_files._convert, checkpoint_files._spread, {"alone": [], "shared": []}
+
+    def alone(source, target):  # the baseline: rank 0 converts, one item after another; the other waits
+        if rank == 0:
+            with patched(checkpoint_files, "_spread", lambda do_work, work, _: [do_work(w) for w in work]):
+                shared(source, target)
+
+    for _ in range(rounds):
+        for way, convert in (("alone", alone), ("shared", shared)):
+            def timed(source, target, convert=convert, way=way):
+                began = time.perf_counter()
+                convert(source, target)
+                torch.distributed.barrier()
+                times[way].append(time.perf_counter() - began)
+
+            with patched(checkpoint_files, "_convert", timed):
+                checkpoint_files.load(built, Path(root) / "one" / "step-00000001")
+    assert checkpoint_files._spread is spread
+    if rank == 0:
+        (Path(root) / "two-ranks.json").write_text(json.dumps(times))
+
+
+class patched:
+    """`obj.name` replaced by `value` for a while."""
+
+    def __init__(self, obj, name: str, value):
+        self.obj, self.name, self.value = obj, name, value
+
+    def __enter__(self):
+        self.saved = getattr(self.obj, self.name)
+        setattr(self.obj, self.name, self.value)
+
+    def __exit__(self, *exc):
+        setattr(self.obj, self.name, self.saved)
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -108,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
             meta = checkpoint_files.load(built, two / "step-00000001")
             times["another degree"].append(time.perf_counter() - began)
             times["conversion"].append(meta["reshaped"]["seconds"])
+        mp.spawn(load_in_two, args=(2, tmp, args.model, args.zero, free_port(), args.rounds), nprocs=2, join=True)
+        two_ranks = json.loads((Path(tmp) / "two-ranks.json").read_text())
     same, other = statistics.median(times["same degree"]), statistics.median(times["another degree"])
     print(f"\n{args.model}, ZeRO-{args.zero}, fp32; the checkpoint of 2 ranks: {size / 1e9:.2f} GB; medians of "
           f"{args.rounds} loads each, in turns, by one rank\n")
@@ -117,6 +172,13 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nconversion and universal load: {statistics.median(times['conversion']):.1f} s (each: "
           f"{', '.join(f'{t:.1f}' for t in times['another degree'])}); "
           f"{size / 1e6 / statistics.median(times['another degree']):.0f} MB of checkpoint a second")
+    alone, shared = statistics.median(two_ranks["alone"]), statistics.median(two_ranks["shared"])
+    print(f"\nthe 1-rank checkpoint loaded by 2 ranks: its conversion, medians of {args.rounds} each, in turns\n")
+    print("| conversion | seconds | / rank 0 alone |\n|---|---:|---:|")
+    print(f"| by rank 0 alone (the baseline) | {alone:.1f} | 1.00x |")
+    print(f"| shared by both ranks | {shared:.1f} | {shared / alone:.2f}x |")
+    print(f"\neach: alone {', '.join(f'{t:.1f}' for t in two_ranks['alone'])}; "
+          f"shared {', '.join(f'{t:.1f}' for t in two_ranks['shared'])}")
     return 0
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
 import threading
 
@@ -448,3 +449,38 @@ def test_deepspeeds_own_loads_in_a_conversion_read_no_pickle(tmp_path):
             torch.load(tmp_path / "planted.pt", map_location=torch.device("cpu"), weights_only=False)
     assert not (tmp_path / "ran").exists()
     assert torch.load.__module__ == "torch.serialization" and torch.load.__name__ == "load"
+
+
+def merge_named(item: tuple[str, int]) -> str:  # a merge phase's work, as ds_to_universal's `merge_tp_slices` is named
+    if item[0] == "fails":
+        raise ValueError("no such parameter")
+    return f"{item[0]}@{os.environ['RANK']}"
+
+
+def _spread_on(rank: int, world: int) -> dict:
+    from functools import partial
+
+    from train.checkpoint_files import _Handed, _spread
+
+    out = {"extracted": _spread(lambda item: (item, rank), [(2, 0), (0, 1), (1, 0), (0, 0)], 1)}
+    for key, names in (("merged", ["b", "c", "a"]), ("failed", ["b", "fails"])):
+        try:
+            out[key] = _spread(partial(merge_named), [(n, 0) for n in names], 1)
+        except _Handed:
+            out[key] = "handed"
+        except RuntimeError as exc:
+            out[key] = str(exc)
+    return out
+
+
+def test_a_conversions_work_is_shared_out_over_the_ranks_and_its_errors_raised_on_every_rank():
+    """DeepSpeed's ds_to_universal runs on every rank at once (train/checkpoint_files.py `_convert`), its work lists
+    shared by `_spread`: each rank does every world-th item of the same sorted list (DeepSpeed builds the merge's from
+    a set, in another order in each process), every rank gets every result, and after the merge the ranks but 0
+    leave for rank 0 to write the rest. One rank's error is raised on all, where a wait would hang."""
+    from test_parallel import run_ranks
+
+    zero, one = run_ranks(2, _spread_on)
+    assert zero["extracted"] == one["extracted"] == [((0, 0), 0), ((1, 0), 0), ((0, 1), 1), ((2, 0), 1)]
+    assert zero["merged"] == ["a@0", "c@0", "b@1"] and one["merged"] == "handed"
+    assert zero["failed"] == one["failed"] == "rank 1: ValueError('no such parameter')"

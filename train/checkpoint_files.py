@@ -49,6 +49,7 @@ from typing import Iterator
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from train.parallel.collectives import all_ok, barrier, rank_world, read_once
 from train.parallel.pipeline import TIED, opt_name, pipeline_name, whole_names
@@ -520,8 +521,9 @@ def _describes_every_stage(path: Path) -> bool:
 
 def universal(engine, path: Path, saved: dict, now: dict) -> float:
     """Checkpoint `path`, written in layout `saved`, loaded in `now` (another data-parallel, tensor or pipeline
-    degree): rank 0 converts it with DeepSpeed's ds_to_universal into `.universal-<step>/` beside it (fresh each
-    time, never published, removed once every rank has loaded), and each rank reads its new partition from there
+    degree): the ranks convert it together with DeepSpeed's ds_to_universal into `.universal-<step>/` beside it
+    (fresh each time, never published, removed once every rank has loaded), and each rank reads its new partition
+    from there
     with DeepSpeed's universal loading, under ZeRO 1-3 (1 and 2 into each other, 3 into 3); a ZeRO-0 checkpoint
     holds its whole optimizer state in the model states and loads at any data-parallel degree without this.
     DeepSpeed's universal load takes the weights from the fp32 masters (engine.py `load_checkpoint`:
@@ -532,7 +534,9 @@ def universal(engine, path: Path, saved: dict, now: dict) -> float:
     if rank == 0:
         for stale in path.parent.glob(".universal-*"):  # this one, or another left by an attempt that died loading
             shutil.rmtree(stale, ignore_errors=True)
-        _convert(path / TAG, out / TAG)
+    barrier()
+    _convert(path / TAG, out / TAG)
+    if rank == 0:
         if (saved.get("pipeline", 1) > 1) != (now["pipeline"] > 1):  # into a pipeline's names, or out of them
             _rename(out / TAG / "zero", partial(pipeline_name if now["pipeline"] > 1 else opt_name,
                                                 n_layer=_model_config(engine).n_layer))
@@ -569,8 +573,12 @@ def _model_config(engine):
 
 
 def _convert(source: Path, target: Path) -> None:
-    """DeepSpeed's ds_to_universal on one checkpoint's files, in this process (one extracting and merging
-    worker: it starts no process pool), every file it reads through `_weights_only_loads`."""
+    """DeepSpeed's ds_to_universal on one checkpoint's files, called by every rank at once: its two phases that read
+    and write the bulk of it (each optimizer file's fragments extracted, then each parameter's merged) shared out
+    over the ranks (`_spread`), where DeepSpeed spreads them over one machine's processes; rank 0 alone writes the
+    rest (the optimizer's common state, the model-states files). Every file it reads goes through
+    `_weights_only_loads`, memory-mapped: each rank reads every model-states file for its metadata, and reads no
+    weights in it that it does not use."""
     import argparse
 
     from deepspeed.checkpoint import ds_to_universal
@@ -579,10 +587,40 @@ def _convert(source: Path, target: Path) -> None:
                               num_merge_workers=1, keep_temp_folder=False, strict=True, inject_missing_state=False)
     said = io.StringIO()  # its progress bars and prints: shown only if it fails
     try:
-        with _weights_only_loads(), contextlib.redirect_stdout(said), contextlib.redirect_stderr(said):
+        with _weights_only_loads(mmap=True), contextlib.redirect_stdout(said), contextlib.redirect_stderr(said), \
+                _replaced(ds_to_universal, "_do_parallel_work", _spread):
             ds_to_universal.main(args)
+    except _Handed:
+        pass
     except Exception as exc:
         raise RuntimeError(f"DeepSpeed's ds_to_universal could not convert {source}: {exc!r}\n{said.getvalue()[-2000:]}") from exc
+
+
+class _Handed(Exception):
+    """A rank other than 0 has done its share of a conversion; rank 0 writes the rest."""
+
+
+def _spread(do_work, work, num_workers) -> list:
+    """ds_to_universal's `_do_parallel_work` (checkpoint/ds_to_universal.py), over the ranks: each does every
+    world-th item of the work, sorted so that every rank has the same list (DeepSpeed builds the merge's from a
+    set), and every rank gets every result (the merge's unused split patterns, which its strict mode checks). A
+    rank's error is every rank's, not a hang. After the last phase, the merge, the ranks but 0 leave (`_Handed`).
+    At 175B each of the 992 ranks extracts one optimizer file and merges about two parameters."""
+    rank, world = rank_world()
+    items = sorted(work, key=lambda w: w[0] if isinstance(w, tuple) and isinstance(w[0], str) else w)
+    try:
+        mine, error = [do_work(item) for item in items[rank::world]], None
+    except Exception as exc:
+        mine, error = [], f"rank {rank}: {exc!r}"
+    shares = [(mine, error)]
+    if world > 1:
+        shares = [None] * world
+        dist.all_gather_object(shares, (mine, error))
+    if errors := [e for _, e in shares if e is not None]:
+        raise RuntimeError(errors[0])
+    if rank != 0 and getattr(do_work, "func", do_work).__name__.startswith("merge_"):
+        raise _Handed
+    return [result for share, _ in shares for result in share]
 
 
 def _mend(optimizer, built: list[dict], zero3: bool) -> None:
@@ -601,14 +639,16 @@ def _mend(optimizer, built: list[dict], zero3: bool) -> None:
 
 
 @contextlib.contextmanager
-def _weights_only_loads() -> Iterator[None]:
+def _weights_only_loads(mmap: bool = False) -> Iterator[None]:
     """Every `torch.load` in the meantime as `safe_load` reads (a file that needs pickle's code refused, named):
     DeepSpeed's universal conversion and loading read their files with `torch.load(weights_only=False)` directly,
-    past its checkpoint engine."""
+    past its checkpoint engine. `mmap`: the tensors' bytes are read only when used."""
     original = torch.load
 
     def load(f, map_location=None, **kwargs):
         kwargs.pop("weights_only", None)
+        if mmap:
+            kwargs.setdefault("mmap", True)
         return _weights_only(original, f, map_location, **kwargs)
 
     with _replaced(torch, "load", load):
