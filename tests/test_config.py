@@ -110,8 +110,8 @@ def test_defaults_and_resolved_paths(cfg, tmp_path, monkeypatch):
     ("train: {inject: [{kind: lost, step: 3}]}\n", "train.inject[0].node", "a lost fault names its node"),
     ("train: {num_workers: 2, elastic: {enabled: true, min_replicas: 3}}\n", "train.elastic.min_replicas",
      "at most the run's 2 data-parallel replicas"),
-    ("train: {num_workers: 4, parallel: {tensor: 2}, elastic: {enabled: true}}\n", "train.elastic.enabled",
-     "a replica here is 2 workers (tensor x pipeline), and Ray Train's elastic group counts workers one by one"),
+    ("train: {num_workers: 4, parallel: {tensor: 2}, elastic: {enabled: true, min_replicas: 3}}\n",
+     "train.elastic.min_replicas", "at most the run's 2 data-parallel replicas"),  # replicas of tensor x pipeline
     ("train: {elastic: {enabled: true, replacement_wait_seconds: 4000}}\n", "train.elastic.replacement_wait_seconds",
      "expected less than startup_seconds"),
     ("train: {inject: [{kind: slow, step: 1, factor: 0.5}]}\n", "train.inject[0].factor", "expected a number over 1"),

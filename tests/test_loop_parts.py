@@ -108,13 +108,24 @@ def test_the_loop_config_is_typed_derived_from_the_shards_and_travels(shards, tm
 
 def test_an_elastic_run_counts_the_workers_the_reserved_resources_hold_as_ray_train_does(shards, tmp_path, monkeypatch,
                                                                                             caplog):
-    """Each node by itself: half a GPU here and half there is no worker; a resource a worker does not need, none.
-    A short run of 4 replicas on 2 asks Ray's coordinator; when it cannot say, the run trains on at its size."""
+    """Each node by itself: half a GPU here and half there is no worker; a resource a worker does not need, none:
+    as Ray Train's own elastic policy counts, and for a split model in whole replicas, as its policy then does
+    (train/ray_trainer.py `ReplicaScalingPolicy`). A short run of 4 replicas on 2 asks Ray's coordinator; when it
+    cannot say, the run trains on at its size."""
+    from ray.train import ScalingConfig
+    from ray.train.v2._internal.execution.scaling_policy.elastic import ElasticScalingPolicy
+
     from train.loop import elastic
+    from train.ray_trainer import ReplicaScalingPolicy
 
     reserved = {"a": {"CPU": 8.0, "GPU": 8.0}, "b": {"CPU": 8.0, "GPU": 3.5}, "c": {"CPU": 2.0, "GPU": 8.0}, "d": {"CPU": 8.0}}
     assert hostable(reserved, 1.0, 1.0) == 8 + 3 + 2 + 0
     assert hostable(reserved, 0.5, 0.0) == 16 + 16 + 4 + 16
+    for cpus, gpus in ((1.0, 1.0), (0.5, 0.0)):
+        ray_scaling = ScalingConfig(num_workers=(2, 64), use_gpu=gpus > 0,
+                                    resources_per_worker={"CPU": cpus, **({"GPU": gpus} if gpus else {})})
+        assert ElasticScalingPolicy(ray_scaling)._count_possible_workers(reserved) == hostable(reserved, cpus, gpus)
+        assert ReplicaScalingPolicy(ray_scaling, 4)._count_possible_workers(reserved) == hostable(reserved, cpus, gpus) // 4 * 4
     cfg = loop_config(dataclasses.replace(section(num_workers=4, global_batch_tokens=8 * SEQ, cpus_per_worker=1.0),
                                           elastic=ElasticConfig(enabled=True)), shards, tmp_path, export_dir=None,
                       tracking_uri=None, mlflow_run_id=None)
@@ -192,6 +203,46 @@ def test_replicas_that_do_not_divide_the_batch_pad_and_train_as_the_whole_run_do
         assert [x for pair in losses for x in pair] == pytest.approx([x for pair in alone["losses"] for x in pair], rel=1e-5)
         for name, w in alone["weights"].items():
             assert torch.allclose(torch.as_tensor(weights[name]), w, atol=5e-6), name
+
+
+def _uneven_pipeline_steps(rank: int, world: int, shards: str, root: str) -> tuple[list[tuple[float, float]], dict]:
+    """3 steps of an elastic run of 3 replicas of a 2-stage pipeline (ZeRO-1, 3 micro-batches) on `world` ranks:
+    each step's loss and gradient norm, and this rank's stage's weights."""
+    from pathlib import Path
+
+    from train.config import ParallelConfig
+    from train.loop.engine import groups_for
+
+    cfg = loop_config(section(num_workers=6, zero_stage=1, global_batch_tokens=6 * SEQ, parallel=ParallelConfig(pipeline=2)),
+                      shards, Path(root), export_dir=None, tracking_uri=None, mlflow_run_id=None)
+    ctx = Context(rank=rank, world=world, run_dir=Path(root), device=torch.device("cpu"))
+    ctx.groups = groups_for(cfg, ctx, rank, world)
+    built = build_engine(cfg, ctx, spans_nodes=False)
+    loader = Loader(shards, cfg.global_batch, rank=ctx.data_rank, world_size=ctx.data_world, seed=0, micro_batch=2)
+    step = TrainStep(built.engine, built.model, Feed(loader, ctx, 2, cfg.accumulation_at(ctx.data_world)), ctx,
+                     built.own_grad_norm)
+    losses = [(r.loss, r.grad_norm) for r in (step(lr=1e-3) for _ in range(3))]
+    weights = {n: p.detach().clone() for n, p in built.model.named_parameters()}
+    built.engine.destroy()
+    return losses, weights
+
+
+def test_a_pipeline_short_of_replicas_pads_and_trains_as_the_whole_run_does(shards, tmp_path):
+    """The same for a pipeline (train/parallel/pipeline.py `Loss`): 3 micro-batches on 2 replicas of 2 stages are 2
+    and 1, the second replica padding one, whose loss the last stage weighs by 0 in what the engine reports as in its
+    gradient. Each step's loss and gradient norm, and every stage's weights after 3 steps, are those of one replica
+    running all 3."""
+    from test_parallel import run_ranks
+
+    short = run_ranks(4, _uneven_pipeline_steps, str(shards), str(tmp_path / "two"))
+    alone = run_ranks(2, _uneven_pipeline_steps, str(shards), str(tmp_path / "one"))
+    reference = [x for pair in alone[0][0] for x in pair]
+    for losses, _ in short + alone:
+        assert [x for pair in losses for x in pair] == pytest.approx(reference, rel=1e-5)
+    whole = {n: w for _, weights in alone for n, w in weights.items()}
+    for _, weights in short:
+        for name, w in weights.items():
+            assert torch.allclose(torch.as_tensor(w), torch.as_tensor(whole[name]), atol=5e-6), name
 
 
 def _layout_steps(rank: int, world: int, shards: str, root: str, zero: int, split: dict, steps: range,

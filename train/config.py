@@ -234,8 +234,9 @@ class ElasticConfig:
     enabled: bool = False
     """Go on at a reduced size instead of waiting for the whole group (Ray Train's elastic worker group)."""
     min_replicas: int = 1
-    """The fewest data-parallel replicas the run trains on; below it, it waits for nodes. A size that does not
-    divide the global batch's micro-batches pads: some replicas run one micro-batch that counts for nothing."""
+    """The fewest data-parallel replicas the run trains on (a replica: `parallel.tensor` x `parallel.pipeline`
+    workers); below it, it waits for nodes. A size that does not divide the global batch's micro-batches pads: some
+    replicas run one micro-batch that counts for nothing."""
     replacement_wait_seconds: float = 300.0
     """How long a group started short waits for the missing nodes (an autoscaler's replacements) before it goes
     on without them. Once reduced, the run grows back at the first checkpoint after they join."""
@@ -412,8 +413,4 @@ class TrainConfig(EngineConfig):
         if self.elastic.min_replicas > self.data_parallel:
             raise ConfigError(f"{key}.min_replicas", f"expected at most the run's {self.data_parallel} data-parallel "
                               f"replicas, got {self.elastic.min_replicas}")
-        if self.parallel.model_parallel > 1:
-            raise ConfigError(f"{key}.enabled", f"a replica here is {self.parallel.model_parallel} workers (tensor x "
-                              "pipeline), and Ray Train's elastic group counts workers one by one, not whole "
-                              "replicas: a tensor- or pipeline-parallel run is not elastic yet")
 

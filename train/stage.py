@@ -68,6 +68,8 @@ def fit(cfg: EngineConfig, config, folder: Path, loop=None):
                                                               drill=NodeFaults.for_run(folder, cfg.inject))]
                                           if checks_health(cfg) else [])]),
     )
+    if isinstance(cfg, TrainConfig) and cfg.elastic.enabled:
+        trainer.replica_workers = cfg.parallel.model_parallel  # its group sized in whole replicas
     return trainer.fit()
 
 

@@ -159,11 +159,14 @@ class TrainStep:
         return StepResult(batch, lr, loss, grad_norm, act_norm, overflow, seconds, timer.total())
 
     def _pipelined(self, micro_batches: list, poison: float):
-        """1F1B over the micro-batches, the optimizer step at the end; the mean loss on every stage."""
-        engine = self.engine
-        engine.module.loss_fn.gradient_factor = poison
-        losses = [engine.train_batch(iter(micro_batches))]
-        engine.module.loss_fn.gradient_factor = 1.0
+        """1F1B over the micro-batches, the optimizer step at the end; the mean loss on every stage, each micro-batch's
+        weighted as `_whole` weighs it (its padding's by 0)."""
+        engine, loss_fn = self.engine, self.engine.module.loss_fn
+        loss_fn.gradient_factor, loss_fn.weights = poison, iter(self.feed.weights)
+        try:
+            losses = [engine.train_batch(iter(micro_batches))]
+        finally:
+            loss_fn.gradient_factor, loss_fn.weights = 1.0, None
         return losses, pipeline.activation_norm(engine.module, self.ctx.groups), None
 
     def _whole(self, micro_batches: list, poison: float, timer: ComputeTimer):

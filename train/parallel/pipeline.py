@@ -24,6 +24,7 @@ DeepSpeed broadcasts the first's at start, sums the two gradients every step
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator
 from functools import cache, partial
 from pathlib import Path
 
@@ -121,14 +122,21 @@ def scale_gradient(loss: torch.Tensor, factor: float) -> torch.Tensor:
 
 
 class Loss:
-    """The last stage's loss function: the mean cross-entropy of the tied output layer's logits."""
+    """The last stage's loss function: the mean cross-entropy of the tied output layer's logits. During a training
+    step, each micro-batch's loss times its weight (`weights`, in the order the engine runs them: train/loop/step.py
+    `Feed.weights`), so that an elastic replica's padding micro-batch counts for nothing, in the loss the engine
+    reports as in its gradient."""
 
     def __init__(self, embedding: Embedding | None):
         self.embedding = embedding  # None on the other stages, which never call it
         self.gradient_factor = 1.0
+        self.weights: Iterator[float] | None = None  # None: each micro-batch its own mean (validation)
 
     def __call__(self, logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        return scale_gradient(self.embedding.tokens.loss(logits, targets), self.gradient_factor)
+        loss = self.embedding.tokens.loss(logits, targets)
+        if self.weights is not None:
+            loss = loss * next(self.weights)
+        return scale_gradient(loss, self.gradient_factor)
 
 
 # A PipelineModule names each layer's parameters by the layer's index in `layer_specs` (1 the positions, 2 to
