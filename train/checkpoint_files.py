@@ -49,9 +49,8 @@ from typing import Iterator
 
 import numpy as np
 import torch
-import torch.distributed as dist
 
-from train.parallel.collectives import all_ok, barrier, rank_world, read_once
+from train.parallel.collectives import all_gather_objects, all_ok, barrier, rank_world, read_once
 from train.parallel.pipeline import TIED, opt_name, pipeline_name, whole_names
 
 log = logging.getLogger(__name__)
@@ -523,9 +522,9 @@ def universal(engine, path: Path, saved: dict, now: dict) -> float:
     """Checkpoint `path`, written in layout `saved`, loaded in `now` (another data-parallel, tensor or pipeline
     degree): the ranks convert it together with DeepSpeed's ds_to_universal into `.universal-<step>/` beside it
     (fresh each time, never published, removed once every rank has loaded), and each rank reads its new partition
-    from there
-    with DeepSpeed's universal loading, under ZeRO 1-3 (1 and 2 into each other, 3 into 3); a ZeRO-0 checkpoint
-    holds its whole optimizer state in the model states and loads at any data-parallel degree without this.
+    from there with DeepSpeed's universal loading, under ZeRO 1-3 (1 and 2 into each other, 3 into 3); a ZeRO-0
+    checkpoint holds its whole optimizer state in the model states and loads at any data-parallel degree without
+    this.
     DeepSpeed's universal load takes the weights from the fp32 masters (engine.py `load_checkpoint`:
     `update_lp_params`) and reads no model-states file's weights, so a pipeline stage needs no layer files."""
     rank, _ = rank_world()
@@ -612,10 +611,7 @@ def _spread(do_work, work, num_workers) -> list:
         mine, error = [do_work(item) for item in items[rank::world]], None
     except Exception as exc:
         mine, error = [], f"rank {rank}: {exc!r}"
-    shares = [(mine, error)]
-    if world > 1:
-        shares = [None] * world
-        dist.all_gather_object(shares, (mine, error))
+    shares = all_gather_objects((mine, error))
     if errors := [e for _, e in shares if e is not None]:
         raise RuntimeError(errors[0])
     if rank != 0 and getattr(do_work, "func", do_work).__name__.startswith("merge_"):

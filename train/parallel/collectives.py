@@ -72,6 +72,16 @@ def all_gather_float(value: float) -> list[float]:
     return [float(t) for t in out]
 
 
+def all_gather_objects(value) -> list:
+    """Every rank's `value` (any picklable object), in rank order. Torch moves the pickles through the backend's
+    device (the current CUDA device under NCCL)."""
+    if not initialized():
+        return [value]
+    out = [None] * dist.get_world_size()
+    dist.all_gather_object(out, value)
+    return out
+
+
 def all_ok(ok: bool) -> bool:
     """True on every rank when every rank says ok."""
     if not initialized():
