@@ -54,9 +54,6 @@ class Embedding(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:  # (B, T) -> (B, T, d)
         return self.tokens(ids)
 
-    def opt_name(self, name: str) -> str:
-        return "decoder.embed_tokens." + name.removeprefix("tokens.")
-
 
 def head(embedding: Embedding, x: torch.Tensor) -> torch.Tensor:  # (B, T, d) -> (B, T, V / T)
     with torch.no_grad():  # what OPT.hidden leaves in last_activation_norm
@@ -77,31 +74,21 @@ class Positions(nn.Module):
             raise ValueError(f"sequence of {T} tokens, the model takes at most {self.max_seq_len}")
         return x + self.embed_positions(torch.arange(T, device=x.device) + POSITION_OFFSET)
 
-    def opt_name(self, name: str) -> str:
-        return "decoder." + name
-
 
 class PipeBlock(Block):
     """Decoder block `index`, built whole from its own streams, then this rank's tensor-parallel shard of it."""
 
     def __init__(self, config: OPTConfig, index: int, seed: int, groups: Groups):
         super().__init__(config)
-        self.index = index
         init_seeded(self, f"decoder.layers.{index}", config, seed)
         if groups.dims.tp > 1:
             split_block(self, groups)
-
-    def opt_name(self, name: str) -> str:
-        return f"decoder.layers.{self.index}.{name}"
 
 
 class FinalNorm(nn.LayerNorm):
     def __init__(self, config: OPTConfig, seed: int):
         super().__init__(config.d_model, eps=config.layer_norm_eps)
         init_seeded(self, "decoder.final_layer_norm", config, seed)
-
-    def opt_name(self, name: str) -> str:
-        return "decoder.final_layer_norm." + name
 
 
 class _ScaleGradient(torch.autograd.Function):
@@ -141,9 +128,9 @@ class Loss:
 
 # A PipelineModule names each layer's parameters by the layer's index in `layer_specs` (1 the positions, 2 to
 # n_layer + 1 the blocks, n_layer + 2 the final norm) and the tied embedding's under `tied_modules`, whatever the
-# number of stages: these two turn those names into the whole OPT's (model/opt.py) and back, for a checkpoint's
-# optimizer state that loads into a layout with a pipeline from one without, or the other way
-# (train/checkpoint_files.py `universal`). Each layer's own `opt_name` says the same of its parameters.
+# number of stages: these two turn those names into the whole OPT's (model/opt.py) and back, for the export
+# (`export_model`) and for a checkpoint's optimizer state that loads into a layout with a pipeline from one
+# without, or the other way (train/checkpoint_files.py `universal`).
 TIED = "tied_modules.embed.tokens."
 
 
@@ -270,7 +257,7 @@ def export_model(module, groups: Groups, config: OPTConfig, out_dir: str | Path,
         skeleton = OPT(config)
     names = {id(p): n for n, p in skeleton.named_parameters()}
     order = [(names[id(p)], p.numel()) for part in export_parts(skeleton) for p in part.parameters()]
-    mine = {layer.opt_name(n): p for layer in local_layers(module) for n, p in layer.named_parameters()}
+    mine = {opt_name(n, config.n_layer): p for n, p in module.named_parameters()}  # the tied embedding once
     owners = _owners(mine, groups)
     dtype = next(module.parameters()).dtype
     width = dtype.itemsize
