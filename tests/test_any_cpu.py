@@ -77,7 +77,7 @@ def test_fp16_engines_build_in_a_spawned_rank_on_an_avx2_only_cpu(monkeypatch):
 
     for key, value in AVX2_ONLY.items():
         monkeypatch.setenv(key, value)  # a spawned process starts with this process's environment
-    [said] = run_ranks(1, _fp16_engine_on_an_avx2_only_cpu)
+    [said] = run_ranks(1, _fp16_engine_on_an_avx2_only_cpu, fresh=True)  # torch imported under the limits
     assert (said["onednn_fp16"], said["onednn_bf16"], said["aten"]) == (False, False, "AVX2"), said
     assert not said["deepspeed_shipped"] and said["deepspeed_here"], said
     assert said["refused"] and "fp16 is not supported" in said["refused"], said

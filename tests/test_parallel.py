@@ -30,12 +30,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(world: int, fn, *args, meanwhile=None) -> list:
+# What every rank imports, once, in the forkserver its processes are forked from: a spawned rank took 2-3 s of
+# imports and ~1 s of exit on 2 cores, and the suite starts some thirty (docs/benchmarks.md, issue 62).
+IMPORTED_ONCE = ["torch", "torch.distributed", "deepspeed", "deepspeed.runtime.engine", "model.opt", "train.optim",
+                 "train.parallel.groups", "train.parallel.pipeline", "train.loop", "train.checkpoint_files"]
+
+
+def run_ranks(world: int, fn, *args, meanwhile=None, fresh: bool = False) -> list:
     """fn(rank, world, *args) in `world` processes joined by a gloo group; each rank's return value. `meanwhile()`,
-    if given, runs in this process while they do (tests/test_checkpoint.py: a step of its own between two of theirs)."""
-    ctx = multiprocessing.get_context("spawn")
+    if given, runs in this process while they do (tests/test_checkpoint.py: a step of its own between two of theirs).
+    Each rank is a new process (DeepSpeed keeps its groups process-wide) with this test's environment, forked from a
+    forkserver that imported IMPORTED_ONCE and made no group. `fresh`: spawned instead, for a test whose environment
+    must reach the imports themselves (tests/test_any_cpu.py's oneDNN limits, read once at torch's import)."""
+    ctx = multiprocessing.get_context("spawn" if fresh else "forkserver")
+    if not fresh:
+        from multiprocessing import forkserver
+
+        forkserver.set_forkserver_preload(IMPORTED_ONCE)
+        with pytest.MonkeyPatch.context() as mp:  # the forkserver starts with the environment of the first test here
+            mp.setenv("DS_ACCELERATOR", "cpu")  # read by DeepSpeed's import
+            forkserver.ensure_running()  # started once; then a check that it still runs
     port, results = _free_port(), ctx.Queue()
-    procs = [ctx.Process(target=_rank_main, args=(rank, world, port, results, fn, args)) for rank in range(world)]
+    procs = [ctx.Process(target=_rank_main, args=(rank, world, port, results, fn, args, dict(os.environ)))
+             for rank in range(world)]
     for p in procs:
         p.start()
     if meanwhile is not None:
@@ -48,9 +65,11 @@ def run_ranks(world: int, fn, *args, meanwhile=None) -> list:
     return [out[r] for r in range(world)]
 
 
-def _rank_main(rank, world, port, results, fn, args):
+def _rank_main(rank, world, port, results, fn, args, env):
     import torch.distributed as dist
 
+    os.environ.clear()
+    os.environ.update(env)  # the test's, as a spawned process would start with
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1")
     torch.set_num_threads(1)
