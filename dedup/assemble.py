@@ -12,7 +12,7 @@ rows per block before any groupby:
 2. per component (`components_reduced`): its kept document and its size;
 3. the join of each node with its component (`leaving`), where a component of more than `task_documents` nodes
    is met in several tasks: its nodes spread over salts, its row copied to each.
-Up to EDGES_PER_TASK_DOCUMENT x `task_documents` checked pairs and copies (65k at the default) the components and
+Up to EDGES_PER_TASK_DOCUMENT x `task_documents` checked pairs and copies (8,192 at the default) the components and
 all three run in one task, on whole tables;
 above, on Ray Data (dedup/components.py for the labels). Each part's removed rows are written (`write_by_part`)
 for the output phase."""
@@ -34,7 +34,7 @@ from dedup.heavy import firsts, lookup
 from dedup.keys import ROW_BITS, Inputs, Shuffles, keys_by_part, part_of, partitions_for, write_by_part
 
 # Checked pairs and exact copies up to this many per `dedup.task_documents`: their components in one task. A task then
-# holds ~1.1 KB an edge (docs/benchmarks.md), ~72 MB at the default. (It was 64, ~1.1 GB: a hot cluster of 40k
+# holds ~1.1 KB an edge (docs/benchmarks.md), ~9 MB at the default. (It was 64, ~1.1 GB: a hot cluster of 40k
 # near-copies, 142k edges, then grew the largest worker by 250 MB; on Ray Data it took the same seconds.)
 EDGES_PER_TASK_DOCUMENT = 4
 DUPLICATE_SCHEMA = pa.schema([("id", pa.string()), ("source", pa.string()), ("kept_id", pa.string()),

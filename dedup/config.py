@@ -35,10 +35,12 @@ class DedupConfig:
     # The tasks it bounds: a verification task holds at most this many consecutive documents of one part and
     # their partners' shingle sets (dedup/verify.py); a bigger component is assembled over several tasks
     # (dedup/assemble.py); no groupby gathers more rows of one key (dedup/heavy.py).
-    task_documents: int = 1 << 14
+    task_documents: int = 1 << 11
     """The most documents of one kind that a dedup task holds: a verification task's documents, a component
     assembled in one task, the rows of one key a groupby gathers. So no task grows with the largest duplicate
-    cluster. Lower it to make dedup's largest tasks smaller."""
+    cluster. Lower it to make dedup's largest tasks smaller. At 2,048 the largest worker grew 5-54 MB from a
+    hot cluster of 4k near-copies to one of 40k, at 16,384 over 100 MB; 0.4M documents took the same seconds
+    (docs/benchmarks.md, issue 61)."""
 
     def validate(self, key: str) -> None:
         if not 0.0 < self.threshold <= 1.0:
