@@ -386,6 +386,7 @@ def components(sizes: list[int]) -> None:
     import ray.data
 
     from dedup.components import components_in_one_task, components_on_ray
+    from dedup.config import DedupConfig
     from core.ray_session import RayConfig
 
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -413,7 +414,7 @@ def components(sizes: list[int]) -> None:
         watcher = threading.Thread(target=watch)
         watcher.start()
         t = time.perf_counter()
-        labels, rounds, _ = components_on_ray(ds, nbytes, RayConfig())  # partitions sized from the bytes, as in the stage
+        labels, rounds, _ = components_on_ray(ds, nbytes, RayConfig(), bound=DedupConfig().task_documents)  # as in the stage
         got = pa.concat_tables(labels.iter_batches(batch_format="pyarrow"))
         ray_s = time.perf_counter() - t
         done.set()

@@ -132,13 +132,13 @@ def _star(edges, star, heavy_star, both: bool, nbytes: int, shuffles: Shuffles, 
     return out.materialize()
 
 
-def components_on_ray(edges, nbytes: int, ray_config, partitions: int | None = None, bound: int = 1 << 14):
+def components_on_ray(edges, nbytes: int, ray_config, *, bound: int, partitions: int | None = None):
     """Large-star and small-star rounds over a materialized Ray Data dataset of edges (u > v) until a round moves
     no edge: then every component is a star around its smallest node. Returns (a dataset of (node, root):
     every node with its component's smallest node, roots included, some rows more than once; rounds; the most
     edges of one node that one task grouped). No task holds more than a partition of edges and `bound` edges of
-    one node (a node of more, such as the root of a big component's last rounds, is handled by blocks), and
-    nothing comes back to the caller but counts. `nbytes`: the edges' size; each groupby's partitions are sized
+    one node (the stage's `dedup.task_documents`; a node of more, such as the root of a big component's last
+    rounds, is handled by blocks), and nothing comes back to the caller but counts. `nbytes`: the edges' size; each groupby's partitions are sized
     from what it moves (the large star moves every edge both ways), unless `partitions` names a count."""
     from ray.data.aggregate import Max, Sum
 

@@ -38,9 +38,8 @@ class DedupConfig:
     task_documents: int = 1 << 11
     """The most documents of one kind that a dedup task holds: a verification task's documents, a component
     assembled in one task, the rows of one key a groupby gathers. So no task grows with the largest duplicate
-    cluster. Lower it to make dedup's largest tasks smaller. At 2,048 the largest worker grew 5-54 MB from a
-    hot cluster of 4k near-copies to one of 40k, at 16,384 over 100 MB; 0.4M documents took the same seconds
-    (docs/benchmarks.md, issue 61)."""
+    cluster. Lower it to make dedup's largest tasks smaller. Why 2,048: at 16,384 a hot
+    cluster still grew the largest worker (docs/benchmarks.md, "Dedup's tasks at 2,048 documents")."""
 
     def validate(self, key: str) -> None:
         if not 0.0 < self.threshold <= 1.0:
