@@ -5,6 +5,8 @@
     python benchmarks/bench_dedup_scale.py --groupby
     python benchmarks/bench_dedup_scale.py --references
     python benchmarks/bench_dedup_scale.py --small
+    python benchmarks/bench_dedup_scale.py --phases [--task-documents N]
+    python benchmarks/bench_dedup_scale.py --driver [--driver-docs 150000 600000] [--repeats 1]
 
 For each size: bench_dedup's generator (10% planted near-duplicates, a tenth of them exact), plus a hot cluster
 (one text and `--hot` one-word edits of it: a band bucket of all of them, and one component), through ingest
@@ -14,7 +16,7 @@ what grows with the largest duplicate cluster.
 
 Recorded per run: the dedup stage's seconds per document; the driver's peak RSS and the peak bytes in its Ray
 memory store (`get_local_memory_store_bytes_used`, the counter Ray Data warns on), both sampled inside the
-driver every 0.2 s by a sitecustomize on the driver's path; the largest Ray worker's RSS (object-store pages it
+driver every 0.05 s by a sitecustomize on the driver's path; the largest Ray worker's RSS (object-store pages it
 maps included) sampled from outside; and, from our code's metrics, the most documents one verification and one
 assembly task held, and the most rows of one key (a text, a band bucket, a node) one task of the exact,
 candidates and components phases grouped (`-`: the phase grouped none on that path). The driver's growth is reported per document between the smallest and the largest size.
@@ -29,13 +31,19 @@ hash on disk), alternating in one Ray session: whether the sort path still earns
 alone on their output (`--force`); each Ray worker's private memory (RssAnon) and title (`ray::MapBatches(verify)`: the function it
 runs) sampled every 0.5 s, and each sample put to the phase whose function the worker runs, or last ran (an idle
 worker holds what its last task left). Reports the largest worker per phase, this commit only.
+--driver: the driver over ingest, normalize and dedup in one run (`--only ingest,normalize,dedup --force`), at each
+of --driver-docs (no hot cluster), the sizes in turn `--repeats` times: its private memory (RssAnon) at each stage's
+end and its peak while each stage ran, sampled inside it every 0.05 s; glibc's bytes in use and free (held) at the
+end; and the growth of each between the smallest and the largest size, per document. This commit only.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
+import statistics
 import sys
 import textwrap
 from pathlib import Path
@@ -46,11 +54,35 @@ sys.path.insert(0, str(ROOT))
 import provenance  # noqa: E402  (benchmarks/provenance.py: a script's folder is on sys.path)
 from bench_dedup import baseline_tree, edit, generate, run_pipeline  # noqa: E402
 
-# Runs in every process with the probe folder on its path; samples only in the pipeline's driver.
+# Runs in every process with the probe folder on its path; samples only in the pipeline's driver: its peak RSS and
+# Ray memory store (every 0.05 s), and its private memory (RssAnon) per stage: at the stage's start and end, its peak
+# while the stage ran (stage "start": before the first, Ray's start included; "finish": after the last, the summary
+# and MLflow), and glibc's bytes in use and free, held (mallinfo2) at each stage's end.
 PROBE = textwrap.dedent('''
-    import atexit, json, os, sys, threading, time
+    import atexit, ctypes, json, os, sys, threading, time
     if sys.argv and sys.argv[0].endswith("full.py") and os.environ.get("DRIVER_PROBE_OUT"):
-        _peak, _lock, _stopped = {"rss": 0, "memory_store": 0}, threading.Lock(), []
+        _peak, _lock, _stopped = {"rss": 0, "memory_store": 0, "stages": {}}, threading.Lock(), []
+        _now = ["start"]
+
+        class _Mallinfo2(ctypes.Structure):
+            _fields_ = [(name, ctypes.c_size_t) for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks",
+                                                            "fsmblks", "uordblks", "fordblks", "keepcost")]
+
+        def _anon():
+            with open("/proc/self/status") as fh:
+                return next(int(line.split()[1]) << 10 for line in fh if line.startswith("RssAnon:"))
+
+        def _heap():
+            try:
+                fn = ctypes.CDLL(None).mallinfo2
+            except (OSError, AttributeError):
+                return {}
+            fn.restype = _Mallinfo2
+            m = fn()
+            return {"glibc_in_use": m.uordblks + m.hblkhd, "glibc_free": m.fordblks}
+
+        def _stage(name):
+            return _peak["stages"].setdefault(name, {"peak": 0})
 
         def _stop_then(shutdown):  # Ray's core worker must not be read once it is shut down (a fatal error)
             def wrapped(*args, **kwargs):
@@ -59,11 +91,29 @@ PROBE = textwrap.dedent('''
                 return shutdown(*args, **kwargs)
             return wrapped
 
+        def _timed(run_logged):  # core.dag.Runner._run_logged: one stage
+            def wrapped(self, tracker, stage, *args, **kwargs):
+                _stage(stage.name)["start"] = _anon()
+                _now[0] = stage.name
+                try:
+                    return run_logged(self, tracker, stage, *args, **kwargs)
+                finally:
+                    _stage(stage.name).update(end=_anon(), **_heap())
+                    _now[0] = "finish"
+            return wrapped
+
         def _sample():
             import psutil
             me = psutil.Process()
-            while not _stopped:
+            while True:
+                anon = _anon()
+                s = _stage(_now[0])
+                s["peak"] = max(s["peak"], anon)
                 _peak["rss"] = max(_peak["rss"], me.memory_info().rss)
+                dag = sys.modules.get("core.dag")
+                if dag is not None and hasattr(dag, "Runner") and not hasattr(dag.Runner._run_logged, "__probe__"):
+                    dag.Runner._run_logged = _timed(dag.Runner._run_logged)
+                    dag.Runner._run_logged.__probe__ = True
                 ray = sys.modules.get("ray")
                 if ray is not None and hasattr(ray, "shutdown") and not hasattr(ray.shutdown, "__probe__"):
                     ray.shutdown = _stop_then(ray.shutdown)
@@ -73,10 +123,14 @@ PROBE = textwrap.dedent('''
                     glob = getattr(worker, "global_worker", None) if worker else None
                     if not _stopped and glob is not None and getattr(glob, "connected", False):
                         _peak["memory_store"] = max(_peak["memory_store"], glob.core_worker.get_local_memory_store_bytes_used())
-                time.sleep(0.2)
+                time.sleep(0.05)
 
         threading.Thread(target=_sample, daemon=True).start()
-        atexit.register(lambda: open(os.environ["DRIVER_PROBE_OUT"], "w").write(json.dumps(_peak)))
+
+        def _write():
+            _stage("finish").update(end=_anon(), **_heap())
+            open(os.environ["DRIVER_PROBE_OUT"], "w").write(json.dumps(_peak))
+        atexit.register(_write)
 ''')
 
 
@@ -94,8 +148,6 @@ def corpus(folder: Path, docs: int, hot: int) -> Path:
 
 
 def one_run(folder: Path, data: Path, name: str, tree: Path, probe: Path) -> dict:
-    import os
-
     out = folder / f"probe-{name}.json"
     os.environ["DRIVER_PROBE_OUT"] = str(out)
     manifest, peak = run_pipeline(folder / name, data, tree, "dedup", folder / f"work-{name}", path=(str(probe),))
@@ -266,6 +318,47 @@ def phases(docs: int, hots: list[int], task_documents: int | None, root: Path) -
                   f"| {manifest['metrics']['seconds']:.1f} | {removed:,} |", flush=True)
 
 
+def driver(sizes: list[int], repeats: int, root: Path) -> None:
+    probe = root / "probe"
+    probe.mkdir(parents=True, exist_ok=True)
+    (probe / "sitecustomize.py").write_text(PROBE)
+    runs: dict[int, list[dict]] = {n: [] for n in sizes}
+    rows: dict[int, int] = {}
+    for _ in range(repeats):
+        for n in sizes:
+            folder = root / f"n{n}"
+            folder.mkdir(parents=True, exist_ok=True)
+            out = folder / "probe.json"
+            os.environ["DRIVER_PROBE_OUT"] = str(out)
+            manifest, _ = run_pipeline(folder / "run", corpus(folder, n, 0), ROOT, "ingest,normalize,dedup",
+                                       folder / "work", path=(str(probe),))
+            rows[n] = manifest["counts"]["rows_in"]
+            runs[n].append(json.loads(out.read_text())["stages"])
+    MB = 2**20
+    small, large = min(sizes), max(sizes)
+    print(f"commit {provenance.commit()}; the driver over ingest, normalize and dedup in one run, no hot cluster, "
+          f"{repeats} run(s) at each size (a cell: each run's figure); private memory (RssAnon) and glibc's, MB\n")
+    print(f"| stage | figure | {' | '.join(f'{rows[n]:,} documents' for n in sizes)} | growth, bytes per document |")
+    print("|---|---|" + "---|" * (len(sizes) + 1))
+    order = ["start", "ingest", "normalize", "dedup", "finish"]
+    figures = [("peak", "peak while it ran"), ("end", "at its end"), ("glibc_in_use", "glibc in use, at its end"),
+               ("glibc_free", "glibc free (held), at its end")]
+    for stage in order:
+        for key, label in figures:
+            cells = [[r[stage][key] for r in runs[n] if key in r.get(stage, {})] for n in sizes]
+            if not all(cells):
+                continue
+            growth = (statistics.mean(cells[-1]) - statistics.mean(cells[0])) / (rows[large] - rows[small]) \
+                if small < large else 0.0
+            print(f"| {stage} | {label} | {' | '.join(' / '.join(f'{v / MB:,.0f}' for v in c) for c in cells)} "
+                  f"| {growth:+.1f} |", flush=True)
+    peaks = {n: [max(s["peak"] for s in r.values()) for r in runs[n]] for n in sizes}
+    if small < large:
+        growth = (statistics.mean(peaks[large]) - statistics.mean(peaks[small])) / (rows[large] - rows[small])
+        print(f"\nThe driver's peak over the run: {' -> '.join('/'.join(f'{v / MB:,.0f}' for v in peaks[n]) for n in sizes)} "
+              f"MB, {growth:+.1f} bytes per document from {rows[small]:,} to {rows[large]:,} documents")
+
+
 def parser() -> argparse.ArgumentParser:
     """The command line, built without running anything (tests/test_doc_commands.py checks the docs' commands with it)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -284,6 +377,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--phase-docs", type=int, default=20_000, help="--phases: the corpus's documents before its hot cluster")
     p.add_argument("--phase-hot", type=int, nargs="+", default=[4_000, 40_000], help="--phases: the hot clusters' sizes")
     p.add_argument("--task-documents", type=int, help="--phases: dedup.task_documents (default: the config's)")
+    p.add_argument("--driver", action="store_true", help="only the driver's memory by stage over ingest, normalize "
+                                                          "and dedup, at each of --driver-docs")
+    p.add_argument("--driver-docs", type=int, nargs="+", default=[150_000, 600_000])
+    p.add_argument("--repeats", type=int, default=1, help="--driver: runs at each size, the sizes in turn")
     return p
 
 
@@ -296,6 +393,8 @@ def main() -> None:
         return hash_references()
     if args.small:
         return small_groupby()
+    if args.driver:
+        return driver(args.driver_docs, args.repeats, Path(args.out) / "driver")
     if args.phases:
         return phases(args.phase_docs, args.phase_hot, args.task_documents, Path(args.out) / "phases")
     root = Path(args.out)

@@ -20,6 +20,11 @@ from pathlib import Path
 if __package__ in (None, ""):  # run as a script: make the project importable without installing
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+if __name__ == "__main__":  # the pipeline's driver: one glibc arena, set before any import starts a thread
+    from core.heap import one_arena  # (pyarrow's import starts two; core/heap.py)
+
+    one_arena()
+
 from core import locks
 from core.config import ConfigError
 from pipelines.config import PipelineConfig, check_inputs_exist, load_config
