@@ -348,7 +348,7 @@ def driver(sizes: list[int], repeats: int, root: Path) -> None:
             cells = [[r[stage][key] for r in runs[n] if key in r.get(stage, {})] for n in sizes]
             if not all(cells):
                 continue
-            growth = (statistics.mean(cells[-1]) - statistics.mean(cells[0])) / (rows[large] - rows[small]) \
+            growth = (statistics.mean(cells[sizes.index(large)]) - statistics.mean(cells[sizes.index(small)])) / (rows[large] - rows[small]) \
                 if small < large else 0.0
             print(f"| {stage} | {label} | {' | '.join(' / '.join(f'{v / MB:,.0f}' for v in c) for c in cells)} "
                   f"| {growth:+.1f} |", flush=True)
