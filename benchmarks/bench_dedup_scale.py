@@ -336,6 +336,13 @@ def driver(sizes: list[int], repeats: int, root: Path) -> None:
             runs[n].append(json.loads(out.read_text())["stages"])
     MB = 2**20
     small, large = min(sizes), max(sizes)
+
+    def per_document(by_size: dict[int, list[int]]) -> float:
+        """Bytes per document between the smallest and the largest size, on each size's mean over its runs."""
+        if small == large:
+            return 0.0
+        return (statistics.mean(by_size[large]) - statistics.mean(by_size[small])) / (rows[large] - rows[small])
+
     print(f"commit {provenance.commit()}; the driver over ingest, normalize and dedup in one run, no hot cluster, "
           f"{repeats} run(s) at each size (a cell: each run's figure); private memory (RssAnon) and glibc's, MB\n")
     print(f"| stage | figure | {' | '.join(f'{rows[n]:,} documents' for n in sizes)} | growth, bytes per document |")
@@ -345,18 +352,15 @@ def driver(sizes: list[int], repeats: int, root: Path) -> None:
                ("glibc_free", "glibc free (held), at its end")]
     for stage in order:
         for key, label in figures:
-            cells = [[r[stage][key] for r in runs[n] if key in r.get(stage, {})] for n in sizes]
-            if not all(cells):
+            cells = {n: [r[stage][key] for r in runs[n] if key in r.get(stage, {})] for n in sizes}
+            if not all(cells.values()):
                 continue
-            growth = (statistics.mean(cells[sizes.index(large)]) - statistics.mean(cells[sizes.index(small)])) / (rows[large] - rows[small]) \
-                if small < large else 0.0
-            print(f"| {stage} | {label} | {' | '.join(' / '.join(f'{v / MB:,.0f}' for v in c) for c in cells)} "
-                  f"| {growth:+.1f} |", flush=True)
+            print(f"| {stage} | {label} | {' | '.join(' / '.join(f'{v / MB:,.0f}' for v in c) for c in cells.values())} "
+                  f"| {per_document(cells):+.1f} |", flush=True)
     peaks = {n: [max(s["peak"] for s in r.values()) for r in runs[n]] for n in sizes}
     if small < large:
-        growth = (statistics.mean(peaks[large]) - statistics.mean(peaks[small])) / (rows[large] - rows[small])
         print(f"\nThe driver's peak over the run: {' -> '.join('/'.join(f'{v / MB:,.0f}' for v in peaks[n]) for n in sizes)} "
-              f"MB, {growth:+.1f} bytes per document from {rows[small]:,} to {rows[large]:,} documents")
+              f"MB, {per_document(peaks):+.1f} bytes per document from {rows[small]:,} to {rows[large]:,} documents")
 
 
 def parser() -> argparse.ArgumentParser:
