@@ -34,7 +34,7 @@ worker holds what its last task left). Reports the largest worker per phase, thi
 --driver: the driver over ingest, normalize and dedup in one run (`--only ingest,normalize,dedup --force`), at each
 of --driver-docs (no hot cluster), the sizes in turn `--repeats` times: its private memory (RssAnon) at each stage's
 end and its peak while each stage ran, sampled inside it every 0.05 s; glibc's bytes in use and free (held) at the
-end; and the growth of each between the smallest and the largest size, per document. This commit only.
+end; and the growth of each from the smallest size to each larger one, per document. This commit only.
 """
 
 from __future__ import annotations
@@ -335,18 +335,22 @@ def driver(sizes: list[int], repeats: int, root: Path) -> None:
             rows[n] = manifest["counts"]["rows_in"]
             runs[n].append(json.loads(out.read_text())["stages"])
     MB = 2**20
-    small, large = min(sizes), max(sizes)
+    small = min(sizes)
 
-    def per_document(by_size: dict[int, list[int]]) -> float:
-        """Bytes per document between the smallest and the largest size, on each size's mean over its runs."""
-        if small == large:
-            return 0.0
-        return (statistics.mean(by_size[large]) - statistics.mean(by_size[small])) / (rows[large] - rows[small])
+    larger = [n for n in sizes if n != small]
+
+    def per_document(by_size: dict[int, list[int]], n: int) -> float:
+        """Bytes per document from the smallest size to `n`, on each size's mean over its runs."""
+        return (statistics.mean(by_size[n]) - statistics.mean(by_size[small])) / (rows[n] - rows[small])
+
+    def growths(by_size: dict[int, list[int]]) -> str:
+        return " | ".join(f"{per_document(by_size, n):+.1f}" for n in larger)
 
     print(f"commit {provenance.commit()}; the driver over ingest, normalize and dedup in one run, no hot cluster, "
           f"{repeats} run(s) at each size (a cell: each run's figure); private memory (RssAnon) and glibc's, MB\n")
-    print(f"| stage | figure | {' | '.join(f'{rows[n]:,} documents' for n in sizes)} | growth, bytes per document |")
-    print("|---|---|" + "---|" * (len(sizes) + 1))
+    print(f"| stage | figure | {' | '.join(f'{rows[n]:,} documents' for n in sizes)} | "
+          f"{' | '.join(f'bytes per document, {rows[small]:,} to {rows[n]:,}' for n in larger)} |")
+    print("|---|---|" + "---|" * (len(sizes) + len(larger)))
     order = ["start", "ingest", "normalize", "dedup", "finish"]
     figures = [("peak", "peak while it ran"), ("end", "at its end"), ("glibc_in_use", "glibc in use, at its end"),
                ("glibc_free", "glibc free (held), at its end")]
@@ -356,11 +360,11 @@ def driver(sizes: list[int], repeats: int, root: Path) -> None:
             if not all(cells.values()):
                 continue
             print(f"| {stage} | {label} | {' | '.join(' / '.join(f'{v / MB:,.0f}' for v in c) for c in cells.values())} "
-                  f"| {per_document(cells):+.1f} |", flush=True)
+                  f"| {growths(cells)} |", flush=True)
     peaks = {n: [max(s["peak"] for s in r.values()) for r in runs[n]] for n in sizes}
-    if small < large:
-        print(f"\nThe driver's peak over the run: {' -> '.join('/'.join(f'{v / MB:,.0f}' for v in peaks[n]) for n in sizes)} "
-              f"MB, {per_document(peaks):+.1f} bytes per document from {rows[small]:,} to {rows[large]:,} documents")
+    print(f"\nThe driver's peak over the run: {' -> '.join('/'.join(f'{v / MB:,.0f}' for v in peaks[n]) for n in sizes)} "
+          f"MB; bytes per document from {rows[small]:,}: "
+          + ", ".join(f"{per_document(peaks, n):+.1f} to {rows[n]:,}" for n in larger))
 
 
 def parser() -> argparse.ArgumentParser:

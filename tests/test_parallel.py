@@ -31,9 +31,12 @@ def _free_port() -> int:
 
 
 # What every rank imports, once, in the forkserver its processes are forked from: a spawned rank took 2-3 s of
-# imports and ~1 s of exit on 2 cores, and the suite starts some thirty (docs/benchmarks.md, issue 62).
+# imports and ~1 s of exit on 2 cores, and the suite starts some thirty (docs/benchmarks.md, issue 62). The last
+# two are imported on first use, 1-2 s each: torch's dynamo by any optimizer's constructor (`add_param_group` is
+# wrapped in `torch._disable_dynamo`), DeepSpeed's Muon optimizer by ZeRO 1-2's first gradient average.
 IMPORTED_ONCE = ["torch", "torch.distributed", "deepspeed", "deepspeed.runtime.engine", "model.opt", "train.optim",
-                 "train.parallel.groups", "train.parallel.pipeline", "train.loop", "train.checkpoint_files"]
+                 "train.parallel.groups", "train.parallel.pipeline", "train.loop", "train.checkpoint_files",
+                 "torch._dynamo", "deepspeed.runtime.zero.muon.muon_optimizer"]
 
 
 def run_ranks(world: int, fn, *args, meanwhile=None, fresh: bool = False) -> list:
