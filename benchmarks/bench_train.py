@@ -5,7 +5,7 @@
 For each model: token shards of random ids (seq_len 128 for tiny, 2048 for 125M), then, 22 steps each (the
 first two not timed), on the same micro-batches:
 - ours: the train stage itself (`train.stage.run`: Ray Train, one worker with every core, DeepSpeed with
-  configs/local.yaml's train settings, our loader, metrics to MLflow and metrics.jsonl every step), tokens/s
+  configs/local.yaml's train settings, our loader, metrics.jsonl every step, sent to MLflow by the driver), tokens/s
   from its metrics.jsonl (median over the timed steps);
 - the fair bare loop (`bare_loop`), in a Ray worker before and after ours: the same model, fp32 master weights
   (autocast for bf16 and fp16), torch's fused AdamW with our settings, `loss.backward(); clip_grad_norm_;

@@ -169,7 +169,7 @@ def check_fp16_overflow(out: Path, shards: Path, s: dict, device: str) -> Verdic
     section = dataclasses.replace(section, precision="fp16")
     output = out / "fp16"
     output.mkdir(parents=True)
-    fit(section, loop_config(section, str(shards), output, export_dir=None, tracking_uri=None, mlflow_run_id=None),
+    fit(section, loop_config(section, str(shards), output, export_dir=None),
         out / "fp16-ray", loop=fp16_on_cpu_loop if device == "cpu" else None)
     rows = steps_of(output)
     burst = [r for r in rows if r["overflow"]]

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import os
 import re
 import sys
@@ -241,6 +242,18 @@ class MlflowTracker:
             return {}
 
 
+def log_rows(client: MlflowClient, run_id: str, rows: list[dict]) -> None:
+    """A training run's metric records (metrics.jsonl's rows: a step, a time and numbers) as metrics at their step and
+    time; what is not a finite number is left out, BATCH per call."""
+    from mlflow.entities import Metric
+
+    items = [Metric(metric_name(k), float(v), int(row.get("time", time.time()) * 1000), int(row.get("step", 0)))
+             for row in rows for k, v in row.items()
+             if k not in ("step", "time", "record") and isinstance(v, (int, float)) and math.isfinite(v)]
+    for i in range(0, len(items), BATCH):
+        client.log_batch(run_id, metrics=items[i : i + BATCH])
+
+
 class StageRun:
     """A stage's MLflow run as the stage's own code reaches it, by tracking URI and run id (its StageContext's):
     tags, tables, figures and artifacts, and the nested runs it opens for its parts (the screen's proxy runs).
@@ -277,6 +290,10 @@ class StageRun:
     def log_metrics(self, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
         """Metrics of this run or of one of its children."""
         log_metrics(self.client, run_id, metrics, step)
+
+    def log_rows(self, run_id: str, rows: list[dict]) -> None:
+        """A training run's metric records (log_rows), of this run or of one of its children."""
+        log_rows(self.client, run_id, rows)
 
     def finish(self, run_id: str, status: str = "FINISHED") -> None:
         """A child run ended: FINISHED, or FAILED."""

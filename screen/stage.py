@@ -213,11 +213,12 @@ def run_proxies(ctx: StageContext, pool: ProxyJobs, jobs: list[dict]) -> None:
                     "upweight": cfg.upweight, "mixture": job["info"]})
         job["folder"].mkdir(parents=True, exist_ok=True)
         items.append({"key": f"{job['subset']} seed {job['seed']}", "config": loop_config(
-            proxy_train_config(cfg, job["seed"]), job["shards"], job["folder"], export_dir=None,
-            tracking_uri=ctx.config.mlflow.tracking_uri, mlflow_run_id=job["run_id"])})
+            proxy_train_config(cfg, job["seed"]), job["shards"], job["folder"], export_dir=None)})
 
     runs = {item["key"]: job["folder"] for item, job in zip(items, jobs)}
-    with Bar("screen", "proxy steps", len(jobs) * cfg.steps) as bar, Follower("screen", runs, bar):
+    tracked = {item["key"]: job["run_id"] for item, job in zip(items, jobs)}
+    with Bar("screen", "proxy steps", len(jobs) * cfg.steps) as bar, \
+            Follower("screen", runs, bar, stage_run=stage_run, tracked=tracked):
         try:
             pool.run(items)
         except Exception:

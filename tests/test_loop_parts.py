@@ -80,8 +80,7 @@ def context(tmp_path, rank: int = 0) -> Context:
 
 
 def test_the_loop_config_is_typed_derived_from_the_shards_and_travels(shards, tmp_path):
-    cfg = loop_config(section(global_batch_tokens=8 * SEQ), shards, tmp_path, export_dir=None, tracking_uri=None,
-                      mlflow_run_id=None)
+    cfg = loop_config(section(global_batch_tokens=8 * SEQ), shards, tmp_path, export_dir=None)
     assert (cfg.seq_len, cfg.global_batch, cfg.accumulation, cfg.last_step, cfg.total_steps) == (SEQ, 8, 4, 6, 50)
     assert cfg.warmup_steps == 1 and cfg.peak_lr == 1e-3 and cfg.eval_micro_batch == 8  # the tiny model's LR; 4 x micro
     assert cfg.architecture.vocab_size == 512 and cfg.architecture.dropout == 0.0
@@ -95,14 +94,12 @@ def test_the_loop_config_is_typed_derived_from_the_shards_and_travels(shards, tm
     written = json.loads((tmp_path / "loop_config.json").read_text())
     assert written["accumulation"] == 4 and written["train"]["parallel"]["pipeline"] == 1
     with pytest.raises(ValueError, match="does not split into micro-batches of 3 on 1 data-parallel ranks"):
-        loop_config(section(micro_batch_size=3), shards, tmp_path, export_dir=None, tracking_uri=None, mlflow_run_id=None)
+        loop_config(section(micro_batch_size=3), shards, tmp_path, export_dir=None)
     with pytest.raises(ValueError, match="fewer than one global batch of 128"):
-        loop_config(section(global_batch_tokens=128 * SEQ), shards, tmp_path, export_dir=None, tracking_uri=None,
-                    mlflow_run_id=None)
+        loop_config(section(global_batch_tokens=128 * SEQ), shards, tmp_path, export_dir=None)
     # an elastic run on 4 replicas short of some: 4 micro-batches of 2 on 2 or 1 of them, or 2, 1, 1 on 3 (padded to 2)
     elastic = loop_config(dataclasses.replace(section(global_batch_tokens=8 * SEQ, num_workers=4),
-                                              elastic=ElasticConfig(enabled=True)), shards, tmp_path, export_dir=None,
-                          tracking_uri=None, mlflow_run_id=None)
+                                              elastic=ElasticConfig(enabled=True)), shards, tmp_path, export_dir=None)
     assert [elastic.accumulation_at(d) for d in (4, 3, 2, 1)] == [1, 2, 2, 4] and elastic.accumulation == 1
 
 
@@ -127,8 +124,7 @@ def test_an_elastic_run_counts_the_workers_the_reserved_resources_hold_as_ray_tr
         assert ElasticScalingPolicy(ray_scaling)._count_possible_workers(reserved) == hostable(reserved, cpus, gpus)
         assert ReplicaScalingPolicy(ray_scaling, 4)._count_possible_workers(reserved) == hostable(reserved, cpus, gpus) // 4 * 4
     cfg = loop_config(dataclasses.replace(section(num_workers=4, global_batch_tokens=8 * SEQ, cpus_per_worker=1.0),
-                                          elastic=ElasticConfig(enabled=True)), shards, tmp_path, export_dir=None,
-                      tracking_uri=None, mlflow_run_id=None)
+                                          elastic=ElasticConfig(enabled=True)), shards, tmp_path, export_dir=None)
     short = elastic.Elastic(cfg, Context(rank=0, world=2, run_dir=tmp_path, device=torch.device("cpu")))
     monkeypatch.setattr(elastic, "reserved", lambda: {"a": {"CPU": 3.0}, "b": {"CPU": 0.5}})
     assert short.short and short.room() == 3
@@ -176,7 +172,7 @@ def _uneven_steps(rank: int, world: int, shards: str, root: str) -> tuple[list[t
     from pathlib import Path
 
     cfg = loop_config(section(num_workers=4, zero_stage=2, global_batch_tokens=8 * SEQ), shards, Path(root),
-                      export_dir=None, tracking_uri=None, mlflow_run_id=None)
+                      export_dir=None)
     ctx = Context(rank=rank, world=world, run_dir=Path(root), device=torch.device("cpu"))
     built = build_engine(cfg, ctx, spans_nodes=False)
     loader = Loader(shards, cfg.global_batch, rank=rank, world_size=world, seed=0, micro_batch=2)
@@ -214,7 +210,7 @@ def _uneven_pipeline_steps(rank: int, world: int, shards: str, root: str) -> tup
     from train.loop.engine import groups_for
 
     cfg = loop_config(section(num_workers=6, zero_stage=1, global_batch_tokens=6 * SEQ, parallel=ParallelConfig(pipeline=2)),
-                      shards, Path(root), export_dir=None, tracking_uri=None, mlflow_run_id=None)
+                      shards, Path(root), export_dir=None)
     ctx = Context(rank=rank, world=world, run_dir=Path(root), device=torch.device("cpu"))
     ctx.groups = groups_for(cfg, ctx, rank, world)
     built = build_engine(cfg, ctx, spans_nodes=False)
@@ -258,7 +254,7 @@ def _layout_steps(rank: int, world: int, shards: str, root: str, zero: int, spli
     from train.parallel.groups import full_state_dict
 
     cfg = loop_config(section(num_workers=2, zero_stage=zero, global_batch_tokens=4 * SEQ, parallel=ParallelConfig(**split)),
-                      shards, Path(root), export_dir=None, tracking_uri=None, mlflow_run_id=None)
+                      shards, Path(root), export_dir=None)
     ctx = Context(rank=rank, world=world, run_dir=Path(root), device=torch.device("cpu"))
     ctx.groups = groups_for(cfg, ctx, rank, world)
     built = build_engine(cfg, ctx, spans_nodes=False)
@@ -359,8 +355,7 @@ def engines(deepspeed_rank, shards, tmp_path_factory):
     """The same tiny model under ZeRO-0 (the loop measures the grad norm itself) and ZeRO-1 (DeepSpeed does)."""
     made = {}
     for zero in (0, 1):
-        cfg = loop_config(section(zero_stage=zero), shards, tmp_path_factory.mktemp(f"zero{zero}"), export_dir=None,
-                          tracking_uri=None, mlflow_run_id=None)
+        cfg = loop_config(section(zero_stage=zero), shards, tmp_path_factory.mktemp(f"zero{zero}"), export_dir=None)
         made[zero] = cfg, build_engine(cfg, context(tmp_path_factory.mktemp(f"ctx{zero}")), spans_nodes=False)
     yield made
     for _, built in made.values():
@@ -479,7 +474,7 @@ def test_the_pilot_rolls_back_and_skips_on_a_spike_writing_it_down_first_and_sto
 
 
 def test_metrics_are_rank_0s_a_line_per_step_validation_and_a_summary(shards, tmp_path):
-    cfg = loop_config(section(), shards, tmp_path, export_dir=None, tracking_uri=None, mlflow_run_id=None)
+    cfg = loop_config(section(), shards, tmp_path, export_dir=None)
     step = StepResult(batch=3, lr=2e-4, loss=5.5, grad_norm=None, activation_norm=2.0, overflow=True, seconds=0.5)
     for rank, folder in ((0, tmp_path / "leader"), (1, tmp_path / "other")):
         metrics = Metrics(cfg, context(folder, rank), flops_per_step=1e12)
@@ -660,7 +655,7 @@ def test_a_trainer_fits_through_a_spike_rolled_back_and_skipped(deepspeed_rank, 
     from train.loop.trainer import Trainer
 
     train = section(inject=[InjectConfig("spike", 4, factor=300.0)], collective_timeout_seconds=4321.0)
-    cfg = loop_config(train, shards, tmp_path, export_dir=None, tracking_uri=None, mlflow_run_id=None)
+    cfg = loop_config(train, shards, tmp_path, export_dir=None)
     before = distributed_c10d.default_pg_timeout
     try:
         trainer = Trainer(cfg, context(tmp_path), local_rank=0, local_world=1)
@@ -744,7 +739,7 @@ def test_a_zero_0_step_reads_the_device_once_and_skips_a_non_finite_update_on_it
 
     train = section(zero_stage=0, precision=precision, max_steps=8, eval_every=0, inject=[InjectConfig("nan", 4)],
                     autopilot=AutopilotConfig(enabled=False))
-    cfg = loop_config(train, shards, tmp_path, export_dir=None, tracking_uri=None, mlflow_run_id=None)
+    cfg = loop_config(train, shards, tmp_path, export_dir=None)
     trainer = Trainer(cfg, context(tmp_path), local_rank=0, local_world=1)
     reads, per_step, computed = HostReads(monkeypatch), [], set()
     linear = next(m for m in trainer.model.modules() if isinstance(m, torch.nn.Linear))
@@ -775,8 +770,7 @@ def test_a_step_error_is_described_where_it_happened_and_two_alike_in_a_row_stop
     from train.failures import Failure, describe_exception, failure_of, repeated_error
     from train.loop.trainer import Trainer
 
-    cfg = loop_config(section(inject=[InjectConfig("error", 3, rank=0)]), shards, tmp_path, export_dir=None,
-                      tracking_uri=None, mlflow_run_id=None)
+    cfg = loop_config(section(inject=[InjectConfig("error", 3, rank=0)]), shards, tmp_path, export_dir=None)
     trainer = Trainer(cfg, context(tmp_path), local_rank=0, local_world=1)
     with pytest.raises(RuntimeError, match="injected error at step 3") as raised:
         trainer.fit()

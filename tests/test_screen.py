@@ -299,7 +299,7 @@ def test_a_proxy_run_is_reproducible(sample_run, tmp_path):
     assert (stage_dir / record["run_dir"] / "metrics.jsonl").is_file()
     train_cfg = proxy_train_config(cfg, record["seed"])
     mixture = stage_dir / "mixtures" / slug(SPIKY)
-    config = loop_config(train_cfg, str(mixture), tmp_path / "again", export_dir=None, tracking_uri=None, mlflow_run_id=None)
+    config = loop_config(train_cfg, str(mixture), tmp_path / "again", export_dir=None)
     (tmp_path / "again").mkdir()
     queue = ray.remote(RunQueue).remote()
     ray.get([queue.put.remote([{"key": "again", "config": config}]), queue.close.remote()])

@@ -101,8 +101,7 @@ def seed_runs(cfg: TrainConfig, shards: str, folder: Path, output: Path) -> dict
     for seed in range(cfg.seed + 1, cfg.seed + cfg.seeds):
         (folder / f"seed-{seed}").mkdir(exist_ok=True)
         out[seed] = loop_config(dataclasses.replace(cfg, seed=seed, seeds=1, inject=[]), shards, folder / f"seed-{seed}",
-                                export_dir=str(export_dir(output, seed, cfg.seed)), tracking_uri=None,
-                                mlflow_run_id=None)
+                                export_dir=str(export_dir(output, seed, cfg.seed)))
     return out
 
 
@@ -111,8 +110,7 @@ def run(ctx: StageContext) -> StageResult:
     folder = run_dir(ctx)
     folder.mkdir(parents=True, exist_ok=True)
     shards = str(ctx.input_output("tokenize"))
-    config = loop_config(cfg, shards, folder, export_dir=str(export_dir(ctx.output, cfg.seed, cfg.seed)),
-                         tracking_uri=ctx.config.mlflow.tracking_uri, mlflow_run_id=ctx.mlflow_run_id)
+    config = loop_config(cfg, shards, folder, export_dir=str(export_dir(ctx.output, cfg.seed, cfg.seed)))
     config.write(folder / records.LOOP_CONFIG)
     others = seed_runs(cfg, shards, folder, ctx.output)
     ctx.log.info("run folder %s: %d steps of %d sequences x %d tokens on %d workers", folder, config.last_step,
@@ -128,7 +126,12 @@ def run(ctx: StageContext) -> StageResult:
     from train.loop import seeds_loop
 
     followed = {"": folder, **{f"seed {seed}": Path(c.run_dir) for seed, c in others.items()}}
-    with Bar("train", "steps", config.last_step * cfg.seeds) as bar, Follower("train", followed, bar):
+    from core.tracking import StageRun
+
+    # the first seed's curves go to the stage's MLflow run (the other seeds' are in their folders: track_seeds)
+    stage_run = StageRun(ctx.config.mlflow.tracking_uri, ctx.mlflow_run_id) if ctx.mlflow_run_id else None
+    with Bar("train", "steps", config.last_step * cfg.seeds) as bar, \
+            Follower("train", followed, bar, stage_run=stage_run, tracked={"": ctx.mlflow_run_id}):
         fit(cfg, [config, *others.values()], folder, loop=seeds_loop)
     goodput.mark(folder, "finish")
     time_spent = goodput.account(folder)

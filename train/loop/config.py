@@ -35,8 +35,6 @@ class LoopConfig:
     total_steps: int  # the schedule's length (total_tokens' worth of steps)
     last_step: int  # where this run stops (train.max_steps, or total_steps)
     eval_micro_batch: int
-    tracking_uri: str | None
-    mlflow_run_id: str | None
     launched_at: float = 0.0  # when the driver launched this run: failures before it belong to an earlier launch
 
 
@@ -75,8 +73,7 @@ class LoopConfig:
                 f"verdicts on them less sure than stated; for an ablation, set train.total_tokens to the tokens it trains")
 
 
-def loop_config(cfg: TrainConfig, shards: str, folder: Path, *, export_dir: str | None, tracking_uri: str | None,
-                mlflow_run_id: str | None) -> LoopConfig:
+def loop_config(cfg: TrainConfig, shards: str, folder: Path, *, export_dir: str | None) -> LoopConfig:
     """Batch and schedule in steps from our token-based config and the shards' index. Raises ValueError
     when the shards cannot feed the configured batch."""
     index = read_index(shards)
@@ -101,4 +98,4 @@ def loop_config(cfg: TrainConfig, shards: str, folder: Path, *, export_dir: str 
         global_batch=global_batch, accumulation=global_batch // per_rank, peak_lr=cfg.lr or model.lr,
         warmup_steps=cfg.warmup_tokens // tokens_per_step, total_steps=total_steps,
         last_step=cfg.max_steps or total_steps, eval_micro_batch=cfg.eval_micro_batch_size or 4 * cfg.micro_batch_size,
-        tracking_uri=tracking_uri, mlflow_run_id=mlflow_run_id, launched_at=time.time())
+        launched_at=time.time())
