@@ -11,7 +11,8 @@ For each model, on the same micro-batches (random token ids, seq_len 2048; the d
   throughput timer on and torch's single-tensor AdamW: the engine as issue 57 found it;
 - then one switch after another, each on top of the last: `timers off`, `fused AdamW`, and `ZeRO-0 autocast`
   (DeepSpeed an fp32 engine, the forward under autocast, the update skipped on the device if not finite):
-  the last is ours now (train/optim.py), on one device.
+  ours now (train/optim.py), on one device; and `compiled blocks`, that with `train.compile: true` (each
+  transformer block through torch.compile; its compile is in the two untimed steps).
 Per variant: the median step over `--steps` (after two untimed), tokens/s, MFU, peak device memory, and
 from torch.profiler over three more steps, per step: host reads (`aten::_local_scalar_dense`), device
 synchronizations and device-to-host copies (CUDA), kernel launches, and device time by kind of kernel.
@@ -41,6 +42,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from model.configs import flops_per_token, get  # noqa: E402
 from model.opt import OPT  # noqa: E402
 from train.loop.context import Context  # noqa: E402
+from train.loop.engine import compile_blocks  # noqa: E402
 from train.loop.metrics import peak_tflops  # noqa: E402
 from train.loop.step import TrainStep  # noqa: E402
 from train.optim import BETAS, EPS, autocast_dtype, deepspeed_config, param_groups  # noqa: E402
@@ -51,9 +53,11 @@ from bench_train import bare_loop  # noqa: E402
 # Per model: sequence length, sequences per step, per micro-batch (bench_train.py's GPU setups; tiny: the dry
 # run's, small: this CPU has no bf16 kernels, and a step of bench_train's tiny batch takes 1.5 s in bf16 here).
 SETUPS = {"tiny": (64, 8, 4), "125m": (2048, 32, 8), "1.3b": (2048, 16, 4)}
-# Ours, switch by switch: (label, ZeRO stage, DeepSpeed's throughput timer, fused AdamW); each adds one switch.
-OURS = [("ours before", 2, True, False), ("timers off", 2, False, False), ("fused AdamW", 2, False, True),
-        ("ZeRO-0 autocast", 0, False, True)]
+# Ours, switch by switch: (label, ZeRO stage, DeepSpeed's throughput timer, fused AdamW, compiled blocks); each adds
+# one switch. The last is `train.compile: true` (train/loop/engine.py compile_blocks).
+OURS = [("ours before", 2, True, False, False), ("timers off", 2, False, False, False),
+        ("fused AdamW", 2, False, True, False), ("ZeRO-0 autocast", 0, False, True, False),
+        ("compiled blocks", 0, False, True, True)]
 KINDS = {"gemm": ("gemm", "cutlass", "xmma", "wgmma", "matmul", "addmm", "mm"), "attention": ("flash", "fmha", "attention"),
          "optimizer": ("adam",), "norm": ("layer_norm", "layernorm"), "loss": ("softmax", "log_softmax", "nll", "gather")}
 
@@ -94,11 +98,13 @@ def variants(name: str, device: torch.device, tokens: torch.Tensor, micro: int, 
     for label, pure in (("bare pure", True), ("bare fair", False)):
         yield label, functools.partial(bare_loop(config, device.type, "bf16", pure), tokens, micro), None
     accumulation = tokens.size(0) // micro
-    for label, zero, timers, fused in OURS:
+    for label, zero, timers, fused, compiled in OURS:
         ds_config = deepspeed_config(micro_batch=micro, accumulation=accumulation, world_size=1, zero_stage=zero,
                                      precision="bf16", grad_clip=1.0)
         ds_config["timers"] = {"throughput": {"enabled": timers}}
         model = OPT(config, seed=0)
+        if compiled:
+            compile_blocks(model, device)
         opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-4, betas=BETAS, eps=EPS, fused=fused)
         engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
         ctx = Context(rank=0, world=1, run_dir=out, device=device,

@@ -136,9 +136,7 @@ def log_params(client: MlflowClient, run_id: str, params: dict) -> None:
     """A nested config as a run's params ("a.b.c": value), BATCH per call."""
     from mlflow.entities import Param
 
-    items = [Param(k, v) for k, v in flatten(params).items()]
-    for i in range(0, len(items), BATCH):
-        client.log_batch(run_id, params=items[i : i + BATCH])
+    _send(client, run_id, "params", [Param(k, v) for k, v in flatten(params).items()])
 
 
 def log_metrics(client: MlflowClient, run_id: str, metrics: dict[str, float], step: int = 0) -> None:
@@ -146,9 +144,14 @@ def log_metrics(client: MlflowClient, run_id: str, metrics: dict[str, float], st
     from mlflow.entities import Metric
 
     now = int(time.time() * 1000)
-    items = [Metric(metric_name(k), float(v), now, step) for k, v in metrics.items() if v is not None]
+    _send(client, run_id, "metrics", [Metric(metric_name(k), float(v), now, step)
+                                      for k, v in metrics.items() if v is not None])
+
+
+def _send(client: MlflowClient, run_id: str, kind: str, items: list) -> None:
+    """One run's MLflow Param or Metric items (`kind` "params" or "metrics"), BATCH per log_batch call."""
     for i in range(0, len(items), BATCH):
-        client.log_batch(run_id, metrics=items[i : i + BATCH])
+        client.log_batch(run_id, **{kind: items[i : i + BATCH]})
 
 
 class MlflowTracker:
@@ -247,11 +250,10 @@ def log_rows(client: MlflowClient, run_id: str, rows: list[dict]) -> None:
     time; what is not a finite number is left out, BATCH per call."""
     from mlflow.entities import Metric
 
-    items = [Metric(metric_name(k), float(v), int(row.get("time", time.time()) * 1000), int(row.get("step", 0)))
-             for row in rows for k, v in row.items()
-             if k not in ("step", "time", "record") and isinstance(v, (int, float)) and math.isfinite(v)]
-    for i in range(0, len(items), BATCH):
-        client.log_batch(run_id, metrics=items[i : i + BATCH])
+    _send(client, run_id, "metrics", [
+        Metric(metric_name(k), float(v), int(row.get("time", time.time()) * 1000), int(row.get("step", 0)))
+        for row in rows for k, v in row.items()
+        if k not in ("step", "time", "record") and isinstance(v, (int, float)) and math.isfinite(v)])
 
 
 class StageRun:

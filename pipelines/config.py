@@ -22,7 +22,7 @@ from corpus.config import (OPT_PILE_SUBSETS, EvalConfig, IngestConfig, Normalize
 from dedup.config import DedupConfig
 from screen.config import ScreenConfig
 from train import rules as train_rules
-from train.config import TrainConfig
+from train.config import AUTO, TrainConfig
 
 
 @dataclass
@@ -116,7 +116,8 @@ class PipelineConfig:
 def training_rules(config: PipelineConfig) -> None:
     """train/rules.py's rules (what needs the model's sizes or the GPU tables) on both training sections, here where
     they meet: screen.proxy and then train (the order the sections are read in). The proxy's batch splits over its
-    replicas at its own seq_len; train's over its data-parallel workers at tokenize.seq_len."""
+    replicas at its own seq_len; train's over its data-parallel workers at tokenize.seq_len. Then `zero_stage: auto`
+    becomes the stage it stands for (train/plan/planner.py zero_stage_for)."""
     proxy, train, seq_len = config.screen.proxy, config.train, config.tokenize.seq_len
     train_rules.check_section("screen.proxy", proxy.model, proxy.parallel.tensor, proxy.parallel.pipeline, proxy.gpus_per_worker)
     train_rules.check_batch("screen.proxy", proxy.model, proxy.global_batch_tokens, proxy.seq_len, proxy.micro_batch_size,
@@ -124,6 +125,16 @@ def training_rules(config: PipelineConfig) -> None:
     train_rules.check_section("train", train.model, train.parallel.tensor, train.parallel.pipeline, train.gpus_per_worker)
     train_rules.check_batch("train", train.model, train.global_batch_tokens, seq_len, train.micro_batch_size,
                             train.data_parallel, seq_len_key="tokenize.seq_len")
+    # The stage `auto` stands for (once the models and batches are known good), before anything reads it.
+    if AUTO in (proxy.zero_stage, train.zero_stage):
+        from train.plan.planner import zero_stage_for
+
+        if proxy.zero_stage == AUTO:  # a proxy run's length: screen/stage.py proxy_train_config's
+            proxy.zero_stage = zero_stage_for("screen.proxy", proxy, proxy.seq_len,
+                                              config.screen.steps * proxy.batch_tokens, recompute=False)
+        if train.zero_stage == AUTO:
+            train.zero_stage = zero_stage_for("train", train, seq_len, train.total_tokens,
+                                              recompute=train.activation_checkpointing)
 
 
 # What a run's config is checked with beyond each section's own validation (load_config's `checks`).

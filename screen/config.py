@@ -23,12 +23,20 @@ class ProxyConfig(EngineConfig):
     """Ray Train workers per proxy run (one per GPU on a cluster). The training stage's default is 2."""
     cpus_per_worker: float = field(default=1.0, metadata={LAYOUT: True})
     """CPUs each proxy run's worker asks Ray for."""
-    zero_stage: int = 0
-    """The [ZeRO](glossary.md#zero) stage of the proxy runs, 0 to 3 (fp16 needs 1 to 3)."""
+    zero_stage: int | Literal["auto"] = 0
+    """The [ZeRO](glossary.md#zero) stage of the proxy runs, 0 to 3 (fp16 needs 1 to 3), or `auto` (as
+    `train.zero_stage`)."""
     seq_len: int = 2048
     """Tokens per proxy training sequence. The proxy mixtures are cut to it, not to `tokenize.seq_len`."""
     warmup_steps: int = 10
     """Steps of linear learning-rate warmup; then the rate stays constant, since a decay could hide spikes."""
+
+    @property
+    def batch_tokens(self) -> int:
+        """Tokens per proxy step: `global_batch_tokens`, or the model's batch in OPT's Table 1."""
+        from model.configs import get
+
+        return self.global_batch_tokens or get(self.model).batch_tokens
 
     def validate(self, key: str) -> None:
         at_least(self, key, 1, "seq_len")

@@ -53,9 +53,7 @@ TASK_BYTES = 64 << 20  # of dedup's documents per census/sample/filter task, at 
 def proxy_train_config(cfg: ScreenConfig, seed: int) -> TrainConfig:
     """The training config of one proxy run: the proxy section plus what every proxy run shares."""
     p = cfg.proxy
-    from model.configs import get
-
-    batch_tokens = p.global_batch_tokens or get(p.model).batch_tokens
+    batch_tokens = p.batch_tokens
     engine = {f.name: getattr(p, f.name) for f in dataclasses.fields(EngineConfig)}
     return TrainConfig(**{**engine, "global_batch_tokens": batch_tokens}, warmup_tokens=p.warmup_steps * batch_tokens,
                        total_tokens=cfg.steps * batch_tokens, final_lr_ratio=1.0,  # constant LR after warmup: no decay to hide spikes

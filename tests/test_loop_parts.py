@@ -762,6 +762,47 @@ def test_a_zero_0_step_reads_the_device_once_and_skips_a_non_finite_update_on_it
     assert int(trainer.engine.optimizer.state[next(iter(trainer.model.parameters()))]["step"]) == 7  # 8 steps, 1 skipped
 
 
+def test_compiled_blocks_train_as_the_eager_model_does(deepspeed_rank, shards, tmp_path):
+    """`train.compile: true` (each block through torch.compile's inductor, fullgraph): the same loss and gradients
+    as the eager model within float tolerance (a fused kernel sums in another order), and under ZeRO-1, the cluster
+    configs' stage, the same loss at every step of a run (gap_attrib's dry run compiles under ZeRO-0 and bf16
+    autocast), the parameters' names unchanged (checkpoints and the export read them). Weights after AdamW are not
+    compared: Adam scales a gradient near zero to a whole step, whatever its rounding."""
+    from model.configs import get
+    from model.opt import OPT
+    from train.loop.engine import compile_blocks
+    from train.loop.trainer import Trainer
+
+    ids = torch.randint(0, 512, (2, SEQ + 1), generator=torch.Generator().manual_seed(0))
+    grads, outputs = [], []
+    for compiled in (False, True):
+        model = OPT(get("tiny").replace(dropout=0.0), seed=0)
+        if compiled:
+            compile_blocks(model, torch.device("cpu"))
+        loss = model(ids[:, :-1], ids[:, 1:])
+        loss.backward()
+        outputs.append(loss.detach())
+        grads.append({name: p.grad for name, p in model.named_parameters()})
+    torch.testing.assert_close(outputs[1], outputs[0], rtol=1e-5, atol=0)
+    assert grads[1].keys() == grads[0].keys()
+    for name, g in grads[1].items():
+        torch.testing.assert_close(g, grads[0][name], rtol=1e-4, atol=1e-6, msg=name)
+
+    runs = {}
+    for compiled in (False, True):
+        folder = tmp_path / f"compile-{compiled}"
+        train = section(max_steps=4, eval_every=0, compile=compiled, autopilot=AutopilotConfig(enabled=False))
+        trainer = Trainer(loop_config(train, shards, folder, export_dir=None), context(folder), local_rank=0, local_world=1)
+        trainer.fit()
+        trainer.engine.destroy()
+        blocks = [b._compiled_call_impl is not None for b in trainer.model.decoder.layers]  # what Module.compile sets
+        losses = [r["loss"] for r in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines()) if "loss" in r]
+        runs[compiled] = losses, list(trainer.model.state_dict()), blocks
+    (eager, eager_names, _), (losses, names, blocks) = runs[False], runs[True]
+    assert len(losses) == 4 and losses[-1] < losses[0] and losses == pytest.approx(eager, rel=1e-5)
+    assert names == eager_names and runs[False][2] == [False, False] and blocks == [True, True]
+
+
 def test_a_step_error_is_described_where_it_happened_and_two_alike_in_a_row_stop_the_run(deepspeed_rank, shards,
                                                                                          tmp_path):
     """What a worker attaches to an exception that leaves its loop (train/loop/__init__.py), and the policy on

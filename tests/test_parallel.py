@@ -411,10 +411,10 @@ def split_runs(tmp_path_factory):
 @pytest.mark.parametrize("tp, pp, zero", LAYOUTS)
 def test_split_models_under_deepspeed_train_as_the_whole_model(whole_under_deepspeed, split_runs, tp, pp, zero):
     """DeepSpeed ZeRO-1, clipping active: T=2 x D=2 (the groups as DeepSpeed's mpu), P=2, and T=2 x P=2
-    through the pipeline engine (1F1B, activation checkpointing on), and T=2 x D=2 under ZeRO-2 (what
-    configs/opt-1.3b.yaml runs, gradients partitioned over the replicas) give the whole model's loss and gradient
-    norm (every tensor shard and the tied embedding's two copies counted once) at every step, 2 micro-batches
-    accumulated per step. The losses agree to 2e-7; the norms, sums of squares over other splits of the same
+    through the pipeline engine (1F1B, activation checkpointing on), and T=2 x D=2 under ZeRO-2 (gradients
+    partitioned over the replicas, as `zero_stage: auto` chooses where ZeRO-1 does not fit) give the whole model's
+    loss and gradient norm (every tensor shard and the tied embedding's two copies counted once) at every step, 2
+    micro-batches accumulated per step. The losses agree to 2e-7; the norms, sums of squares over other splits of the same
     gradients, to 4e-5 by step 8 (1e-4 asserted). Each pipeline stage builds only its own layers, and their
     export, gathered piece by piece on rank 0, is exactly the whole model built from the same seed."""
     from model.hf import from_pretrained, save_pretrained

@@ -220,6 +220,47 @@ def test_the_configured_layout_follows_train_parallel():
     assert configured_layout(config.train, 992) == Layout(4, 8, 31, 1, 1, "none")
 
 
+def test_zero_stage_auto_is_the_lowest_stage_the_layout_takes_that_fits():
+    """`zero_stage: auto` becomes a stage at load: the lowest the layout and precision take that the planner
+    predicts fits on cluster.yaml's GPU (an A100-80GB), and on CPU the lowest the layout takes; each failure a
+    config error naming the key. At equal predicted times the planner ranks the lower stage first, so the
+    1.3B config's auto (ZeRO-1) is its first layout."""
+    from core.config import ConfigError
+    from pipelines.config import CHECKS, load_config
+    from train.plan.planner import inputs, parse_args
+
+    def stages(name, *sets):
+        config = load_config(ROOT / "configs" / f"{name}.yaml", list(sets), checks=CHECKS)
+        return config.train.zero_stage, config.screen.proxy.zero_stage
+
+    auto = ("train.zero_stage=auto", "screen.proxy.zero_stage=auto")
+    assert stages("local", *auto) == (0, 0)  # CPU: the lowest
+    assert stages("local", *auto, "train.parallel.pipeline=2") == (1, 0)  # a pipeline takes ZeRO-1 only
+    assert stages("opt-1.3b", *auto) == (1, 1)  # fp16 takes 1-3; ZeRO-1 fits
+    one_gpu = ("train.zero_stage=auto", "train.precision=bf16", "train.num_workers=1", "train.parallel.tensor=1")
+    assert stages("opt-1.3b", *one_gpu, "train.micro_batch_size=4")[0] == 0  # 41 GB: the whole model on its GPU
+    # 13B in bf16 on 8 GPUs: ZeRO-0 (241 GB) and ZeRO-1 (121 GB) do not fit, ZeRO-2 (72 GB) does.
+    assert stages("opt-1.3b", "train.model=13b", "train.global_batch_tokens=4194304", *one_gpu[:2],
+                  "train.num_workers=8", "train.parallel.tensor=1", "train.micro_batch_size=1")[0] == 2
+    # 30B in bf16 on 16 GPUs: only ZeRO-3 (115 GB at 8 GPUs; it fits at 16), which compiled blocks do not take.
+    thirty = ("train.model=30b", "train.global_batch_tokens=4194304", *one_gpu[:2], "train.num_workers=16",
+              "train.parallel.tensor=1", "train.micro_batch_size=1")
+    assert stages("opt-1.3b", *thirty)[0] == 3
+    for sets, words in ((one_gpu, "no stage fits in a100-80gb's"), (("train.zero_stage=auto", "train.precision=fp32"), "fp32"),
+                        (("train.model=175b", *one_gpu), "ZeRO-3"), ((*thirty, "train.compile=true"), "ZeRO-2 1")):
+        with pytest.raises(ConfigError) as error:
+            stages("opt-1.3b", *sets)
+        assert error.value.key == "train.zero_stage" and words in str(error.value), str(error.value)
+        assert "compile=true" not in sets[-1] or "ZeRO-3" not in str(error.value)  # not tried: compiled blocks refuse it
+    with pytest.raises(ConfigError, match="expected 0, 1, 2, 3 or auto"):
+        stages("local", "train.zero_stage=4")
+    config = load_config(ROOT / "configs" / "opt-1.3b.yaml", checks=CHECKS)  # the config's own auto
+    plan = make_plan(*inputs(parse_args([]), config.train, config.tokenize.seq_len))
+    assert config.train.zero_stage == 1 and plan.configured.layout == plan.best.layout
+    tied = [p for p in plan.ranked if p.step_seconds == plan.best.step_seconds]
+    assert [p.layout.zero for p in tied] == sorted(p.layout.zero for p in tied) and {1, 2} <= {p.layout.zero for p in tied}
+
+
 def _inputs(argv):
     from pipelines.plan import inputs_of
     from train.plan.planner import parse_args

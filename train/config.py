@@ -10,18 +10,26 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from core.config import LAYOUT, ConfigError, at_least, local_path, no_credentials, positive
-from train.rules import DEEPSPEED_MIN_LOSS_SCALE, layout_rule
+from train.rules import DEEPSPEED_MIN_LOSS_SCALE, compile_rule, layout_rule
+
+AUTO = "auto"  # zero_stage: the lowest stage that fits (train/plan/planner.py zero_stage_for)
 
 
 def check_engine(section: object, key: str) -> None:
     """A training section's DeepSpeed settings (train, screen.proxy): a ZeRO stage, a precision its devices have,
     a layout the training stage takes (layout_rule)."""
-    if section.zero_stage not in (0, 1, 2, 3):
-        raise ConfigError(f"{key}.zero_stage", f"expected 0, 1, 2 or 3, got {section.zero_stage}")
+    if section.zero_stage not in (0, 1, 2, 3, AUTO):
+        raise ConfigError(f"{key}.zero_stage", f"expected 0, 1, 2, 3 or {AUTO}, got {section.zero_stage}")
     if section.precision == "fp16" and section.gpus_per_worker == 0:
         raise ConfigError(f"{key}.precision", "fp16 needs GPUs (DeepSpeed has no fp16 on CPU): use fp32 or bf16 "
                           "with gpus_per_worker: 0")
-    broken = layout_rule(section.parallel.tensor, section.parallel.pipeline, section.zero_stage, section.precision)
+    tensor, pipeline = section.parallel.tensor, section.parallel.pipeline
+    uncompiled = section.compile and compile_rule(tensor, pipeline, section.zero_stage)
+    if uncompiled:
+        raise ConfigError(f"{key}.compile", uncompiled)
+    if section.zero_stage == AUTO:  # chosen where the sections meet (pipelines/config.py), among the stages this rule takes
+        return
+    broken = layout_rule(tensor, pipeline, section.zero_stage, section.precision)
     if broken:
         raise ConfigError(f"{key}.{broken[0]}", broken[1])
 
@@ -73,9 +81,12 @@ class EngineConfig:
     """GPUs each worker asks Ray for: 1 on a GPU cluster. 0 trains on CPU, which takes `fp32` or `bf16`."""
     cpus_per_worker: float = field(default=0.5, metadata={LAYOUT: True})
     """CPUs each worker asks Ray for. Fractional on a laptop, so that Ray Data can still schedule its tasks."""
-    zero_stage: int = 2
+    zero_stage: int | Literal["auto"] = 2
     """The [ZeRO](glossary.md#zero) stage, 0 to 3: what is sharded over the data-parallel workers (1: optimizer
-    state; 2: and gradients; 3: and weights). A pipeline takes 1, tensor parallelism 0 to 2, fp16 1 to 3."""
+    state; 2: and gradients; 3: and weights). A pipeline takes 1, tensor parallelism 0 to 2, fp16 1 to 3. `auto`:
+    the lowest stage the layout takes that the layout planner predicts fits in the GPU's memory (on CPU, the lowest
+    it takes), chosen when the config is loaded; a lower stage runs less of DeepSpeed per step
+    ([training.md](training.md#zero_stage-auto))."""
     precision: Literal["fp32", "bf16", "fp16"] = "fp32"
     """The training precision. `fp16` keeps fp32 master weights with a dynamic [loss scale](glossary.md#loss-scale),
     as OPT trained, and needs GPUs."""
@@ -90,6 +101,10 @@ class EngineConfig:
     parallel: ParallelConfig = field(default_factory=ParallelConfig, metadata={LAYOUT: True})
     """How the workers split the model; data parallelism is what is left: `num_workers` / (tensor x pipeline).
     `.venv/bin/python -m pipelines.plan` says which [layout](glossary.md#layout) is fastest."""
+    compile: bool = False
+    """`torch.compile` each transformer block, as torchtitan does: its LayerNorms, dropouts, residual adds and ReLU
+    fused into fewer kernels. The first steps pay the compile (seconds to a minute); on CPU it needs a C++
+    compiler. Takes tensor and pipeline 1 and ZeRO 0-2 ([training.md](training.md#compiled-blocks))."""
 
     def validate_engine(self, key: str) -> None:
         at_least(self, key, 1, "num_workers", "micro_batch_size", "global_batch_tokens")

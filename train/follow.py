@@ -68,7 +68,8 @@ class Follower:
         self.runs = {label: (_Tail(d, records.METRICS), _Tail(d, records.INCIDENTS)) for label, d in runs.items()}
         self.steps = {label: 0 for label in runs}
         self.loss: float | None = None
-        self.stage_run, self.tracked = stage_run, dict(tracked or {}) if stage_run is not None else {}
+        self.stage_run = stage_run
+        self.tracked = dict(tracked or {}) if stage_run is not None else {}  # nothing to send to without a stage run
         self.unsent: dict[str, list[dict]] = {label: [] for label in self.tracked}
         self.sent_at = time.monotonic()
         self._stop = threading.Event()

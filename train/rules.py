@@ -32,6 +32,16 @@ def layout_rule(tensor: int, pipeline: int, zero_stage: int, precision: str) -> 
     return None
 
 
+def compile_rule(tensor: int, pipeline: int, zero_stage: int | str) -> str | None:
+    """Why compiled blocks (`compile: true`, train/loop/engine.py compile_blocks) cannot run in this layout, or None.
+    One source for the config's check (train/config.py) and the stages `zero_stage: auto` may choose
+    (train/plan/planner.py)."""
+    if tensor > 1 or pipeline > 1 or zero_stage == 3:
+        return ("compiled blocks take tensor and pipeline 1 and zero_stage 0 to 2: a split block's collectives, a "
+                "pipeline's stages and ZeRO-3's parameter gathers are not compiled here")
+    return None
+
+
 # DeepSpeed's dynamic loss scale never goes under this (its `min_loss_scale`: an integer, at least 1); an overflow
 # at it raises "Current loss scale already at minimum" and ends the run.
 DEEPSPEED_MIN_LOSS_SCALE = 1

@@ -57,6 +57,8 @@ def build_engine(cfg: LoopConfig, ctx: Context, *, spans_nodes: bool) -> Built:
         model = build(cfg.architecture, ds_config, seed=t.seed, rank=ctx.rank)
         if ctx.groups:  # built whole from the seed (ZeRO 0-2), then this rank's shard of it kept
             parallelize(model, ctx.groups)
+    if t.compile:  # tensor and pipeline 1, ZeRO 0-2 (train/config.py check_engine)
+        compile_blocks(model, ctx.device)
     engine, _, _, _ = deepspeed.initialize(  # a pipeline's engine takes its module's own process grid as mpu
         model=model, optimizer=adamw(model, cfg.peak_lr, t.weight_decay), config=ds_config,
         mpu=None if ctx.pipelined else ctx.groups)
@@ -67,3 +69,21 @@ def build_engine(cfg: LoopConfig, ctx: Context, *, spans_nodes: bool) -> Built:
     # ZeRO-0 (fp32, or bf16 as autocast; fp16 takes ZeRO 1-3): DeepSpeed wraps no optimizer of its own around ours
     return Built(engine, model, own_grad_norm=t.zero_stage == 0,
                  autocast=autocast_dtype(zero_stage=t.zero_stage, precision=t.precision, pipeline=ctx.pipelined))
+
+
+def compile_blocks(model: torch.nn.Module, device: torch.device) -> None:
+    """`torch.compile` each of the OPT's blocks in place, as torchtitan compiles per block: one graph per block
+    (fullgraph: a break would fail here, not run half-compiled), compiled once and reused by every block of the
+    same shapes. The model's parameters and their names stay as they were (Module.compile wraps the forward
+    only, where torch.compile(module) would rename every state_dict key), so checkpoints, the export and
+    DeepSpeed see the same model. The embeddings and the loss stay eager: the loss is already one pass a block of
+    rows at a time (model/loss.py). On CPU, torch's inductor writes C++: without a compiler, a clear error here
+    rather than a traceback from the first step."""
+    import os
+    import shutil
+
+    if device.type == "cpu" and not any(shutil.which(c) for c in (os.environ.get("CXX"), "g++", "c++", "clang++") if c):
+        raise RuntimeError("train.compile on CPU needs a C++ compiler (torch's inductor writes C++ kernels): install "
+                           "g++, or set compile: false")
+    for block in model.decoder.layers:
+        block.compile(fullgraph=True)

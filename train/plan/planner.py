@@ -26,9 +26,10 @@ import yaml
 
 from model.configs import get, param_count
 from core.config import ConfigError
-from train.config import TrainConfig
+from train.config import EngineConfig, TrainConfig
 from train.plan.hardware import GPUS, NODES
 from train.plan.layout import RECOMPUTE, Cluster, Layout, Prediction, Workload, predict, problem, refused_here
+from train.rules import compile_rule, layout_rule
 
 ROOT = Path(__file__).resolve().parents[2]
 DEFAULT_CONFIG = ROOT / "configs" / "opt-175b.yaml"
@@ -84,6 +85,14 @@ def configured_layout(t: TrainConfig, gpus: int) -> Layout:
 def inputs(args: argparse.Namespace, t: TrainConfig, seq_len: int) -> tuple[Workload, Cluster, str | None, Layout | None]:
     """The workload, the cluster and the configured layout from the config's train section and
     tokenize.seq_len (`seq_len`), cluster.yaml and the flags."""
+    work, cluster, node_name = workload(args, t, seq_len, float(t.total_tokens))
+    mine = configured_layout(t, cluster.gpus) if work.model.name == t.model and t.gpus_per_worker >= 1 else None
+    return work, cluster, node_name, mine
+
+
+def workload(args: argparse.Namespace, t: EngineConfig, seq_len: int, total_tokens: float) -> tuple[Workload, Cluster, str | None]:
+    """The workload and the cluster (and the node type it came from) of a training section `t` (train, or the
+    screen's proxy section, which has no length of its own: `total_tokens`), cluster.yaml and the flags."""
     model = get(args.model or t.model)
     seq = args.seq_len or seq_len
     batch_tokens = args.batch_tokens or t.global_batch_tokens or model.batch_tokens
@@ -109,10 +118,8 @@ def inputs(args: argparse.Namespace, t: TrainConfig, seq_len: int) -> tuple[Work
     gpus = args.gpus or config_gpus
     if gpus % per_node and gpus > per_node:
         raise ConfigError("--gpus", f"{gpus} GPUs are not whole nodes of {per_node}")
-    work = Workload(model, seq, batch_tokens // seq, precision, float(t.total_tokens))
-    cluster = Cluster(gpu, gpus, min(per_node, gpus), intra, inter)
-    mine = configured_layout(t, gpus) if model.name == t.model and t.gpus_per_worker >= 1 else None
-    return work, cluster, node_name, mine
+    work = Workload(model, seq, batch_tokens // seq, precision, total_tokens)
+    return work, Cluster(gpu, gpus, min(per_node, gpus), intra, inter), node_name
 
 
 # --------------------------------------------------------------------------- ranking
@@ -138,7 +145,9 @@ def layouts(work: Workload, cluster: Cluster) -> Iterator[Layout]:
 
 def make_plan(work: Workload, cluster: Cluster, node: str | None = None, configured: Layout | None = None) -> Plan:
     predictions = [predict(layout, work, cluster) for layout in layouts(work, cluster)]
-    ranked = sorted((p for p in predictions if p.fits), key=lambda p: (p.step_seconds, p.memory_bytes))
+    # Equal times (the model prices ZeRO 0-2 alike wherever the optimizer's step is not sharded into view): the lower
+    # stage first, as `zero_stage: auto` chooses (zero_stage_for), then the smaller memory.
+    ranked = sorted((p for p in predictions if p.fits), key=lambda p: (p.step_seconds, p.layout.zero, p.memory_bytes))
     alone = [p for p in ranked if p.layout.tp == p.layout.pp == 1 and p.layout.zero == 3]
     mine = None
     if configured is not None and problem(configured, work, cluster) is None:
@@ -262,6 +271,49 @@ def chart(plan: Plan, path: Path, top: int = 10) -> Path:
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+# --------------------------------------------------------------------------- zero_stage: auto
+
+
+def zero_stage_for(key: str, section: EngineConfig, seq_len: int, total_tokens: float, recompute: bool) -> int:
+    """The ZeRO stage `auto` stands for in a training section (train, screen.proxy): the lowest that the training
+    stage takes for the section's layout and precision (train/rules.py layout_rule) and, on GPUs, that the cost model
+    predicts fits in the GPU's memory (train/plan/layout.py; the GPU as `startup_check` finds it: cluster.yaml's GPU
+    workers). Lowest, not fastest: the model prices the stages within a fraction of a percent of each other, and
+    what it does not price, DeepSpeed's work per micro-batch and its reads of the device, grows with the stage
+    (docs/benchmarks.md, "The training step's host reads and ZeRO-0 on CPU"). On CPU there is no memory model of
+    the host: the lowest stage the layout takes. `recompute`: the section's activation checkpointing (the screen's
+    proxies have none). `section.zero_stage` is left as it is; raises ConfigError naming `key`.zero_stage when no
+    stage can be chosen."""
+    tp, pp = section.parallel.tensor, section.parallel.pipeline
+    taken = [z for z in (0, 1, 2, 3)
+             if layout_rule(tp, pp, z, section.precision) is None and not (section.compile and compile_rule(tp, pp, z))]
+    if not taken:
+        raise ConfigError(f"{key}.zero_stage", f"no ZeRO stage takes tensor {tp}, pipeline {pp} in {section.precision}")
+    if section.gpus_per_worker < 1:
+        return taken[0]
+    if section.precision not in ("bf16", "fp16"):
+        raise ConfigError(f"{key}.zero_stage", f"auto on GPUs needs bf16 or fp16, which the layout planner prices; "
+                          f"got {section.precision}: give the stage, 0 to 3")
+    try:
+        work, cluster, _ = workload(parse_args([]), section, seq_len, total_tokens)
+    except ConfigError as exc:
+        raise ConfigError(f"{key}.zero_stage", f"auto needs the GPU the planner prices ({exc}); give the stage, "
+                          "0 to 3") from None
+    tried = []
+    for zero in taken:
+        layout = Layout(tp, pp, cluster.gpus // (tp * pp), zero, section.micro_batch_size,
+                        "full" if recompute else "none")
+        if problem(layout, work, cluster) or refused_here(layout, work):
+            continue
+        prediction = predict(layout, work, cluster)
+        if prediction.fits:
+            return zero
+        tried.append(f"ZeRO-{zero} {prediction.memory_bytes / 1e9:.1f} GB")
+    raise ConfigError(f"{key}.zero_stage", f"auto: no stage fits in {cluster.gpu.name}'s "
+                      f"{cluster.gpu.memory_bytes / 1e9:.1f} GB "
+                      f"({', '.join(tried) or 'none priced'}); see `{PLAN_COMMAND}` for a layout that does")
 
 
 # --------------------------------------------------------------------------- the pipeline's check
