@@ -2,12 +2,12 @@
 
     python benchmarks/bench_train.py [--models tiny,125m] [--out /tmp/bench_train]
 
-For each model: token shards of random ids (seq_len 128 for tiny, 2048 for 125M), then, 22 steps each (the
-first two not timed), on the same micro-batches:
+For each model: token shards of random ids (seq_len 128 for tiny, 2048 for 125M), then, on the same micro-batches,
+runs of 22 steps (125M on CPU: 3 rounds of 7), the first two of each run not timed:
 - ours: the train stage itself (`train.stage.run`: Ray Train, one worker with every core, DeepSpeed with
   configs/local.yaml's train settings, our loader, metrics.jsonl every step, sent to MLflow by the driver), tokens/s
   from its metrics.jsonl (median over the timed steps);
-- the fair bare loop (`bare_loop`), in a Ray worker before and after ours: the same model, fp32 master weights
+- the fair bare loop (`bare_loop`), in a Ray worker before and after each of ours: the same model, fp32 master weights
   (autocast for bf16 and fp16), torch's fused AdamW with our settings, `loss.backward(); clip_grad_norm_;
   step()`, no DeepSpeed, the same number of threads; tokens/s as the median step;
 - in bf16 or fp16, the pure bare loop beside it (the model cast whole: no fp32 master weights), the ceiling.
@@ -45,9 +45,11 @@ import provenance  # noqa: E402  (benchmarks/provenance.py: a script's folder is
 
 # Batch and steps per device: on 2 CPU cores a 125M step of two sequences already takes ~20 s; on
 # one GPU the micro-batch must be large enough to fill it (MFU is the question there).
-# 22 steps each: the first two (allocator, autotuning) are not timed.
+# Steps a run: the first two (allocator, autotuning) are not timed. `rounds`: runs of ours, each between two of the
+# bare loop's, so that the host's drift (10-30% within minutes on 2 cores) weighs on both sides alike; one round of a
+# 125M step a minute would leave ours 25 minutes away from the bare loop's middle.
 SETUPS = {"cpu": {"tiny": {"seq_len": 128, "batch": 32, "micro": 8, "steps": 22},
-                  "125m": {"seq_len": 2048, "batch": 2, "micro": 1, "steps": 22}},
+                  "125m": {"seq_len": 2048, "batch": 2, "micro": 1, "steps": 7, "rounds": 3}},
           "cuda": {"tiny": {"seq_len": 128, "batch": 256, "micro": 64, "steps": 22},
                    "125m": {"seq_len": 2048, "batch": 32, "micro": 8, "steps": 22},
                    "1.3b": {"seq_len": 2048, "batch": 16, "micro": 4, "steps": 22}}}
@@ -74,9 +76,9 @@ def train_stage(out: Path, label: str, shards: Path, overrides: list[str]) -> Pa
 
 
 def ours(name: str, shards: Path, out: Path, steps: int, cpus: int, device: str, precision: str,
-         overrides: list[str]) -> tuple[list[float], list[dict]]:
+         overrides: list[str], label: str) -> tuple[list[float], list[dict]]:
     setup = SETUPS[device][name]
-    output = train_stage(out, name, shards, [
+    output = train_stage(out, label, shards, [
         f"train.model={name}", "train.num_workers=1", f"train.cpus_per_worker={cpus}",
         f"train.gpus_per_worker={1 if device == 'cuda' else 0}", f"train.precision={precision}",
         f"train.micro_batch_size={setup['micro']}", f"train.global_batch_tokens={setup['batch'] * setup['seq_len']}",
@@ -156,12 +158,15 @@ def measure(models: list[str], device: str, precision: str, out: Path, steps: in
         vocab = 512 if name == "tiny" else 50272
         shards = out / name / "shards"
         make_shards(shards, setup["batch"] * (setup["steps"] + 1), seq_len=setup["seq_len"], vocab=vocab)
-        # The fair bare loop before and after ours, its steps pooled: a 2-core machine's speed drifts by 10-20%
-        # from one minute to the next, and a drift then weighs on both sides.
+        # The fair bare loop before and after each run of ours, its steps pooled, and ours' pooled: a 2-core
+        # machine's speed drifts by 10-30% from one minute to the next, and a drift then weighs on both sides.
         args = (name, shards, vocab, setup["steps"], cores, device, precision)
-        base = ray.get(worker.remote(*args))
-        rates, rows = ours(name, shards, out, setup["steps"], cores, device, precision, list(overrides))
-        base += ray.get(worker.remote(*args))
+        base, rates, rows = ray.get(worker.remote(*args)), [], []
+        for r in range(setup.get("rounds", 1)):
+            more, run = ours(name, shards, out, setup["steps"], cores, device, precision, list(overrides),
+                             label=name if r == 0 else f"{name}r{r}")
+            rates, rows = rates + more, rows + run
+            base += ray.get(worker.remote(*args))
         pure = ray.get(worker.remote(*args, pure=True)) if precision != "fp32" else base
         results[name] = (statistics.median(rates), statistics.median(base), statistics.median(pure), vocab, rows)
 

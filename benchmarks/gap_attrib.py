@@ -10,7 +10,8 @@ For each model, on the same micro-batches (random token ids, seq_len 2048; the d
 - `ours before`: our step (`train.loop.step.TrainStep`) on DeepSpeed ZeRO-2 bf16 with fp32 gradient sums, its
   throughput timer on and torch's single-tensor AdamW: the engine as issue 57 found it;
 - then one switch after another, each on top of the last: `timers off`, `fused AdamW`, and `ZeRO-0 autocast`
-  (DeepSpeed an fp32 engine, the forward under autocast, the update skipped on the device if not finite):
+  (DeepSpeed an fp32 engine, the forward under autocast, the update skipped on the device if not finite, no
+  gradient averaging over the one replica):
   ours now (train/optim.py), on one device; and `compiled blocks`, that with `train.compile: true` (each
   transformer block through torch.compile; its compile is in the two untimed steps).
 Per variant: the median step over `--steps` (after two untimed), tokens/s, MFU, peak device memory, and
@@ -42,7 +43,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from model.configs import flops_per_token, get  # noqa: E402
 from model.opt import OPT  # noqa: E402
 from train.loop.context import Context  # noqa: E402
-from train.loop.engine import compile_blocks  # noqa: E402
+from train.loop.engine import compile_blocks, skip_lone_averaging  # noqa: E402
 from train.loop.metrics import peak_tflops  # noqa: E402
 from train.loop.step import TrainStep  # noqa: E402
 from train.optim import BETAS, EPS, autocast_dtype, deepspeed_config, param_groups  # noqa: E402
@@ -107,6 +108,8 @@ def variants(name: str, device: torch.device, tokens: torch.Tensor, micro: int, 
             compile_blocks(model, device)
         opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-4, betas=BETAS, eps=EPS, fused=fused)
         engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
+        if zero == 0:  # ours now: no averaging over one replica
+            skip_lone_averaging(engine, zero, 1, pipelined=False)
         ctx = Context(rank=0, world=1, run_dir=out, device=device,
                       autocast=autocast_dtype(zero_stage=zero, precision="bf16"))
         step = TrainStep(engine, model, Batches(tokens, micro), ctx, own_grad_norm=zero == 0)

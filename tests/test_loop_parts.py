@@ -166,21 +166,26 @@ def test_the_feed_gives_micro_batches_in_order_and_restarts_from_the_loaders_sta
     assert again[0] == second[0] == 1 and all(torch.equal(a, b) for x, y in zip(again[1], second[1]) for a, b in zip(x, y))
 
 
-def _uneven_steps(rank: int, world: int, shards: str, root: str) -> tuple[list[tuple[float, float]], dict]:
-    """3 steps of an elastic run of 4 replicas (ZeRO-2) on `world` data-parallel ranks: each step's loss and gradient
-    norm, and the final weights."""
+def _uneven_steps(rank: int, world: int, shards: str, root: str) -> dict[int, tuple[list[tuple[float, float]], dict]]:
+    """3 steps of an elastic run of 4 replicas on `world` data-parallel ranks, under ZeRO-2 and then ZeRO-0 (whose
+    gradient averaging is DeepSpeed's, skipped on one rank alone: train/loop/engine.py `skip_lone_averaging`):
+    for each stage, each step's loss and gradient norm, and the final weights."""
     from pathlib import Path
 
-    cfg = loop_config(section(num_workers=4, zero_stage=2, global_batch_tokens=8 * SEQ), shards, Path(root),
-                      export_dir=None)
-    ctx = Context(rank=rank, world=world, run_dir=Path(root), device=torch.device("cpu"))
-    built = build_engine(cfg, ctx, spans_nodes=False)
-    loader = Loader(shards, cfg.global_batch, rank=rank, world_size=world, seed=0, micro_batch=2)
-    step = TrainStep(built.engine, built.model, Feed(loader, ctx, 2, cfg.accumulation_at(world)), ctx, built.own_grad_norm)
-    losses = [(r.loss, r.grad_norm) for r in (step(lr=1e-3) for _ in range(3))]
-    weights = {n: p.detach().clone() for n, p in built.model.named_parameters()}
-    built.engine.destroy()
-    return losses, weights
+    out = {}
+    for zero in (2, 0):
+        cfg = loop_config(section(num_workers=4, zero_stage=zero, global_batch_tokens=8 * SEQ), shards,
+                          Path(root) / f"zero{zero}", export_dir=None)
+        ctx = Context(rank=rank, world=world, run_dir=Path(root) / f"zero{zero}", device=torch.device("cpu"))
+        built = build_engine(cfg, ctx, spans_nodes=False)
+        assert built.engine.enable_backward_allreduce == (zero > 0 or world > 1)
+        loader = Loader(shards, cfg.global_batch, rank=rank, world_size=world, seed=0, micro_batch=2)
+        step = TrainStep(built.engine, built.model, Feed(loader, ctx, 2, cfg.accumulation_at(world)), ctx,
+                         built.own_grad_norm)
+        losses = [(r.loss, r.grad_norm) for r in (step(lr=1e-3) for _ in range(3))]
+        out[zero] = losses, {n: p.detach().clone() for n, p in built.model.named_parameters()}
+        built.engine.destroy()
+    return out
 
 
 def test_replicas_that_do_not_divide_the_batch_pad_and_train_as_the_whole_run_does(deepspeed_rank, shards, tmp_path):
@@ -188,17 +193,20 @@ def test_replicas_that_do_not_divide_the_batch_pad_and_train_as_the_whole_run_do
     under ZeRO-2 are 2, 1 and 1, and the last two ranks each run a padding micro-batch whose gradient counts for
     nothing, so that every rank runs 2 backward passes. Each step's loss and gradient norm, and the weights after 3
     steps, are those of one rank running all 4 (measured 1.6e-6 apart at most, 3e-7 on 2 ranks; with the padding
-    counted, 6e-3; without the real micro-batches' weight of 3 x 2 / 4, the gradient norm is 2/3 of its own)."""
+    counted, 6e-3; without the real micro-batches' weight of 3 x 2 / 4, the gradient norm is 2/3 of its own).
+    The same under ZeRO-0, where the rank alone skips DeepSpeed's averaging and the three must not."""
     from test_parallel import run_ranks
 
     alone = {}
     ranks = run_ranks(3, _uneven_steps, str(shards), str(tmp_path / "three"),
-                      meanwhile=lambda: alone.update(zip(("losses", "weights"),
-                                                         _uneven_steps(0, 1, str(shards), str(tmp_path / "one")))))
-    for losses, weights in ranks:
-        assert [x for pair in losses for x in pair] == pytest.approx([x for pair in alone["losses"] for x in pair], rel=1e-5)
-        for name, w in alone["weights"].items():
-            assert torch.allclose(torch.as_tensor(weights[name]), w, atol=5e-6), name
+                      meanwhile=lambda: alone.update(_uneven_steps(0, 1, str(shards), str(tmp_path / "one"))))
+    for zero in (2, 0):
+        for rank in ranks:
+            (losses, weights), (alone_losses, alone_weights) = rank[zero], alone[zero]
+            assert [x for pair in losses for x in pair] == pytest.approx([x for pair in alone_losses for x in pair],
+                                                                         rel=1e-5), zero
+            for name, w in alone_weights.items():
+                assert torch.allclose(torch.as_tensor(weights[name]), w, atol=5e-6), (zero, name)
 
 
 def _uneven_pipeline_steps(rank: int, world: int, shards: str, root: str) -> tuple[list[tuple[float, float]], dict]:

@@ -100,9 +100,13 @@ def gradient_norm(model: torch.nn.Module, groups: Groups | None = None) -> torch
     grads = [p for p in model.parameters() if p.grad is not None]
     if not grads:
         return torch.zeros(())
-    split = [p.grad.detach().float().pow(2).sum() for p in grads if getattr(p, "tensor_model_parallel", False)]
-    whole = [p.grad.detach().float().pow(2).sum() for p in grads if not getattr(p, "tensor_model_parallel", False)]
-    total = sum(whole) + (groups.sum_over_tensor(sum(split)) if split else 0.0)  # split only after parallelize()
+
+    def squares(params: list) -> torch.Tensor:  # each gradient's norm read in place, where `pow(2)` would write a copy
+        return torch.stack([torch.linalg.vector_norm(p.grad.detach(), dtype=torch.float32) for p in params]).square().sum()
+
+    split = [p for p in grads if getattr(p, "tensor_model_parallel", False)]  # only after parallelize()
+    whole = [p for p in grads if not getattr(p, "tensor_model_parallel", False)]
+    total = (squares(whole) if whole else 0.0) + (groups.sum_over_tensor(squares(split)) if split else 0.0)
     return torch.as_tensor(total).sqrt()
 
 
