@@ -22,6 +22,7 @@ from mlflow import MlflowClient
 
 from conftest import ROOT, manifest
 from pipelines.full import main
+from train import records
 from train.loader import TokenShards
 
 
@@ -78,6 +79,10 @@ def test_loss_falls_and_the_curves_reach_mlflow(baseline):
     assert owners["rng-rank00001.pt"] == 1 and owners["rng-rank00000.pt"] == 0
     assert {owners[n] for n in owners if "zero_pp_rank_1_" in n} == {1} and {owners[n] for n in owners if "zero_pp_rank_0_" in n} == {0}
     assert set(owners.values()) == {0, 1}
+    # Each rank trained with one malloc arena (train/stage.py WORKER_ENV) and the threads its CPUs give it.
+    for rank in (0, 1):
+        identity = json.loads(records.rank_file(train["run_dir"], rank).read_text())
+        assert identity["malloc_arena_max"] == "1" and identity["threads"] >= 1, identity
     # Saves in the background, each measured; where the run's wall time went (train/goodput.py).
     saves = [r for r in rows if "checkpoint.write_seconds" in r]
     assert [r["step"] for r in saves] == [0, 10, 20, 30]  # the initial weights (a rollback target), every 10 steps

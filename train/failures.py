@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import re
 import socket
 import time
@@ -96,10 +97,14 @@ def describe_exception(error: BaseException, step: int | None, phase: str, rank:
 
 
 def write_identity(run_dir: Path, rank: int, node: str | None) -> None:
-    """ranks/rank-R.json: the node this rank runs on, for failures that leave no exception behind."""
+    """ranks/rank-R.json: the node this rank runs on, for failures that leave no exception behind, and what its
+    speed depends on beside its device: torch's threads and glibc's malloc arenas (train/stage.py WORKER_ENV)."""
+    import torch
+
     path = records.rank_file(run_dir, rank)
     path.parent.mkdir(exist_ok=True)
-    path.write_text(json.dumps({"node": node, "host": socket.gethostname()}))
+    path.write_text(json.dumps({"node": node, "host": socket.gethostname(), "threads": torch.get_num_threads(),
+                                "malloc_arena_max": os.environ.get("MALLOC_ARENA_MAX")}))
 
 
 def write_exit(run_dir: Path, rank: int, kind: str, step: int | None, message: str, waiting: bool = False) -> None:

@@ -62,6 +62,7 @@ def fit(cfg: EngineConfig, config, folder: Path, loop=None):
         scaling_config=ScalingConfig(num_workers=workers(cfg), use_gpu=cfg.gpus_per_worker > 0,
                                      resources_per_worker=resources, elastic_resize_monitor_interval_s=NEVER),
         run_config=RunConfig(name="ray", storage_path=str(folder), failure_config=FailureConfig(max_failures=cfg.max_failures),
+                             worker_runtime_env={"env_vars": WORKER_ENV},
                              callbacks=[FailureRecorder(str(folder)),
                                         *([RestartHealthCheck(str(folder), cfg.health,
                                                               worker=(cfg.cpus_per_worker, cfg.gpus_per_worker),
@@ -72,6 +73,15 @@ def fit(cfg: EngineConfig, config, folder: Path, loop=None):
         trainer.replica_workers = cfg.parallel.model_parallel  # its group sized in whole replicas
     return trainer.fit()
 
+
+# Each training worker's process environment, beside the job's. Ray Train runs the training function in a thread of
+# its own, not the process's main thread, and glibc gives such a thread a malloc arena of its own, made of heaps of
+# at most 64 MB that it hands back to the kernel as they empty: every step's activations and gradients on CPU were
+# then page faults again. A 125M step took 1.14x as long in a thread as in the main thread, a third of its CPU time
+# in the kernel; with one arena (the main one, which keeps what it had), the same as in the main thread
+# (docs/benchmarks.md, "125M on CPU in one process"). Other threads allocate little: one arena costs them nothing.
+# Read by glibc as the process starts; other C libraries ignore it.
+WORKER_ENV = {"MALLOC_ARENA_MAX": "1"}
 
 NEVER = 10.0 ** 9  # Ray Train's own resize of a running group: off (train/loop/elastic.py grows at a checkpoint)
 
