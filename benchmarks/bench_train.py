@@ -148,10 +148,14 @@ def measure(models: list[str], device: str, precision: str, out: Path, steps: in
 
     cores = cores or os.cpu_count() or 1
     # The bare loops in a Ray worker, as ours: the same process set-up (torch in this driver process ran the tiny
-    # model's step 1.3x as long as in a worker).
+    # model's step 1.3x as long as in a worker), with the environment of our training workers (one malloc arena:
+    # train/stage.py WORKER_ENV; without it the bare loop's tiny step took 1.3x ours).
+    from train.stage import WORKER_ENV
+
     if bare.__module__ != "__main__":  # imported (gpu_check.py, the tests): the workers cannot import benchmarks/
         cloudpickle.register_pickle_by_value(sys.modules[bare.__module__])
-    worker = ray.remote(num_cpus=cores, num_gpus=1 if device == "cuda" else 0)(bare)
+    worker = ray.remote(num_cpus=cores, num_gpus=1 if device == "cuda" else 0,
+                        runtime_env={"env_vars": WORKER_ENV})(bare)
     results = {}
     for name in models:
         setup = {**SETUPS[device][name], **({"steps": steps} if steps else {})}
