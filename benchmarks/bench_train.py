@@ -43,7 +43,7 @@ from train.optim import adamw  # noqa: E402
 
 import provenance  # noqa: E402  (benchmarks/provenance.py: a script's folder is on sys.path)
 
-# Batch and steps per device: on 2 CPU cores a 125M step of two sequences already takes ~20 s; on
+# Batch and steps per device: on 2 CPU cores a 125M step of two sequences already takes 55-90 s; on
 # one GPU the micro-batch must be large enough to fill it (MFU is the question there).
 # Steps a run: the first two (allocator, autotuning) are not timed. `rounds`: runs of ours, each between two of the
 # bare loop's, so that the host's drift (10-30% within minutes on 2 cores) weighs on both sides alike; one round of a

@@ -108,8 +108,7 @@ def variants(name: str, device: torch.device, tokens: torch.Tensor, micro: int, 
             compile_blocks(model, device)
         opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-4, betas=BETAS, eps=EPS, fused=fused)
         engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
-        if zero == 0:  # ours now: no averaging over one replica
-            skip_lone_averaging(engine, zero, 1, pipelined=False)
+        skip_lone_averaging(engine, zero, 1, pipelined=False)  # ours now at ZeRO-0: no averaging over one replica
         ctx = Context(rank=0, world=1, run_dir=out, device=device,
                       autocast=autocast_dtype(zero_stage=zero, precision="bf16"))
         step = TrainStep(engine, model, Batches(tokens, micro), ctx, own_grad_norm=zero == 0)

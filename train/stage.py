@@ -79,7 +79,7 @@ def fit(cfg: EngineConfig, config, folder: Path, loop=None):
 # at most 64 MB that it hands back to the kernel as they empty: every step's activations and gradients on CPU were
 # then page faults again. A 125M step took 1.14x as long in a thread as in the main thread, a third of its CPU time
 # in the kernel; with one arena (the main one, which keeps what it had), the same as in the main thread
-# (docs/benchmarks.md, "125M on CPU in one process"). Other threads allocate little: one arena costs them nothing.
+# (docs/benchmarks.md, "125M on CPU, in one process and in a Ray Train worker"). Other threads allocate little: one arena costs them nothing.
 # Read by glibc as the process starts; other C libraries ignore it.
 WORKER_ENV = {"MALLOC_ARENA_MAX": "1"}
 
