@@ -1,12 +1,15 @@
 """Shared fixtures: one Ray session for the whole test run (ray.init costs seconds), started as the
-pipeline starts it, and one run of the whole pipeline on the sample corpus that the stage tests read."""
+pipeline starts it, and the runs of the whole pipeline on the sample corpus that the stage tests read, made in
+the background while the other tests run (PipelineRuns)."""
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -19,7 +22,7 @@ pytest_plugins = ["pytester"]  # tests/test_any_cpu.py runs conftest's console s
 sys.path.insert(0, str(Path(__file__).parent))
 
 
-PIPELINE = ("default_run", "sample_run")  # the README run's pipeline (~210 s on 2 cores): once per worker that asks
+PIPELINE = ("default_run", "sample_run")  # the pipeline's runs (about 160 s on 2 cores): once per worker that asks
 
 
 def pipeline_modules(root: Path) -> set[str]:
@@ -139,7 +142,7 @@ def _no_outside_tracking_server(monkeypatch):
 
 
 # The tests' own tokenize and train (smaller than local.yaml's: 30 steps of 16 sequences of 64 tokens), written
-# after local.yaml's corpus stages and screen to make sample.yaml (sample_run).
+# after local.yaml's corpus stages and screen to make sample.yaml (sample_config).
 SAMPLE_TOKENIZE_TRAIN = """
 tokenize: {seq_len: 64, tokenizer: {kind: train, vocab_size: 1024}}
 train: {model: tiny, num_workers: 2, cpus_per_worker: 0.5, zero_stage: 2, precision: fp32, micro_batch_size: 4,
@@ -188,40 +191,140 @@ def made_once_per_suite(tmp_path_factory, what: str) -> None:
                     f"tests/conftest.py should put every module that reads it on one worker")
 
 
-@pytest.fixture(scope="session")
-def default_run(tmp_path_factory) -> DefaultRun:
-    """The README's first command, `python pipelines/full.py` with no arguments, run from a fresh directory,
-    then again. sample_run adds its own runs to the same workdir, so what the tests of this run read of the
-    workdir's current state is read here, right after it."""
-    made_once_per_suite(tmp_path_factory, "default_run")
-    where = tmp_path_factory.mktemp("fresh")
-    cmd = [sys.executable, str(ROOT / "pipelines" / "full.py")]
-    first = subprocess.run(cmd, cwd=where, capture_output=True, text=True, timeout=900)
-    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
-    manifests = {s: manifest(where / "work", s) for s in STAGES}
-    second = subprocess.run(cmd, cwd=where, capture_output=True, text=True, timeout=600)
-    assert second.returncode == 0, second.stderr[-3000:]
-    return DefaultRun(where, first, second, manifests, (where / "work" / "stages.md").read_text())
+def pytest_collection_modifyitems(config, items):
+    """In one process (`make test`), the modules that read the pipeline's runs go last, each whole and in file
+    order: the runs are made in the background from the first test on (pipeline_runs), while the other modules
+    run. (pytest-xdist's workers keep the collected order: its scheduler gives the pipeline's modules to one
+    worker, first.)"""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        return
+    pipeline = pipeline_modules(config.rootpath)
+    items.sort(key=lambda item: item.nodeid.split("::", 1)[0] in pipeline)  # stable: file order within each part
 
 
-@pytest.fixture(scope="session")
-def sample_run(default_run, ray_session):
-    """(sample folder, what the sample planted, workdir): the README command's run (its sample has HackerNews
-    planted spiky, which the screen drops), then `full.py --config sample.yaml` in the same workdir: local.yaml's
-    corpus stages and screen, whose outputs are the README run's (cache hits), and the tests' smaller tokenize
-    and train (SAMPLE_TOKENIZE_TRAIN). The screen, the costliest stage, runs once for both."""
-    from pipelines.full import main
+class PipelineRuns:
+    """The README run (`python pipelines/full.py` from a fresh directory, then again) and the tests' sample run
+    (`--config sample.yaml` in its workdir), made one after the other in a thread: each a subprocess with its own
+    Ray, as a user runs them. In one process the thread starts with the session's first test, when a collected
+    test reads them: the README run keeps about 1.6 of the 2 cores busy and the other tests about 1.2, so the tests
+    before the pipeline's modules run on what the runs leave idle. The tests then read the workdir only once both
+    runs have ended: nothing else writes there meanwhile."""
 
-    where = default_run.where
+    def __init__(self, tmp_path_factory, sample: bool):
+        self.tmp_path_factory = tmp_path_factory
+        self.sample = sample  # whether a collected test reads sample_run
+        self.env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS")}
+        self.thread: threading.Thread | None = None
+        self.lock = threading.Lock()  # a run starts, or the session stops them: never both at once
+        self.current: subprocess.Popen | None = None
+        self.stopped = False
+        self.default: DefaultRun | None = None  # made when the README run's two runs passed
+        self.sample_made = False
+        self.failure: str | None = None  # the first failure, with what its process printed
+
+    def start(self) -> None:
+        """In the test process's thread (the folder), before any test changes the environment (copied above)."""
+        if self.thread is None:
+            self.where = self.tmp_path_factory.mktemp("fresh")
+            self.thread = threading.Thread(target=self._make, name="pipeline-runs", daemon=True)
+            self.thread.start()
+
+    def wait(self) -> "PipelineRuns":
+        self.start()
+        self.thread.join()
+        return self
+
+    def stop(self) -> None:
+        """The session ended with a run still going (a failure and -x, Ctrl-C): it and its Ray end too."""
+        with self.lock:
+            self.stopped = True
+            if self.current is not None and self.current.poll() is None:
+                os.killpg(self.current.pid, signal.SIGKILL)
+        if self.thread is not None:
+            self.thread.join(timeout=30)
+
+    def _call(self, args: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, str(ROOT / "pipelines" / "full.py"), *args]
+        with self.lock:
+            if self.stopped:
+                raise RuntimeError("the session ended before this run started")
+            self.current = subprocess.Popen(cmd, cwd=cwd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                            text=True, start_new_session=True)
+        with self.current as proc:
+            try:
+                out, err = proc.communicate(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                os.killpg(proc.pid, signal.SIGKILL)
+                out, err = proc.communicate()
+        done = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+        if done.returncode != 0 and not self.failure:
+            self.failure = (f"`{' '.join(cmd[1:])}` in {cwd} exited {done.returncode}"
+                            f"{' (stopped)' if self.stopped else ''}:\n{out[-3000:]}{err[-3000:]}")
+        return done
+
+    def _make(self) -> None:
+        try:
+            first = self._call([], self.where, timeout=900)
+            if self.failure:
+                return
+            manifests = {s: manifest(self.where / "work", s) for s in STAGES}
+            second = self._call([], self.where, timeout=600)
+            if self.failure:
+                return
+            summary = (self.where / "work" / "stages.md").read_text()
+            self.default = DefaultRun(self.where, first, second, manifests, summary)
+            if self.sample:
+                self._call(["--config", str(sample_config(self.where))], self.where, timeout=900)
+                self.sample_made = not self.failure
+        except Exception as exc:  # said by the fixture that waits, not lost in the thread
+            self.failure = self.failure or f"{type(exc).__name__}: {exc}"
+
+
+def sample_config(where: Path) -> Path:
+    """sample.yaml beside the README run: local.yaml's corpus stages and screen, whose outputs are the README
+    run's (cache hits), and the tests' smaller tokenize and train (SAMPLE_TOKENIZE_TRAIN)."""
     local = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())
     for source in local["sources"]:
         source["paths"] = [str(where / p) for p in source["paths"]]
     corpus = {k: local[k] for k in ("sources", "normalize", "eval", "dedup", "screen")}
-    cfg = write_config(where, yaml.safe_dump({"workdir": str(where / "work"), **corpus}) + SAMPLE_TOKENIZE_TRAIN,
-                       name="sample")
-    assert main(["--config", str(cfg)]) == 0
-    work = where / "work"
+    return write_config(where, yaml.safe_dump({"workdir": str(where / "work"), **corpus}) + SAMPLE_TOKENIZE_TRAIN,
+                        name="sample")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def pipeline_runs(request, tmp_path_factory) -> PipelineRuns:
+    """Started here, with the session's first test, when a collected test reads a pipeline run and the suite runs
+    in one process; under pytest-xdist, by the first test that reads one, on the worker that runs them all."""
+    needs = {name for item in request.session.items for name in PIPELINE if name in item.fixturenames}
+    runs = PipelineRuns(tmp_path_factory, sample="sample_run" in needs)
+    if needs and not os.environ.get("PYTEST_XDIST_WORKER"):
+        runs.start()
+    yield runs
+    runs.stop()
+
+
+@pytest.fixture(scope="session")
+def default_run(pipeline_runs, tmp_path_factory) -> DefaultRun:
+    """The README's first command, `python pipelines/full.py` with no arguments, run from a fresh directory,
+    then again. sample_run adds its own run to the same workdir, so what the tests of this run read of the
+    workdir's state as this run left it is read right after it (manifests, summary)."""
+    made_once_per_suite(tmp_path_factory, "default_run")
+    runs = pipeline_runs.wait()
+    if runs.default is None:
+        pytest.fail(runs.failure, pytrace=False)
+    return runs.default
+
+
+@pytest.fixture(scope="session")
+def sample_run(default_run, pipeline_runs, ray_session):
+    """(sample folder, what the sample planted, workdir): the README command's run (its sample has HackerNews
+    planted spiky, which the screen drops), then `full.py --config sample.yaml` in the same workdir (made by
+    pipeline_runs). The screen, the costliest stage, runs once for both. The tests that read it go on in this
+    process's Ray (ray_session): a proxy run again, the ablation's rerun."""
+    if not pipeline_runs.wait().sample_made:
+        pytest.fail(pipeline_runs.failure, pytrace=False)
+    work = default_run.where / "work"
     rerun = [s for s in STAGES[:4] if manifest(work, s)["fingerprint"] != default_run.manifests[s]["fingerprint"]]
     assert not rerun, f"sample.yaml's corpus stages and screen should be the README run's, but these ran again: {rerun}"
-    sample = where / "data" / "sample"
+    sample = default_run.where / "data" / "sample"
     return sample, json.loads((sample / "PLANTED.json").read_text()), work

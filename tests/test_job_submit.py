@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import json
 import os
+import random
 import secrets
 import shutil
 import signal
@@ -35,10 +36,22 @@ from conftest import ROOT, manifest
 pytestmark = pytest.mark.slow
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def free_ports(count: int) -> list[int]:
+    """Ports free now, below the kernel's range for outgoing connections and above Ray's worker ports (10002-19999
+    by default): a port the kernel hands out (bind to 0) can be taken by any connection before `ray start` binds it,
+    which made the GCS fail to start once in a full suite ("Address already in use")."""
+    first_ephemeral = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    ports: list[int] = []
+    for port in random.sample(range(20000, first_ephemeral), 200):
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        ports.append(port)
+        if len(ports) == count:
+            return ports
+    raise RuntimeError(f"fewer than {count} free ports between 20000 and {first_ephemeral}")
 
 
 def up(url: str) -> bool:
@@ -64,16 +77,16 @@ def cluster_pids(marker: str) -> list[int]:
 
 
 def stop(marker: str) -> None:
-    """SIGTERM, 3 s for a clean exit (some of Ray's processes never take it), then SIGKILL."""
-    for sig, grace in ((signal.SIGTERM, 3), (signal.SIGKILL, 15)):
-        for pid in cluster_pids(marker):
-            try:
-                os.kill(pid, sig)
-            except ProcessLookupError:
-                pass
-        deadline = time.time() + grace
-        while cluster_pids(marker) and time.time() < deadline:
-            time.sleep(0.2)
+    """SIGKILL, and up to 15 s for the processes to go: nothing is read from the cluster after (a SIGTERM first
+    waited out its grace, some of Ray's processes never take it)."""
+    for pid in cluster_pids(marker):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    deadline = time.time() + 15
+    while cluster_pids(marker) and time.time() < deadline:
+        time.sleep(0.2)
 
 
 def test_ray_job_submit_runs_the_pipeline_on_both_nodes_and_reruns_one_stage(tmp_path):
@@ -87,7 +100,7 @@ def test_ray_job_submit_runs_the_pipeline_on_both_nodes_and_reruns_one_stage(tmp
     env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "RAY_AUTH_MODE": "token",
            "RAY_AUTH_TOKEN_PATH": str(token)}
     env.pop("RAY_ADDRESS", None)
-    gcs, dashboard, head_agent, node_agent, tracking = (free_port() for _ in range(5))
+    gcs, dashboard, head_agent, node_agent, tracking = free_ports(5)
     write_sample(tmp_path / "sample")
     shared = tmp_path / "shared"
     cfg = tmp_path / "cluster.yaml"
@@ -241,11 +254,8 @@ sources:
         assert f"node {said['worker']}" in (runs / "incidents.jsonl").read_text()
         assert json.loads((runs / "logbook.jsonl").read_text())["kind"] == "node-excluded"
     finally:
-        os.killpg(server.pid, signal.SIGTERM)
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            os.killpg(server.pid, signal.SIGKILL)
+        os.killpg(server.pid, signal.SIGKILL)  # its store is the test's own, read above
+        server.wait(timeout=30)
         stop(str(temp))
         leftover = cluster_pids(str(temp))
         shutil.rmtree(temp, ignore_errors=True)
