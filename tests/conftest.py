@@ -22,7 +22,7 @@ pytest_plugins = ["pytester"]  # tests/test_any_cpu.py runs conftest's console s
 sys.path.insert(0, str(Path(__file__).parent))
 
 
-PIPELINE = ("default_run", "sample_run")  # the pipeline's runs (about 160 s on 2 cores): once per worker that asks
+PIPELINE = ("default_run", "sample_run", "comments_run")  # the pipeline's runs (PipelineRuns): once per worker that asks
 
 
 def pipeline_modules(root: Path) -> set[str]:
@@ -202,57 +202,50 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.nodeid.split("::", 1)[0] in pipeline)  # stable: file order within each part
 
 
-BACKGROUND_NICE = 10  # CPU weight 110 against a test's 1024 (Linux): the runs take what the tests leave idle
-
-
-def yield_cores(pid: int, nice: int) -> None:
-    """`pid`'s niceness, and its session's where Linux groups the scheduler's shares by session (autogroup, on by
-    default): a process that started a session of its own is weighed against the tests' session as a whole, and
-    its own niceness counts only within it. Measured beside test_dag.py, test_compare.py and test_config.py (99 s
-    alone): 186 s beside the README run at the same priority, 134 s with its session at nice 10."""
-    os.setpriority(os.PRIO_PROCESS, pid, nice)
-    try:
-        Path(f"/proc/{pid}/autogroup").write_text(str(nice))
-    except OSError:  # no autogroup here: the process's own niceness is what counts
-        pass
+class RunFailed(Exception):
+    """A pipeline run that exited non-zero, with what it printed."""
 
 
 class PipelineRuns:
-    """The README run (`python pipelines/full.py` from a fresh directory, then again) and the tests' sample run
-    (`--config sample.yaml` in its workdir), made one after the other in a thread: each a subprocess with its own
-    Ray, as a user runs them. In one process the thread starts with the session's first test, when a collected
-    test reads them: the README run keeps about 1.6 of the 2 cores busy and the other tests about 1.2, so the tests
-    before the pipeline's modules run on what the runs leave idle. The tests then read the workdir only once both
-    runs have ended: nothing else writes there meanwhile."""
+    """The pipeline's runs that the tests read (PIPELINE), made one after the other in a thread, each a
+    subprocess with its own Ray, as a user runs them: the README run (`python pipelines/full.py` from a fresh
+    directory, then again), the tests' sample run (`--config sample.yaml` in its workdir) and the Reddit-comments
+    screen (`--config comments.yaml`), each when a collected test reads it. In one process the thread starts with
+    the session's first test: the README run keeps about 1.6 of the 2 cores busy and the other tests about 1.2, so
+    the runs take what the tests before the pipeline's modules leave idle. The tests read a run only once all
+    have ended: nothing else writes in the README run's workdir meanwhile."""
 
-    def __init__(self, tmp_path_factory, sample: bool):
+    def __init__(self, tmp_path_factory, wanted: set[str]):
         self.tmp_path_factory = tmp_path_factory
-        self.sample = sample  # whether a collected test reads sample_run
-        self.nice = 0  # the runs' niceness: raised when they run beside tests (start(background=True))
+        self.wanted = wanted  # the PIPELINE fixtures a collected test reads
         self.env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS")}
         self.thread: threading.Thread | None = None
         self.lock = threading.Lock()  # a run starts, or the session stops them: never both at once
         self.current: subprocess.Popen | None = None
         self.stopped = False
-        self.default: DefaultRun | None = None  # made when the README run's two runs passed
-        self.sample_made = False
-        self.failure: str | None = None  # the first failure, with what its process printed
+        self.made: dict[str, object] = {}  # PIPELINE fixture -> what its run left (a DefaultRun, a workdir)
+        self.failed: dict[str, str] = {}  # PIPELINE fixture -> why its run did not pass
 
-    def start(self, background: bool = False) -> None:
-        """In the test process's thread (the folder), before any test changes the environment (copied above). In
-        the background the runs yield the cores to the tests' (yield_cores): at the same priority the tests beside them
-        ran up to three times as long (test_dag's first run, which starts a Python process and its Ray: 5.5 s in
-        main's CI, 17.2 beside the runs), and gave back about half of what the overlap saved."""
+    def start(self) -> None:
+        """In the test process's thread (the folders), before any test changes the environment (copied above). The
+        runs take the cores at the tests' priority: the tests beside them run longer (test_dag's first run 5.5 s
+        alone, 17.2 beside them), and the suite keeps about half of what the overlap saves. Running them at nice 10
+        (their session's, which Linux weighs against the tests' session as a whole) saved no more
+        (docs/benchmarks.md)."""
         if self.thread is None:
-            self.nice = BACKGROUND_NICE if background else 0
             self.where = self.tmp_path_factory.mktemp("fresh")
+            if "comments_run" in self.wanted:
+                self.comments = self.tmp_path_factory.mktemp("comments")
             self.thread = threading.Thread(target=self._make, name="pipeline-runs", daemon=True)
             self.thread.start()
 
-    def wait(self) -> "PipelineRuns":
+    def result(self, name: str):
+        """What the run behind fixture `name` left, once every run has ended; its failure fails the test."""
         self.start()
         self.thread.join()
-        return self
+        if name not in self.made:
+            pytest.fail(self.failed.get(name, f"{name} was not made"), pytrace=False)
+        return self.made[name]
 
     def stop(self) -> None:
         """The session ended with a run still going (a failure and -x, Ctrl-C): it and its Ray end too."""
@@ -267,38 +260,46 @@ class PipelineRuns:
         cmd = [sys.executable, str(ROOT / "pipelines" / "full.py"), *args]
         with self.lock:
             if self.stopped:
-                raise RuntimeError("the session ended before this run started")
+                raise RunFailed("the session ended before this run started")
             self.current = subprocess.Popen(cmd, cwd=cwd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                             text=True, start_new_session=True)
-            yield_cores(self.current.pid, self.nice)  # before it starts its Ray, whose processes inherit it
         with self.current as proc:
             try:
                 out, err = proc.communicate(timeout=timeout)
             except subprocess.TimeoutExpired:
                 os.killpg(proc.pid, signal.SIGKILL)
                 out, err = proc.communicate()
-        done = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-        if done.returncode != 0 and not self.failure:
-            self.failure = (f"`{' '.join(cmd[1:])}` in {cwd} exited {done.returncode}"
+        if proc.returncode != 0:
+            raise RunFailed(f"`{' '.join(cmd[1:])}` in {cwd} exited {proc.returncode}"
                             f"{' (stopped)' if self.stopped else ''}:\n{out[-3000:]}{err[-3000:]}")
-        return done
+        return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+    def _default_run(self) -> DefaultRun:
+        first = self._call([], self.where, timeout=900)
+        manifests = {s: manifest(self.where / "work", s) for s in STAGES}
+        second = self._call([], self.where, timeout=600)
+        return DefaultRun(self.where, first, second, manifests, (self.where / "work" / "stages.md").read_text())
+
+    def _sample_run(self) -> Path:
+        self._call(["--config", str(sample_config(self.where))], self.where, timeout=900)
+        return self.where / "work"
+
+    def _comments_run(self) -> Path:
+        self._call(["--config", str(comments_config(self.where, self.comments)), "--only", "ingest,normalize,dedup,screen"],
+                   self.comments, timeout=900)
+        return self.comments / "work"
 
     def _make(self) -> None:
-        try:
-            first = self._call([], self.where, timeout=900)
-            if self.failure:
-                return
-            manifests = {s: manifest(self.where / "work", s) for s in STAGES}
-            second = self._call([], self.where, timeout=600)
-            if self.failure:
-                return
-            summary = (self.where / "work" / "stages.md").read_text()
-            self.default = DefaultRun(self.where, first, second, manifests, summary)
-            if self.sample:
-                self._call(["--config", str(sample_config(self.where))], self.where, timeout=900)
-                self.sample_made = not self.failure
-        except Exception as exc:  # said by the fixture that waits, not lost in the thread
-            self.failure = self.failure or f"{type(exc).__name__}: {exc}"
+        for name in PIPELINE:  # the README run first: the others read its sample
+            if name != "default_run" and name not in self.wanted:
+                continue
+            if "default_run" in self.failed:
+                self.failed[name] = f"the README run failed first: {self.failed['default_run']}"
+                continue
+            try:
+                self.made[name] = getattr(self, f"_{name}")()
+            except Exception as exc:  # said by the fixture that reads it, not lost in the thread
+                self.failed[name] = str(exc) if isinstance(exc, RunFailed) else f"{type(exc).__name__}: {exc}"
 
 
 def sample_config(where: Path) -> Path:
@@ -312,14 +313,27 @@ def sample_config(where: Path) -> Path:
                         name="sample")
 
 
+def comments_config(where: Path, folder: Path) -> Path:
+    """comments.yaml in `folder`: local.yaml on the README run's sample with Reddit's RC_* comment dumps only (no
+    RS_* submissions), screened on three subsets with 3 seeds in the first round (tests/test_screen.py says why)."""
+    local = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())
+    local.pop("sample_corpus")
+    local.pop("sample_spiky_subset")
+    for source in local["sources"]:
+        source["paths"] = [str(where / p) for p in source["paths"] if "/RS_" not in p]
+    local["workdir"] = str(folder / "work")
+    local["screen"].update(subsets=["DM Mathematics", SPIKY, "USPTO Backgrounds"], seeds=3)
+    return write_config(folder, yaml.safe_dump(local), name="comments")
+
+
 @pytest.fixture(scope="session", autouse=True)
 def pipeline_runs(request, tmp_path_factory) -> PipelineRuns:
     """Started here, with the session's first test, when a collected test reads a pipeline run and the suite runs
     in one process; under pytest-xdist, by the first test that reads one, on the worker that runs them all."""
-    needs = {name for item in request.session.items for name in PIPELINE if name in item.fixturenames}
-    runs = PipelineRuns(tmp_path_factory, sample="sample_run" in needs)
-    if needs and not os.environ.get("PYTEST_XDIST_WORKER"):
-        runs.start(background=True)
+    wanted = {name for item in request.session.items for name in PIPELINE if name in item.fixturenames}
+    runs = PipelineRuns(tmp_path_factory, wanted)
+    if wanted and not os.environ.get("PYTEST_XDIST_WORKER"):
+        runs.start()
     yield runs
     runs.stop()
 
@@ -330,10 +344,7 @@ def default_run(pipeline_runs, tmp_path_factory) -> DefaultRun:
     then again. sample_run adds its own run to the same workdir, so what the tests of this run read of the
     workdir's state as this run left it is read right after it (manifests, summary)."""
     made_once_per_suite(tmp_path_factory, "default_run")
-    runs = pipeline_runs.wait()
-    if runs.default is None:
-        pytest.fail(runs.failure, pytrace=False)
-    return runs.default
+    return pipeline_runs.result("default_run")
 
 
 @pytest.fixture(scope="session")
@@ -342,10 +353,15 @@ def sample_run(default_run, pipeline_runs, ray_session):
     planted spiky, which the screen drops), then `full.py --config sample.yaml` in the same workdir (made by
     pipeline_runs). The screen, the costliest stage, runs once for both. The tests that read it go on in this
     process's Ray (ray_session): a proxy run again, the ablation's rerun."""
-    if not pipeline_runs.wait().sample_made:
-        pytest.fail(pipeline_runs.failure, pytrace=False)
-    work = default_run.where / "work"
+    work = pipeline_runs.result("sample_run")
     rerun = [s for s in STAGES[:4] if manifest(work, s)["fingerprint"] != default_run.manifests[s]["fingerprint"]]
     assert not rerun, f"sample.yaml's corpus stages and screen should be the README run's, but these ran again: {rerun}"
     sample = default_run.where / "data" / "sample"
     return sample, json.loads((sample / "PLANTED.json").read_text()), work
+
+
+@pytest.fixture(scope="session")
+def comments_run(pipeline_runs) -> Path:
+    """The workdir of `full.py --config comments.yaml --only ingest,normalize,dedup,screen` (comments_config), made
+    by pipeline_runs after the README run, whose sample it reads."""
+    return pipeline_runs.result("comments_run")

@@ -10,7 +10,9 @@ import pytest
 
 from conftest import ROOT
 
-# Four threads each allocate and free 1 MB, then glibc's malloc_stats() lists the process's arenas on stderr.
+# Four threads each allocate and free 1 MB, then glibc's malloc_stats() lists the process's arenas on stderr. Each
+# holds its first block until all four have one: glibc gives a thread that starts after another ended the ended
+# one's arena, so threads that ran one after another (a busy machine) would share one.
 SCRIPT = """
 import ctypes, sys, threading
 from core.heap import one_arena
@@ -18,9 +20,13 @@ libc = ctypes.CDLL(None)
 libc.malloc.restype = ctypes.c_void_p
 libc.free.argtypes = [ctypes.c_void_p]
 print(one_arena() if sys.argv[1] == "one" else None)
+together = threading.Barrier(4)
 def work():
+    held = libc.malloc(4096)
+    together.wait()
     for _ in range(50):
         libc.free(libc.malloc(1 << 20 if _ % 2 else 4096))
+    libc.free(held)
 threads = [threading.Thread(target=work) for _ in range(4)]
 for t in threads: t.start()
 for t in threads: t.join()

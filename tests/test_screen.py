@@ -9,8 +9,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-import yaml
-from conftest import ROOT, SPIKY, manifest, rows, write_config
+from conftest import SPIKY, manifest, rows
 
 from core.config import ConfigError
 from corpus.config import OPT_PILE_SUBSETS
@@ -316,27 +315,16 @@ def test_a_proxy_run_is_reproducible(sample_run, tmp_path):
     assert "RayTrainWorker" in started and not started & set(UNUSED_ACTORS), sorted(started)
 
 
-def test_reddit_comments_alone_still_drop_the_planted_subset_and_only_it(default_run, ray_session, tmp_path):
+def test_reddit_comments_alone_still_drop_the_planted_subset_and_only_it(comments_run):
     """The corpus that flipped the old rule: the README's sample with Reddit's RC_* comment dumps only (no RS_*
     submissions): HackerNews then scored 8.8 against a limit of 16.9, under DM Mathematics' 7.8 and USPTO's 5.6 plus
     the margin, and was kept. The composition-adjusted score and the paired rule drop it, and keep the two clean
     subsets that fooled the old score. Screened: those three, with local.yaml's rule, 3 seeds in the first round
     (with three subsets the pooled noise has few degrees of freedom after 2 seeds, and the rounds that would
     follow cost more than the one seed). The whole screen of this corpus, all 8 subsets on local.yaml's schedule,
-    is the power benchmark's `issue` corpus (docs/benchmarks.md)."""
-    from pipelines.full import main
-
-    where = default_run.where
-    local = yaml.safe_load((ROOT / "configs" / "local.yaml").read_text())
-    local.pop("sample_corpus")
-    local.pop("sample_spiky_subset")
-    for source in local["sources"]:
-        source["paths"] = [str(where / p) for p in source["paths"] if "/RS_" not in p]
-    local["workdir"] = str(tmp_path / "work")
-    local["screen"].update(subsets=["DM Mathematics", SPIKY, "USPTO Backgrounds"], seeds=3)
-    cfg = write_config(tmp_path, yaml.safe_dump(local), name="comments")
-    assert main(["--config", str(cfg), "--only", "ingest,normalize,dedup,screen"]) == 0
-    ingest, m = manifest(tmp_path / "work", "ingest"), manifest(tmp_path / "work", "screen")
+    is the power benchmark's `issue` corpus (docs/benchmarks.md). The run is made in the background with the
+    README run's (tests/conftest.py comments_config)."""
+    ingest, m = manifest(comments_run, "ingest"), manifest(comments_run, "screen")  # comments.yaml (conftest.py)
     assert "RS_" not in json.dumps(ingest["config"]) and "RC_" in json.dumps(ingest["config"])
     assert m["dropped_subsets"] == [SPIKY]
     assert m["kept_subsets"] == ["DM Mathematics", "USPTO Backgrounds"] and m["inconclusive_subsets"] == []
