@@ -21,11 +21,12 @@ import provenance  # noqa: E402  (benchmarks/provenance.py: a script's folder is
 
 def loop(config: dict) -> None:
     """The worker's side: what our loop imports before its first step, then the time it got here."""
-    import importlib
     import time
 
-    for module in ("deepspeed", "train.loop"):
-        importlib.import_module(module)
+    from train.deepspeed_import import import_deepspeed
+
+    import_deepspeed()  # as train.loop.train_loop does first
+    import train.loop  # noqa: F401
     Path(config["entered"]).write_text(str(time.time()))
 
 

@@ -103,6 +103,31 @@ def test_the_loop_config_is_typed_derived_from_the_shards_and_travels(shards, tm
     assert [elastic.accumulation_at(d) for d in (4, 3, 2, 1)] == [1, 2, 2, 4] and elastic.accumulation == 1
 
 
+def test_a_worker_imports_deepspeed_without_mlflow_and_can_still_import_mlflow():
+    """A fresh process as a Ray Train worker starts (train/deepspeed_import.py): the loop's module, unpickled first,
+    imports neither; `import_deepspeed` (`train_loop`'s first call) imports DeepSpeed, whose autotuner then has no
+    MLflow (0.6 s of each worker's start in a Ray worker); and MLflow still imports afterwards."""
+    import subprocess
+    import sys
+
+    from conftest import ROOT
+
+    code = ("import sys, json\n"
+            "import train.loop\n"
+            "seen = {'after train.loop': sorted(m for m in ('deepspeed', 'mlflow') if m in sys.modules)}\n"
+            "from train.deepspeed_import import import_deepspeed\n"
+            "import_deepspeed()\n"
+            "from deepspeed.autotuning import autotuner\n"
+            "seen['after import_deepspeed'] = sorted(m for m in ('deepspeed', 'mlflow') if m in sys.modules)\n"
+            "seen['has_mlflow'] = autotuner.has_mlflow\n"
+            "import mlflow\n"
+            "seen['mlflow'] = hasattr(mlflow, 'MlflowClient')\n"
+            "print(json.dumps(seen))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert json.loads(out.splitlines()[-1]) == {"after train.loop": [], "after import_deepspeed": ["deepspeed"],
+                                                "has_mlflow": False, "mlflow": True}
+
+
 def test_an_elastic_run_counts_the_workers_the_reserved_resources_hold_as_ray_train_does(shards, tmp_path, monkeypatch,
                                                                                             caplog):
     """Each node by itself: half a GPU here and half there is no worker; a resource a worker does not need, none:

@@ -32,6 +32,9 @@ def torch_fp16_error() -> str | None:
 
 def allow_deepspeed_fp16() -> None:
     """Lift DeepSpeed's oneDNN check in this process, on the accelerator object every engine asks."""
+    from train.deepspeed_import import import_deepspeed
+
+    import_deepspeed()  # a Ray worker calls this before the loop does
     from deepspeed.accelerator import get_accelerator
 
     get_accelerator().is_fp16_supported = lambda: True

@@ -23,10 +23,12 @@ def train_loop(config: LoopConfig):
     import ray.train
     import torch
 
+    from train.deepspeed_import import import_deepspeed
     from train.loop.context import Context, quiet
     from train.loop.faults import start_attempt
     from train.loop.trainer import Trainer
 
+    import_deepspeed()  # first: whatever of DeepSpeed's the worker imports next would take MLflow with it
     logging.basicConfig(level=logging.INFO, format=FORMAT)
     train_ctx = ray.train.get_context()
     handler = None

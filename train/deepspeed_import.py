@@ -1,0 +1,24 @@
+"""DeepSpeed imported without MLflow, at the start of each training worker.
+
+`import deepspeed` imports its autotuner (deepspeed/runtime/config.py -> deepspeed/autotuning), which imports mlflow
+if it can, to log tuning trials we never run. MLflow's own imports (pandas, its GenAI judges) are 1.2 s of each
+worker process's start on 2 cores, against 1.5 s for the rest of DeepSpeed: a cost every Ray Train job pays per
+worker and again per restart, the screen's proxy jobs and the tests' many small jobs most of all
+(docs/benchmarks.md). Nothing in a worker uses MLflow; the driver tracks (core/tracking.py)."""
+
+from __future__ import annotations
+
+import sys
+
+
+def import_deepspeed() -> None:
+    """Import DeepSpeed with `import mlflow` failing for that import only: the autotuner then takes itself to have
+    no MLflow (`has_mlflow = False`), the one place DeepSpeed reads it. A later `import mlflow` in this process
+    works as ever. Where MLflow or DeepSpeed is already imported (the driver, a test's process), nothing changes."""
+    if "deepspeed" in sys.modules or "mlflow" in sys.modules:
+        return
+    sys.modules["mlflow"] = None  # the import system's mark for "not importable": ImportError
+    try:
+        import deepspeed  # noqa: F401
+    finally:
+        del sys.modules["mlflow"]
