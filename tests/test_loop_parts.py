@@ -105,7 +105,7 @@ def test_the_loop_config_is_typed_derived_from_the_shards_and_travels(shards, tm
 
 def test_a_worker_imports_deepspeed_without_mlflow_and_can_still_import_mlflow():
     """A fresh process as a Ray Train worker starts (train/deepspeed_import.py): the loop's module, unpickled first,
-    imports neither; `import_deepspeed` (`train_loop`'s first call) imports DeepSpeed, whose autotuner then has no
+    and what `train_loop` imports before its first call import neither; `import_deepspeed` (`train_loop`'s first call) imports DeepSpeed, whose autotuner then has no
     MLflow (0.6 s of each worker's start in a Ray worker); and MLflow still imports afterwards."""
     import subprocess
     import sys
@@ -113,7 +113,7 @@ def test_a_worker_imports_deepspeed_without_mlflow_and_can_still_import_mlflow()
     from conftest import ROOT
 
     code = ("import sys, json\n"
-            "import train.loop\n"
+            "import train.loop, train.loop.context, train.loop.faults, train.loop.trainer\n"
             "seen = {'after train.loop': sorted(m for m in ('deepspeed', 'mlflow') if m in sys.modules)}\n"
             "from train.deepspeed_import import import_deepspeed\n"
             "import_deepspeed()\n"
