@@ -365,6 +365,12 @@ def driver(sizes: list[int], repeats: int, root: Path) -> None:
     print(f"\nThe driver's peak over the run: {' -> '.join('/'.join(f'{v / MB:,.0f}' for v in peaks[n]) for n in sizes)} "
           f"MB; bytes per document from {rows[small]:,}: "
           + ", ".join(f"{per_document(peaks, n):+.1f} to {rows[n]:,}" for n in larger))
+    # Two runs of one size differ by up to 8 MB before either reads a document (Ray's start): each run's peak
+    # over its own peak then, the growth that the documents can have caused.
+    own = {n: [max(s["peak"] for s in r.values()) - r["start"]["peak"] for r in runs[n]] for n in sizes}
+    print(f"Each run's peak over its own before the first stage: "
+          f"{' -> '.join('/'.join(f'{v / MB:+,.0f}' for v in own[n]) for n in sizes)} MB; bytes per document from "
+          f"{rows[small]:,}: " + ", ".join(f"{per_document(own, n):+.1f} to {rows[n]:,}" for n in larger))
 
 
 def parser() -> argparse.ArgumentParser:
