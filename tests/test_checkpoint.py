@@ -15,7 +15,8 @@ import torch
 from model.configs import get
 from model.opt import OPT
 from train import checkpoint_files
-from train.optim import Schedule, adamw, autocast_dtype, deepspeed_config, param_groups
+from train.optim import adamw, autocast_dtype, deepspeed_config, param_groups
+from train.schedule import Schedule
 from train.parallel.pipeline import TIED
 
 

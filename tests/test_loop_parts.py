@@ -32,7 +32,7 @@ from train.loop.elastic import hostable
 from train.loop.metrics import Metrics
 from train.loop.pilot import Pilot
 from train.loop.step import Feed, StepResult, TrainStep, gradient_norm
-from train.optim import Schedule
+from train.schedule import Schedule
 
 SEQ = 16
 
@@ -103,18 +103,25 @@ def test_the_loop_config_is_typed_derived_from_the_shards_and_travels(shards, tm
     assert [elastic.accumulation_at(d) for d in (4, 3, 2, 1)] == [1, 2, 2, 4] and elastic.accumulation == 1
 
 
-def test_a_worker_imports_deepspeed_without_mlflow_and_can_still_import_mlflow():
-    """A fresh process as a Ray Train worker starts (train/deepspeed_import.py): the loop's module, unpickled first,
-    and what `train_loop` imports before its first call import neither; `import_deepspeed` (`train_loop`'s first call) imports DeepSpeed, whose autotuner then has no
-    MLflow (0.6 s of each worker's start in a Ray worker); and MLflow still imports afterwards."""
+def test_the_driver_imports_no_torch_and_a_worker_imports_deepspeed_without_mlflow():
+    """What each process imports, in one fresh process. The pipeline's driver: its stages (pipelines/stages.py) and
+    a run's loop config (the train stage's, screen's proxies') import neither torch nor Ray Train, 1.6 s of a
+    corpus-only run's start (`--only dedup`); Ray Train's trainer imports them when a stage trains. Then as a Ray
+    Train worker starts (train/deepspeed_import.py): the loop's module, unpickled first, and what `train_loop`
+    imports before its first call import neither DeepSpeed nor MLflow; `import_deepspeed` (`train_loop`'s first
+    call) imports DeepSpeed, whose autotuner then has no MLflow (0.6 s of each worker's start in a Ray worker); and
+    MLflow still imports afterwards."""
     import subprocess
     import sys
 
     from conftest import ROOT
 
+    heavy = "('torch', 'ray.train', 'deepspeed', 'mlflow')"
     code = ("import sys, json\n"
+            "import pipelines.stages, train.loop.config\n"
+            f"seen = {{'driver': sorted(m for m in {heavy} if m in sys.modules)}}\n"
             "import train.loop, train.loop.context, train.loop.faults, train.loop.trainer\n"
-            "seen = {'after train.loop': sorted(m for m in ('deepspeed', 'mlflow') if m in sys.modules)}\n"
+            "seen['after train.loop'] = sorted(m for m in ('deepspeed', 'mlflow') if m in sys.modules)\n"
             "from train.deepspeed_import import import_deepspeed\n"
             "import_deepspeed()\n"
             "from deepspeed.autotuning import autotuner\n"
@@ -124,7 +131,7 @@ def test_a_worker_imports_deepspeed_without_mlflow_and_can_still_import_mlflow()
             "seen['mlflow'] = hasattr(mlflow, 'MlflowClient')\n"
             "print(json.dumps(seen))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    assert json.loads(out.splitlines()[-1]) == {"after train.loop": [], "after import_deepspeed": ["deepspeed"],
+    assert json.loads(out.splitlines()[-1]) == {"driver": [], "after train.loop": [], "after import_deepspeed": ["deepspeed"],
                                                 "has_mlflow": False, "mlflow": True}
 
 

@@ -193,7 +193,7 @@ def test_too_little_data_for_one_batch_fails_before_any_worker_starts(baseline, 
 
 def lr_at(step: int) -> float:
     """The sample config's schedule: peak 3e-3, 5 warmup steps, decay to 10% at 100000 / 1024 = 97 steps."""
-    from train.optim import Schedule
+    from train.schedule import Schedule
 
     return Schedule(3e-3, 5, 97, 0.1).lr(step)
 

@@ -1,15 +1,10 @@
-"""OPT's optimizer and schedule, and the DeepSpeed config generated from ours.
+"""OPT's optimizer, and the DeepSpeed config generated from ours.
 
 AdamW with betas (0.9, 0.95), eps 1e-8, weight decay 0.1 on matrices only (not on biases or
-LayerNorm parameters); the LR warms up linearly, then decays linearly to `final_lr_ratio` of
-its peak at `total_tokens`, and stays there (opt-facts.md). The schedule is a pure function of
-the step, so a restart needs no scheduler state; `factor` is where the stability autopilot's
-"lower the LR" goes (a multiplier on the whole schedule from then on).
+LayerNorm parameters) (opt-facts.md). Its LR schedule: train/schedule.py.
 """
 
 from __future__ import annotations
-
-from dataclasses import dataclass
 
 import torch
 
@@ -34,28 +29,6 @@ def adamw(model: torch.nn.Module, lr: float, weight_decay: float) -> torch.optim
     reads a step here); the fused one keeps the counts on the device, and skips an update on the device when its
     `found_inf` is set (step.py sets it on ZeRO-0, where no DeepSpeed optimizer checks the gradients)."""
     return torch.optim.AdamW(param_groups(model, weight_decay), lr=lr, betas=BETAS, eps=EPS, fused=True)
-
-
-@dataclass
-class Schedule:
-    peak: float
-    warmup_steps: int
-    total_steps: int
-    final_ratio: float = 0.1
-    factor: float = 1.0
-    rewarm_from: int | None = None  # after the autopilot resets Adam: warm up again from this step
-    rewarm_steps: int = 0
-
-    def lr(self, step: int) -> float:
-        """The LR for optimizer step `step` (1-based: step 1 is the first update)."""
-        if step <= self.warmup_steps:
-            base = self.peak * step / max(1, self.warmup_steps)
-        else:
-            done = min(1.0, (step - self.warmup_steps) / max(1, self.total_steps - self.warmup_steps))
-            base = self.peak * (1.0 - (1.0 - self.final_ratio) * done)
-        if self.rewarm_from is not None and step > self.rewarm_from:
-            base *= min(1.0, (step - self.rewarm_from) / max(1, self.rewarm_steps))
-        return base * self.factor
 
 
 def autocast_dtype(*, zero_stage: int, precision: str, pipeline: bool = False) -> torch.dtype | None:

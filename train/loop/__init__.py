@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from train import failures, goodput, records
+from train import goodput, records
 from train.loop.config import LoopConfig
 
 FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -23,6 +23,7 @@ def train_loop(config: LoopConfig):
     import ray.train
     import torch
 
+    from train import failures  # here, not at the top: it imports Ray Train, which a driver's loop config never needs
     from train.deepspeed_import import import_deepspeed
     from train.loop.context import Context, quiet
     from train.loop.faults import start_attempt

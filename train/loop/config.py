@@ -17,7 +17,7 @@ from pathlib import Path
 from train.config import TrainConfig
 from model.configs import OPTConfig, get
 from train.loader import read_index
-from train.optim import Schedule
+from train.schedule import Schedule
 
 
 @dataclass(frozen=True)

@@ -16,7 +16,8 @@ from train.loop.checkpointer import Checkpointer
 from train.loop.config import LoopConfig
 from train.loop.context import Context, incident
 from train.loop.step import StepResult
-from train.optim import INITIAL_SCALE_POWER, Schedule
+from train.optim import INITIAL_SCALE_POWER
+from train.schedule import Schedule
 
 if TYPE_CHECKING:
     from train.loop.drill import SimulatedScaler
