@@ -175,19 +175,6 @@ sources:
         ids = pq.read_table(before["ingest"]["output"], columns=["id"])
         assert any(i.startswith("pile/00.jsonl.zst:") for i in ids.column("id").to_pylist())  # ids as from a path
 
-        # Which node ran what: the State API of the cluster's dashboard.
-        probe = subprocess.run([sys.executable, "-c", (
-            "import json\n"
-            "from ray.util.state import list_nodes, list_tasks\n"
-            f"a = 'http://127.0.0.1:{dashboard}'\n"
-            "names = {n.node_id: ('head' if 'head_node' in n.resources_total else 'worker') for n in list_nodes(address=a)}\n"
-            "tasks = [t for t in list_tasks(address=a, detail=True, limit=10000) if t.node_id and t.type == 'NORMAL_TASK']\n"
-            "print(json.dumps([[t.name, names[t.node_id]] for t in tasks]))")],
-            env=env, capture_output=True, text=True, timeout=120)
-        assert probe.returncode == 0, probe.stderr[-3000:]
-        by_node = collections.Counter(node for _, node in json.loads(probe.stdout.splitlines()[-1]))
-        assert by_node["head"] > 0 and by_node["worker"] > 0, by_node
-
         out = submit("--only", "dedup", "--force")
         assert "[dedup] running" in out and "[ingest]" not in out and "[normalize]" not in out
         after = {stage: manifest(shared, stage) for stage in before}
@@ -221,6 +208,14 @@ sources:
         runs = tmp_path / "health-run"
         checked = subprocess.run([sys.executable, "-c", (
             "import dataclasses, json, sys, ray\n"
+            # Which node ran the stages' tasks (corpus.parts.run_tasks names each Map after its task: Map(read_task)):
+            # the State API of the cluster's dashboard, before the drain below.
+            "from ray.util.state import list_nodes, list_tasks\n"
+            f"a = 'http://127.0.0.1:{dashboard}'\n"
+            "names = {n.node_id: ('head' if 'head_node' in n.resources_total else 'worker') for n in list_nodes(address=a)}\n"
+            "tasks = [t for t in list_tasks(address=a, detail=True, limit=10000) if t.node_id and t.type == 'NORMAL_TASK'\n"
+            "         and '_task)' in t.name]\n"
+            "ran_on = [names[t.node_id] for t in tasks]\n"
             "from pathlib import Path\n"
             "from train.config import HealthConfig\n"
             "from train.failures import Failure, RestartHealthCheck\n"
@@ -242,10 +237,12 @@ sources:
             "pinned = ray.remote(num_cpus=0, resources={'worker_node': 0.01})(lambda: 1).remote()\n"
             "head = ray.remote(num_cpus=0, resources={'head_node': 0.01})(lambda: 1).remote()\n"
             "ready, _ = ray.wait([pinned, head], num_returns=2, timeout=5)\n"
-            "print(json.dumps({'excluded': excluded, 'worker': worker, 'ran': [r == head for r in ready]}))")],
+            "print(json.dumps({'excluded': excluded, 'worker': worker, 'ran': [r == head for r in ready], 'ran_on': ran_on}))")],
             cwd=ROOT, env={**env, "RAY_ADDRESS": f"127.0.0.1:{gcs}"}, capture_output=True, text=True, timeout=300)
         assert checked.returncode == 0, checked.stdout[-3000:] + checked.stderr[-3000:]
         said = json.loads(checked.stdout.splitlines()[-1])
+        by_node = collections.Counter(said["ran_on"])
+        assert by_node["head"] > 0 and by_node["worker"] > 0, by_node  # the pipeline's tasks ran on both nodes
         assert said["excluded"] == [said["worker"]] and said["ran"] == [True]  # the drained node takes no task
         probes = [json.loads(line) for line in (runs / "health.jsonl").read_text().splitlines()]
         assert len(probes) == 2 and all(p["matmul_tflops"] > 0 and p["memory_ok"] and p["allreduce_gbps"] > 0
