@@ -2,9 +2,9 @@
 there (opt-facts.md).
 
 A pure function of the step, so a restart needs no scheduler state; `factor` is where the stability autopilot's
-"lower the LR" goes (a multiplier on the whole schedule from then on). Apart from the optimizer (train/optim.py)
-and free of torch: the driver builds a run's loop config, and with it this schedule, before any worker imports
-torch, and a run of the corpus stages alone never imports it.
+"lower the LR" goes (a multiplier on the whole schedule from then on). Apart from the optimizer (train/optim.py),
+so free of torch: the pipeline's driver imports every stage's loop config, this schedule with it, and imports
+no torch until a stage trains (1 s of a corpus-only run's start).
 """
 
 from __future__ import annotations
