@@ -46,7 +46,7 @@ from train.loop.context import Context  # noqa: E402
 from train.loop.engine import compile_blocks, skip_lone_averaging  # noqa: E402
 from train.loop.metrics import peak_tflops  # noqa: E402
 from train.loop.step import TrainStep  # noqa: E402
-from train.optim import BETAS, EPS, autocast_dtype, deepspeed_config, param_groups  # noqa: E402
+from train.optim import BETAS, EPS, deepspeed_config, param_groups  # noqa: E402
 
 import provenance  # noqa: E402  (benchmarks/provenance.py: a script's folder is on sys.path)
 from bench_train import bare_loop  # noqa: E402
@@ -91,15 +91,20 @@ class Batches:
         return self.count - 1, self.micro_batches
 
 
-def variants(name: str, device: torch.device, tokens: torch.Tensor, micro: int, out: Path):
-    """(label, a callable that runs one step, what to free after) for each variant, built one at a time."""
+def variants(name: str, device: torch.device, tokens: torch.Tensor, micro: int, out: Path, only: set[str] | None = None):
+    """(label, a callable that runs one step, what to free after) for each variant (of `only`, if given), built
+    one at a time."""
     import deepspeed
 
     config = get(name).replace(max_seq_len=max(tokens.size(1) - 1, get(name).max_seq_len))
     for label, pure in (("bare pure", True), ("bare fair", False)):
+        if only and label not in only:
+            continue
         yield label, functools.partial(bare_loop(config, device.type, "bf16", pure), tokens, micro), None
     accumulation = tokens.size(0) // micro
     for label, zero, timers, fused, compiled in OURS:
+        if only and label not in only:
+            continue
         ds_config = deepspeed_config(micro_batch=micro, accumulation=accumulation, world_size=1, zero_stage=zero,
                                      precision="bf16", grad_clip=1.0)
         ds_config["timers"] = {"throughput": {"enabled": timers}}
@@ -109,8 +114,7 @@ def variants(name: str, device: torch.device, tokens: torch.Tensor, micro: int, 
         opt = torch.optim.AdamW(param_groups(model, 0.1), lr=1e-4, betas=BETAS, eps=EPS, fused=fused)
         engine, *_ = deepspeed.initialize(model=model, optimizer=opt, config=ds_config)
         skip_lone_averaging(engine, zero, 1, pipelined=False)  # ours now at ZeRO-0: no averaging over one replica
-        ctx = Context(rank=0, world=1, run_dir=out, device=device,
-                      autocast=autocast_dtype(zero_stage=zero, precision="bf16"))
+        ctx = Context(rank=0, world=1, run_dir=out, device=device)
         step = TrainStep(engine, model, Batches(tokens, micro), ctx, own_grad_norm=zero == 0)
         yield label, functools.partial(step, 1e-4), engine
         del model, opt, step, engine
@@ -160,36 +164,58 @@ def profile(step, steps: int, cuda: bool) -> dict:
     return per_step
 
 
-def measure(name: str, device: torch.device, steps: int, profiled: int, out: Path) -> list[Row]:
+def each_variant(name: str, device: torch.device, out: Path, only: set[str] | None, use) -> dict:
+    """`use(step)` on each variant's step in turn, over the model's fixed batch, each variant freed before the
+    next is built: {label: what `use` gave}."""
     seq_len, batch, micro = SETUPS[name]
-    vocab = get(name).vocab_size
-    tokens = torch.randint(4, vocab, (batch, seq_len + 1), generator=torch.Generator().manual_seed(0)).to(device)
-    cuda = device.type == "cuda"
-    peak = peak_tflops(device, "bf16")
-    per_token = flops_per_token(get(name), seq_len)
-    rows = []
-    for label, step, engine in variants(name, device, tokens, micro, out):
-        if cuda:
-            torch.cuda.reset_peak_memory_stats(device)
-        times = []
-        for _ in range(steps + 2):
-            t0 = time.perf_counter()
-            step()
-            if cuda:
-                torch.cuda.synchronize(device)
-            times.append(time.perf_counter() - t0)
-        seconds = statistics.median(times[2:])
-        rate = batch * seq_len / seconds
-        counts = profile(step, profiled, cuda)
-        rows.append(Row(name, label, seconds, rate, rate * per_token / 1e12 / peak if peak else None,
-                        torch.cuda.max_memory_allocated(device) / 1e9 if cuda else None, **counts))
-        print(f"{name} {label}: {seconds * 1e3:.1f} ms a step, {counts['host_reads']:g} host reads", flush=True)
+    tokens = torch.randint(4, get(name).vocab_size, (batch, seq_len + 1),
+                           generator=torch.Generator().manual_seed(0)).to(device)
+    results = {}
+    for label, step, engine in variants(name, device, tokens, micro, out, only):
+        results[label] = use(step)
         if engine is not None:
             engine.destroy()
         del step, engine
         gc.collect()
-        if cuda:
+        if device.type == "cuda":
             torch.cuda.empty_cache()
+    return results
+
+
+def timed(step, steps: int, device: torch.device) -> tuple[float, float | None]:
+    """The median step in seconds over `steps` (after two untimed), and the peak device memory in GB."""
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for _ in range(steps + 2):
+        t0 = time.perf_counter()
+        step()
+        if cuda:
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times[2:]), torch.cuda.max_memory_allocated(device) / 1e9 if cuda else None
+
+
+def measure(models: list[str], device: torch.device, steps: int, profiled: int, out: Path,
+            only: set[str] | None = None) -> list[Row]:
+    """Every variant timed first, then every one profiled, each built afresh: a variant timed after torch.profiler
+    had run in the process was slower (an H200, 2026-12-04: the same 125M fair bare loop 344 ms a step after a
+    profiled variant, 256 ms before any), so no timing follows a profile."""
+    times = {name: each_variant(name, device, out, only, lambda step: timed(step, steps, device)) for name in models}
+    counts = {name: each_variant(name, device, out, only, lambda step: profile(step, profiled, device.type == "cuda"))
+              for name in models}
+    peak = peak_tflops(device, "bf16")
+    rows = []
+    for name in models:
+        seq_len, batch, _ = SETUPS[name]
+        per_token = flops_per_token(get(name), seq_len)
+        for label, (seconds, memory) in times[name].items():
+            rate = batch * seq_len / seconds
+            rows.append(Row(name, label, seconds, rate, rate * per_token / 1e12 / peak if peak else None, memory,
+                            **counts[name][label]))
+            print(f"{name} {label}: {seconds * 1e3:.1f} ms a step, {counts[name][label]['host_reads']:g} host reads",
+                  flush=True)
     return rows
 
 
@@ -200,7 +226,7 @@ def table(rows: list[Row]) -> list[str]:
     for r in rows:
         kinds = ", ".join(f"{k} {v:g}" for k, v in r.device_ms_by_kind.items()) or "-"
         lines.append(f"| {r.model} | {r.variant} | {r.step_seconds * 1e3:.1f} | {r.tokens_per_second:,.0f} | "
-                     f"{r.step_seconds / fair[r.model]:.2f}x | {f'{r.mfu:.1%}' if r.mfu is not None else '-'} | "
+                     f"{f'{r.step_seconds / fair[r.model]:.2f}x' if r.model in fair else '-'} | {f'{r.mfu:.1%}' if r.mfu is not None else '-'} | "
                      f"{f'{r.peak_memory_gb:.1f}' if r.peak_memory_gb is not None else '-'} | {r.host_reads:g} | "
                      f"{r.synchronizations:g} | {r.device_to_host:g} | {r.kernel_launches:g} | {kinds} |")
     return lines
@@ -232,11 +258,16 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=12, help="timed steps per variant, after two untimed")
     p.add_argument("--dry-run", action="store_true", help="on CPU: the tiny model, one timed step, one profiled")
     p.add_argument("--out", default="/tmp/gap_attrib")
+    p.add_argument("--variants", type=lambda v: set(v.split(",")), default=None,
+                   help="only these, by label, e.g. 'bare fair,ZeRO-0 autocast' (default: all, in order)")
     return p
 
 
 def main(argv: list[str] | None = None) -> list[Row]:
     args = parser().parse_args(argv)
+    unknown = (args.variants or set()) - {"bare pure", "bare fair"} - {v[0] for v in OURS}
+    if unknown:
+        raise SystemExit(f"--variants: no variant {sorted(unknown)}")
     print(provenance.header(), flush=True)
     cuda = torch.cuda.is_available() and not args.dry_run
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
@@ -244,7 +275,7 @@ def main(argv: list[str] | None = None) -> list[Row]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     one_rank("nccl" if cuda else "gloo")
-    rows = [row for name in models for row in measure(name, device, steps, profiled, out)]
+    rows = measure(models, device, steps, profiled, out, args.variants)
     (out / "gap_attrib.json").write_text(json.dumps([asdict(r) for r in rows], indent=1))
     print(torch.cuda.get_device_name(device) if cuda else "cpu", "bf16")
     print("\n".join(table(rows)))

@@ -251,11 +251,16 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--dry-run", action="store_true", help="on CPU, at tiny scale: the script's own plumbing")
     p.add_argument("--out", default="/tmp/gpu_check")
+    p.add_argument("--checks", default="1,2,3,4", type=lambda v: {int(c) for c in v.split(",")},
+                   help="which checks to run, e.g. 1,2,3 where gap_attrib.py measures check 4's step in the same "
+                        "device call (check 3 reads what check 1 left, so it needs 1)")
     return p
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    if 3 in args.checks and 1 not in args.checks:
+        raise SystemExit("--checks: check 3 resumes check 1's run, so it needs check 1")
     print(provenance.header(), flush=True)
     import ray
     import torch
@@ -273,13 +278,20 @@ def main(argv: list[str] | None = None) -> int:
     if started:
         init_ray(os.cpu_count())
     try:
-        try:
-            bf16, run = check_bf16(out, shards, s, device)
-        except Exception as exc:  # run 1 itself failed: its verdict, and check 3 reads what it left
-            bf16, run = Verdict(BF16, False, f"{type(exc).__name__}: {exc}", 0.0), out / "bf16" / "stage" / "output"
-        verdicts = [bf16, as_verdict("2. fp16 overflow burst on DeepSpeed's scaler", check_fp16_overflow, out, shards, s, device),
-                    as_verdict("3. kill and resume (RNG restored)", check_kill_resume, run, s, bf16.seconds),
-                    check_mfu(out, s, device)]
+        verdicts = []
+        if 1 in args.checks:
+            try:
+                bf16, run = check_bf16(out, shards, s, device)
+            except Exception as exc:  # run 1 itself failed: its verdict, and check 3 reads what it left
+                bf16, run = Verdict(BF16, False, f"{type(exc).__name__}: {exc}", 0.0), out / "bf16" / "stage" / "output"
+            verdicts.append(bf16)
+        if 2 in args.checks:
+            verdicts.append(as_verdict("2. fp16 overflow burst on DeepSpeed's scaler", check_fp16_overflow, out, shards, s,
+                                       device))
+        if 3 in args.checks:
+            verdicts.append(as_verdict("3. kill and resume (RNG restored)", check_kill_resume, run, s, bf16.seconds))
+        if 4 in args.checks:
+            verdicts.append(check_mfu(out, s, device))
     finally:
         if started:
             ray.shutdown()

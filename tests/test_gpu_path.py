@@ -158,6 +158,28 @@ def test_collectives_run_on_the_process_groups_device_and_nothing_else_calls_tor
         assert [line for line in lines if made.search(line)] == [], name
 
 
+def test_a_zero_0_bf16_engine_computes_its_forward_in_bf16_under_a_gpus_autocast_too(deepspeed_rank, monkeypatch):
+    """bf16 at ZeRO-0 is an fp32 engine whose forward computes in bf16 (train/optim.py deepspeed_config). DeepSpeed's
+    engine turns off an autocast entered around it unless its own `torch_autocast` section is on, and it asks
+    `torch.is_autocast_enabled()`, which answers for CUDA alone: on an H200 the forward ran in fp32 (4x slower at
+    125M), while this CPU's autocast went unseen. Here that question answers for the CPU, as it does for the GPU
+    there. The loop calls the engine with no autocast of its own; both calls must compute in bf16."""
+    engine = engine_for(0, "bf16")
+    computed = []
+    linear = next(m for m in engine.module.modules() if isinstance(m, torch.nn.Linear))
+    linear.register_forward_hook(lambda module, inputs, output: computed.append(output.dtype))
+    ids = torch.randint(4, 512, (2, 17), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        engine(ids[:, :-1], ids[:, 1:])  # the loop's call
+        asked = torch.is_autocast_enabled
+        monkeypatch.setattr(torch, "is_autocast_enabled", lambda device_type=None: asked(device_type or "cpu"))
+        with torch.autocast("cpu", dtype=torch.bfloat16):  # one around it, seen as a GPU's would be
+            engine(ids[:, :-1], ids[:, 1:])
+    weights = {p.dtype for p in engine.module.parameters()}
+    engine.destroy()
+    assert computed == [torch.bfloat16, torch.bfloat16] and weights == {torch.float32}
+
+
 def test_bf16_zero_accumulates_gradients_in_fp32_and_mfu_knows_each_h100():
     from train.plan.hardware import peak_for
 

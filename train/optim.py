@@ -73,8 +73,15 @@ def deepspeed_config(*, micro_batch: int, accumulation: int, world_size: int, ze
         # replica wrote 11 GB of weights each beside their 2.1 GB of optimizer state, and every rank waited for
         # them at the engine's barrier; now each writes about 0.35 GB of weights (docs/scale.md, "Checkpoints").
         config["checkpoint"] = {"parallel_write": {"pipeline_stage": True}}
-    # bf16 at ZeRO-0 is an fp32 engine here: the forward's autocast is the loop's (autocast_dtype, Context.compute)
-    if precision == "bf16" and autocast_dtype(zero_stage=zero_stage, precision=precision, pipeline=pipeline) is None:
+    if autocast_dtype(zero_stage=zero_stage, precision=precision, pipeline=pipeline) is not None:
+        # bf16 at ZeRO-0: an fp32 engine whose forward DeepSpeed itself runs under torch's autocast. Not the loop's
+        # own autocast around the engine's call: the engine's forward turns an outer CUDA autocast off unless this
+        # section is on (runtime/torch_autocast.py `autocast_if_enabled`, which asks `torch.is_autocast_enabled()`,
+        # CUDA's state alone), so on a GPU the forward ran in fp32, 4x slower than bf16 at 125M on an H200; a CPU's
+        # autocast it never saw. At ZeRO-0 the section changes nothing else: the gradients' communication dtype it
+        # sets on Linear weights is read by ZeRO's optimizers only, and its GradScaler is fp16's.
+        config["torch_autocast"] = {"enabled": True, "dtype": "bfloat16"}
+    elif precision == "bf16":
         # Gradients summed over micro-batches in fp32: in bf16 (DeepSpeed's default, the model's dtype) each
         # addition keeps 8 bits of mantissa, and a sum over many micro-batches loses the small ones. (ZeRO 0
         # refuses the mix, engine._do_optimizer_sanity_check: "unsupported mix"; its bf16 is autocast, above.)

@@ -26,11 +26,6 @@ class Context:
     device: torch.device
     groups: Groups | None = None  # the tensor x pipeline x data process groups when the model is split (train.parallel)
     node: str | None = None  # Ray's id of the node this rank runs on
-    autocast: torch.dtype | None = None  # the forward's dtype under torch's autocast (train/optim.py autocast_dtype)
-
-    def compute(self) -> torch.autocast:
-        """Where the engine's forward runs: under autocast to `autocast`, or as the engine's own dtype."""
-        return torch.autocast(self.device.type, dtype=self.autocast or torch.float32, enabled=self.autocast is not None)
 
     @property
     def data_rank(self) -> int:

@@ -10,7 +10,7 @@ import torch
 from train.build import build
 from train.loop.config import LoopConfig
 from train.loop.context import Context
-from train.optim import adamw, autocast_dtype, deepspeed_config
+from train.optim import adamw, deepspeed_config
 from train.parallel import pipeline
 from train.parallel.collectives import backend
 from train.parallel.groups import Groups, ParallelDims, parallelize, tensor_group_problem
@@ -22,7 +22,6 @@ class Built:
     engine: object  # DeepSpeedEngine, or its PipelineEngine
     model: torch.nn.Module  # what the engine wraps: the OPT (whole, split or partitioned) or this rank's stage
     own_grad_norm: bool  # DeepSpeed reports the pre-clip grad norm from its ZeRO and mixed-precision optimizers only
-    autocast: torch.dtype | None  # the forward's dtype under torch's autocast, over fp32 weights (bf16 at ZeRO-0)
 
 
 def groups_for(cfg: LoopConfig, ctx: Context, local_rank: int, local_world: int) -> Groups | None:
@@ -68,8 +67,7 @@ def build_engine(cfg: LoopConfig, ctx: Context, *, spans_nodes: bool) -> Built:
             raise RuntimeError(problem)
     skip_lone_averaging(engine, t.zero_stage, ctx.data_world, ctx.pipelined)
     # ZeRO-0 (fp32, or bf16 as autocast; fp16 takes ZeRO 1-3): DeepSpeed wraps no optimizer of its own around ours
-    return Built(engine, model, own_grad_norm=t.zero_stage == 0,
-                 autocast=autocast_dtype(zero_stage=t.zero_stage, precision=t.precision, pipeline=ctx.pipelined))
+    return Built(engine, model, own_grad_norm=t.zero_stage == 0)
 
 
 def compile_blocks(model: torch.nn.Module, device: torch.device) -> None:

@@ -177,7 +177,7 @@ class TrainStep:
         engine, grad_norm, losses = self.engine, None, []
         for (inputs, targets), weight in zip(micro_batches, self.feed.weights, strict=True):
             # no collective in a forward of ZeRO 0-2 (ZeRO-3 gathers weights in it, tensor groups reduce)
-            with timer, self.ctx.compute():
+            with timer:  # bf16 at ZeRO-0: the engine's forward runs under autocast (train/optim.py deepspeed_config)
                 micro_loss = engine(inputs, targets)
             # on the device, one reduction a step: each rank's share of the global batch's mean (padding: none)
             losses.append(micro_loss.detach() * (weight / len(micro_batches)))

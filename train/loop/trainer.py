@@ -72,7 +72,6 @@ class Trainer:
         built = build_engine(cfg, ctx, spans_nodes=ctx.world > local_world)
         self.mark("built")
         self.engine, self.model = built.engine, built.model
-        ctx.autocast = built.autocast
         self.schedule = cfg.schedule()
         self.metrics = Metrics(cfg, ctx, flops_per_token(cfg.architecture, cfg.seq_len) * cfg.tokens_per_step)
         self.checkpointer = Checkpointer(self.engine, ctx, every=t.checkpoint_every, keep=t.keep_checkpoints,
