@@ -59,7 +59,7 @@ SETUPS = {"tiny": (64, 8, 4), "125m": (2048, 32, 8), "1.3b": (2048, 16, 4)}
 OURS = [("ours before", 2, True, False, False), ("timers off", 2, False, False, False),
         ("fused AdamW", 2, False, True, False), ("ZeRO-0 autocast", 0, False, True, False),
         ("compiled blocks", 0, False, True, True)]
-KINDS = {"gemm": ("gemm", "cutlass", "xmma", "wgmma", "matmul", "addmm", "mm"), "attention": ("flash", "fmha", "attention"),
+KINDS = {"gemm": ("gemm", "cutlass", "xmma", "wgmma", "nvjet", "matmul", "addmm", "mm"), "attention": ("flash", "fmha", "attention"),
          "optimizer": ("adam",), "norm": ("layer_norm", "layernorm"), "loss": ("softmax", "log_softmax", "nll", "gather")}
 
 
@@ -76,6 +76,7 @@ class Row:
     device_to_host: float
     kernel_launches: float
     device_ms_by_kind: dict = field(default_factory=dict)  # per step
+    top_other_ms: dict = field(default_factory=dict)  # per step: the kernels of kind "other" that took longest
 
 
 class Batches:
@@ -147,6 +148,7 @@ def profile(step, steps: int, cuda: bool) -> dict:
             torch.cuda.synchronize()
     counts = {"host_reads": 0, "synchronizations": 0, "device_to_host": 0, "kernel_launches": 0}
     by_kind: dict[str, float] = {}
+    other: dict[str, float] = {}
     for e in prof.events():
         name = e.name
         if name == "aten::_local_scalar_dense" and not inside(e, "aten::_fused_adam"):  # the CPU kernel reads
@@ -159,8 +161,11 @@ def profile(step, steps: int, cuda: bool) -> dict:
             counts["kernel_launches"] += 1
         if cuda and e.device_type == torch.autograd.DeviceType.CUDA:
             by_kind[kind_of(name)] = by_kind.get(kind_of(name), 0.0) + e.device_time_total / 1e3
+            if kind_of(name) == "other":  # for KINDS: which names it misses
+                other[name] = other.get(name, 0.0) + e.device_time_total / 1e3
     per_step = {k: v / steps for k, v in counts.items()}
     per_step["device_ms_by_kind"] = {k: round(v / steps, 2) for k, v in sorted(by_kind.items())}
+    per_step["top_other_ms"] = {k: round(v / steps, 2) for k, v in sorted(other.items(), key=lambda kv: -kv[1])[:8]}
     return per_step
 
 
