@@ -270,10 +270,10 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> list[Row]:
     args = parser().parse_args(argv)
+    print(provenance.header(), flush=True)
     unknown = (args.variants or set()) - {"bare pure", "bare fair"} - {v[0] for v in OURS}
     if unknown:
         raise SystemExit(f"--variants: no variant {sorted(unknown)}")
-    print(provenance.header(), flush=True)
     cuda = torch.cuda.is_available() and not args.dry_run
     device = torch.device("cuda", 0) if cuda else torch.device("cpu")
     models, steps, profiled = (["tiny"], 1, 1) if args.dry_run else (args.models.split(","), args.steps, 3)

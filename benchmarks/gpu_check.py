@@ -259,9 +259,9 @@ def parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
+    print(provenance.header(), flush=True)
     if 3 in args.checks and 1 not in args.checks:
         raise SystemExit("--checks: check 3 resumes check 1's run, so it needs check 1")
-    print(provenance.header(), flush=True)
     import ray
     import torch
 
