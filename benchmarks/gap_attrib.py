@@ -169,15 +169,17 @@ def profile(step, steps: int, cuda: bool) -> dict:
     return per_step
 
 
-def each_variant(name: str, device: torch.device, out: Path, only: set[str] | None, use) -> dict:
+def each_variant(name: str, device: torch.device, out: Path, only: set[str] | None, use, say) -> dict:
     """`use(step)` on each variant's step in turn, over the model's fixed batch, each variant freed before the
-    next is built: {label: what `use` gave}."""
+    next is built: {label: what `use` gave}. Prints `say(what it gave)` as each is done, so that a run cut short
+    shows how far it got."""
     seq_len, batch, micro = SETUPS[name]
     tokens = torch.randint(4, get(name).vocab_size, (batch, seq_len + 1),
                            generator=torch.Generator().manual_seed(0)).to(device)
     results = {}
     for label, step, engine in variants(name, device, tokens, micro, out, only):
         results[label] = use(step)
+        print(f"{name} {label}: {say(results[label])}", flush=True)
         if engine is not None:
             engine.destroy()
         del step, engine
@@ -207,9 +209,10 @@ def measure(models: list[str], device: torch.device, steps: int, profiled: int, 
     """Every variant timed first, then every one profiled, each built afresh: a variant timed after torch.profiler
     had run in the process was slower (an H200, 2026-12-04: the same 125M fair bare loop 344 ms a step after a
     profiled variant, 256 ms before any), so no timing follows a profile."""
-    times = {name: each_variant(name, device, out, only, lambda step: timed(step, steps, device)) for name in models}
-    counts = {name: each_variant(name, device, out, only, lambda step: profile(step, profiled, device.type == "cuda"))
-              for name in models}
+    times = {name: each_variant(name, device, out, only, lambda step: timed(step, steps, device),
+                                lambda t: f"{t[0] * 1e3:.1f} ms a step") for name in models}
+    counts = {name: each_variant(name, device, out, only, lambda step: profile(step, profiled, device.type == "cuda"),
+                                 lambda c: f"{c['host_reads']:g} host reads a step") for name in models}
     peak = peak_tflops(device, "bf16")
     rows = []
     for name in models:
@@ -219,8 +222,6 @@ def measure(models: list[str], device: torch.device, steps: int, profiled: int, 
             rate = batch * seq_len / seconds
             rows.append(Row(name, label, seconds, rate, rate * per_token / 1e12 / peak if peak else None, memory,
                             **counts[name][label]))
-            print(f"{name} {label}: {seconds * 1e3:.1f} ms a step, {counts[name][label]['host_reads']:g} host reads",
-                  flush=True)
     return rows
 
 
