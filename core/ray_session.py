@@ -45,6 +45,13 @@ class RayConfig:
 # 2 s, so a finished or failed worker group is seen at once (a job's end, and each restart).
 LOCAL_TRAIN_ENV = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.25"}
 
+# Ray's worker pool for a Ray this process starts: an idle worker is ended after 10 s idle, not Ray's 1 s. Ray keeps
+# idle workers only up to the CPUs that are free, so while a Ray Train worker or a stage's own task held every CPU,
+# each idle worker was ended a second after its task, and the next task waited for a new process to start and import
+# Ray Data, pyarrow and the stage's code: 24 worker processes for dedup's hash-shuffle rerun on 1 CPU, against 11
+# now, and 52 s against 28 s (docs/benchmarks.md). A cluster's raylets take their settings from `ray start`.
+LOCAL_SYSTEM_CONFIG = {"idle_worker_killing_time_threshold_ms": 10_000}
+
 
 def started_here() -> bool:
     """True in every process of a Ray that `init_ray` started inside the pipeline's own process (no RAY_ADDRESS),
@@ -68,7 +75,7 @@ def init_ray(num_cpus: int | None = None, verbose: bool = False) -> None:
         ray.init(logging_level=logging.INFO, log_to_driver=verbose)
     else:
         ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level=logging.INFO, log_to_driver=verbose,
-                 runtime_env={"env_vars": LOCAL_TRAIN_ENV})
+                 runtime_env={"env_vars": LOCAL_TRAIN_ENV}, _system_config=LOCAL_SYSTEM_CONFIG)
 
 
 def start_ray(config: RayConfig, verbose: bool = False) -> bool:

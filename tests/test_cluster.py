@@ -202,6 +202,7 @@ def test_mlflow_asks_every_client_for_its_password(cluster):
     assert re.search(guard, "/opt/venv/bin/python /opt/venv/bin/mlflow server --app-name basic-auth")
     assert not re.search(guard, f"bash --login -c -i {head}")
     assert "MLFLOW_AUTH_CONFIG_PATH=/opt/opt-pipeline/configs/mlflow_auth.ini" in head
+    assert "MLFLOW_SERVER_ENABLE_JOB_EXECUTION=false" in head  # no Huey consumer polling for jobs we never submit
     assert 'MLFLOW_AUTH_ADMIN_PASSWORD="$ADMIN_PASSWORD"' in head  # admin_password(): the credentials file's
     assert cluster["file_mounts"]["~/.mlflow/credentials"] == "~/.mlflow/credentials"
     auth = configparser.ConfigParser()  # read as mlflow/server/auth/config.py reads it

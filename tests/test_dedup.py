@@ -259,6 +259,35 @@ def test_a_global_aggregate_runs_on_the_sort_shuffle_with_the_same_values(ray_se
     assert over_all(empty, Max("held")) == {"max(held)": None}
 
 
+def test_an_idle_task_worker_outlives_a_second_while_an_actor_holds_every_cpu(ray_session):
+    """core/ray_session.py LOCAL_SYSTEM_CONFIG: Ray keeps idle workers only up to the CPUs that are free, and with its
+    own settings ends the others a second after their last task. So while a Ray Train worker or a stage's own task
+    held every CPU, each idle worker was ended, and the next task started a new process and its imports (24 processes
+    for the hash-shuffle rerun's dedup on 1 CPU, 11 now). Here an actor holds both CPUs: the worker of the task before
+    it still lives 3 s on."""
+    import os
+    import time
+
+    import ray
+
+    @ray.remote(num_cpus=1)
+    def pid() -> int:
+        return os.getpid()
+
+    @ray.remote
+    class Holder:
+        def pid(self) -> int:
+            return os.getpid()
+
+    first = ray.get(pid.remote())
+    holder = Holder.options(num_cpus=ray.cluster_resources()["CPU"]).remote()
+    assert ray.get(holder.pid.remote()) != first and ray.available_resources().get("CPU", 0) == 0
+    time.sleep(3)
+    stat = Path(f"/proc/{first}/stat")  # this machine is the node
+    assert stat.exists() and stat.read_text().rsplit(")", 1)[1].split()[0] != "Z"  # Ray's 1 s would have ended it
+    ray.kill(holder)
+
+
 def test_heavy_keys_are_exactly_the_keys_over_the_bound_however_their_rows_spread(ray_session):
     """dedup/heavy.py against a count: keys over the bound spread thinly over many blocks (under the tally's floor in
     each) or packed in one, keys at the bound, and the rest; each heavy key with its smallest value."""

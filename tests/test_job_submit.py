@@ -135,7 +135,8 @@ sources:
     with open(server_log, "wb") as log:  # a file, not a pipe nobody reads (a full pipe would stall the server)
         server = subprocess.Popen([f"{bin_dir}/mlflow", "server", "--backend-store-uri", f"sqlite:///{tmp_path}/server.db",
                                    "--artifacts-destination", str(tmp_path / "server-artifacts"), "--host", "127.0.0.1",
-                                   "--port", str(tracking), "--workers", "1"], env=env, stdout=log, stderr=subprocess.STDOUT,
+                                   "--port", str(tracking), "--workers", "1"],
+                                  env={**env, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}, stdout=log, stderr=subprocess.STDOUT,
                                   start_new_session=True)
     tracking_uri = f"http://127.0.0.1:{tracking}"
     try:
