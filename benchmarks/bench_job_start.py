@@ -5,13 +5,15 @@
 As the screen starts its proxy jobs on a laptop: `--jobs` one-worker jobs (1 CPU each) side by side on the local
 Ray the pipeline starts (core/ray_session.py), each from a Ray task, as screen/proxies.py does. The loop imports
 what ours does (train.loop, DeepSpeed) and ends. Each round starts the jobs with Ray Train's `TorchTrainer`, then
-with `train/ray_trainer.py`'s `LeanTorchTrainer` (the sides take turns: a 2-core cloud machine's speed drifts),
-and reports the seconds from the jobs' launch to the last one's loop, and every actor class Ray started for them.
+with `train/ray_trainer.py`'s `LeanTorchTrainer` (fewer actors, and a controller without torch; the sides take
+turns: a 2-core cloud machine's speed drifts), and reports the seconds from the jobs' launch to the last one's
+loop, and every actor class Ray started for them.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 from pathlib import Path
@@ -41,7 +43,7 @@ def start_jobs(lean: bool, jobs: int, folder: Path) -> tuple[float, set[str]]:
 
         from train.ray_trainer import LeanTorchTrainer
 
-        trainer = (LeanTorchTrainer if lean else TorchTrainer)(
+        trainer = (functools.partial(LeanTorchTrainer, timeout_s=1800) if lean else TorchTrainer)(  # 1800: TorchConfig's
             loop, train_loop_config={"entered": str(folder / f"entered-{n}")},
             scaling_config=ScalingConfig(num_workers=1, resources_per_worker={"CPU": 1}),
             run_config=RunConfig(name="ray", storage_path=str(folder / f"job-{n}")))

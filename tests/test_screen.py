@@ -279,7 +279,10 @@ def test_a_batchs_subset_share_follows_the_mixture_and_the_loader(sample_run):
 def test_a_proxy_run_is_reproducible(sample_run, tmp_path):
     """The planted subset's first proxy run again, from the stage's own mixture, config and seed: the
     same grad-norm curve and score to the last digit (the stage's decisions are a function of these); and the job
-    starts none of the actors that Ray Train's own TorchTrainer would start for nothing."""
+    starts none of the actors that Ray Train's own TorchTrainer would start for nothing, and its controller never
+    loads torch (train/ray_trainer.py `ProcessGroupConfig`): its memory map read while the job runs."""
+    import threading
+
     from screen.mixture import subset_shares
     import ray
     import ray._private.state
@@ -302,7 +305,27 @@ def test_a_proxy_run_is_reproducible(sample_run, tmp_path):
     (tmp_path / "again").mkdir()
     queue = ray.remote(RunQueue).remote()
     ray.get([queue.put.remote([{"key": "again", "config": config}]), queue.close.remote()])
-    fit(train_cfg, ProxyJob(queue, job=0, runs=2), tmp_path / "job", loop=proxy_loop)  # ends when the queue is empty
+    maps: dict[int, bool] = {}  # the controller's pid -> whether torch's library was ever in its memory map
+    ended = threading.Event()
+
+    def watch() -> None:
+        while not ended.wait(0.2):
+            for actor in ray._private.state.actors().values():
+                if actor["ActorClassName"] == "TrainController" and actor["State"] == "ALIVE":
+                    try:
+                        lines = Path(f"/proc/{actor['Pid']}/maps").read_text()
+                    except OSError:  # it ended between the two reads
+                        continue
+                    maps[actor["Pid"]] = maps.get(actor["Pid"], False) or "libtorch" in lines
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        fit(train_cfg, ProxyJob(queue, job=0, runs=2), tmp_path / "job", loop=proxy_loop)  # ends when the queue is empty
+    finally:
+        ended.set()
+        watcher.join()
+    assert len(maps) == 1 and not any(maps.values()), maps
     assert ray.get(queue.finished.remote()) == {"again"}
     before = spikes.read_run(stage_dir / record["run_dir"])
     batches, norms = spikes.read_run(tmp_path / "again")

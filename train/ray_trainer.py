@@ -1,5 +1,5 @@
 """Ray Train's TorchTrainer less two of its default callbacks, each an actor (a process, seconds of imports) that a
-job of ours starts and never uses.
+job of ours starts and never uses, and with a controller that does not import torch.
 
 - `DatasetsCallback` starts a DatasetManager actor at every start of a worker group, restarts included, to hand out
   Ray Data shards. Our workers read their token shards themselves (train/loader.py), and a trainer given no
@@ -19,12 +19,28 @@ On 2 cores their processes' imports are CPU taken from the jobs starting beside 
 `benchmarks/bench_job_start.py`, figures in docs/benchmarks.md, "Where the laptop run's time goes"). Callbacks are
 matched by class name, so a Ray that renames them keeps them; tests/test_screen.py then fails, naming the actors a
 job started.
+
+And a controller that does not import torch. The controller actor unpickles what the driver hands it, the backend
+config among it; Ray's `TorchConfig` lives in a module that imports torch (2.4 s of a fresh process here), though the
+controller only tells the workers what to run. `ProcessGroupConfig` and its backend live here, in a module without
+torch, and what they run on the workers (Ray Train's own steps: the address, the environment, the process group) is
+imported there. Every job's start waits for its controller, so each saves those seconds (docs/benchmarks.md, "A
+controller without torch"); tests/test_loop_parts.py checks a live controller's memory map for torch.
 """
 
 from __future__ import annotations
 
-from ray.train.torch import TorchTrainer
+import logging
+import os
+from dataclasses import dataclass
+
+import ray
+from ray.train.backend import Backend, BackendConfig
 from ray.train.v2._internal.execution.scaling_policy.elastic import ElasticScalingPolicy
+from ray.train.v2._internal.util import TrainingFramework
+from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
+
+logger = logging.getLogger(__name__)
 
 WITHOUT_DATASETS = "DatasetsCallback"
 ON_A_LOCAL_RAY = "PlacementGroupCleanerCallback"
@@ -45,8 +61,97 @@ class ReplicaScalingPolicy(ElasticScalingPolicy):
         return super()._count_possible_workers(reserved_resources) // self.replica * self.replica
 
 
-class LeanTorchTrainer(TorchTrainer):
+def _address_and_port() -> tuple[str, int]:
+    """On the first worker: its node's address and a free port there, the process group's rendezvous."""
+    from ray.train._internal.utils import get_address_and_port
+
+    return get_address_and_port()
+
+
+def _distributed_env(addr: str, port: int) -> None:
+    """On every worker: the rendezvous and torch.distributed's variables (RANK, LOCAL_RANK, WORLD_SIZE, ...), as
+    Ray's torch backend sets them."""
+    from ray.train.torch.config import _set_torch_distributed_env_vars
+
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = addr, str(port)
+    _set_torch_distributed_env_vars()
+
+
+def _join_process_group(**kwargs) -> None:
+    """On every worker: `torch.distributed.init_process_group`, by Ray's own function (NCCL's error handling
+    set as Ray sets it)."""
+    from ray.train.torch.config import _setup_torch_process_group
+
+    _setup_torch_process_group(init_method="env://", **kwargs)
+
+
+def _leave_process_group(destroy: bool) -> None:
+    from ray.train.torch.config import _shutdown_torch
+
+    _shutdown_torch(destroy_process_group=destroy)
+
+
+class ProcessGroupBackend(Backend):
+    """What Ray's torch backend does on a job's start and end (ray/train/torch/config.py `_TorchBackend`, for
+    `init_method="env"`), asked of the workers from a controller that never imports torch."""
+
+    share_cuda_visible_devices = True  # as Ray's torch backend: a worker sees its node's GPUs, which NCCL needs
+
+    def on_start(self, worker_group, backend_config: ProcessGroupConfig) -> None:
+        addr, port = worker_group.execute_single(0, _address_and_port)
+        worker_group.execute(_distributed_env, addr=addr, port=port)
+        size = len(worker_group)
+        ray.get([worker_group.execute_single_async(rank, _join_process_group, backend=backend_config.backend,
+                                                   world_rank=rank, world_size=size, timeout_s=backend_config.timeout_s)
+                 for rank in range(size)])
+
+    def on_shutdown(self, worker_group, backend_config: ProcessGroupConfig) -> None:
+        from ray.exceptions import GetTimeoutError
+        from ray.train.constants import (DEFAULT_TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S,
+                                         TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S)
+
+        timeout = int(os.environ.get(TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S, DEFAULT_TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S))
+        try:
+            ray.get(worker_group.execute_async(_leave_process_group, destroy=len(worker_group) > 1), timeout=timeout)
+        except GetTimeoutError:
+            logger.warning("torch's process group did not shut down within %d s", timeout)
+
+
+@dataclass
+class ProcessGroupConfig(BackendConfig):
+    """Ray's `TorchConfig` with `init_method="env"`: `backend` gloo, or nccl where the workers have GPUs (the
+    trainer chooses), and each collective's `timeout_s`."""
+
+    backend: str = "gloo"
+    timeout_s: int = 1800
+
+    @property
+    def backend_cls(self):
+        return ProcessGroupBackend
+
+    @property
+    def train_func_context(self):
+        """Around the training function on each worker: Ray's (it sets the worker's CUDA device). Read by the
+        driver as it wraps the function, where the trainer runs: a driver that trains imports torch anyway."""
+        from ray.train.torch.config import TorchConfigContextManager
+
+        return TorchConfigContextManager
+
+    @property
+    def framework(self):
+        return TrainingFramework.TORCH
+
+    def to_dict(self) -> dict:
+        return {"backend": self.backend, "init_method": "env", "timeout_s": self.timeout_s}
+
+
+class LeanTorchTrainer(DataParallelTrainer):
     replica_workers = 1  # workers per model replica: an elastic group of a split model grows and shrinks by them
+
+    def __init__(self, train_loop_per_worker, *, timeout_s: int, scaling_config, **kwargs):
+        backend = "nccl" if scaling_config.use_gpu else "gloo"
+        super().__init__(train_loop_per_worker, backend_config=ProcessGroupConfig(backend, timeout_s),
+                         scaling_config=scaling_config, **kwargs)
 
     def _initialize_and_run_controller(self, **controller_init_kwargs):
         """Ray Train's controller, given `ReplicaScalingPolicy` in place of its elastic policy for a split model."""

@@ -46,7 +46,6 @@ def fit(cfg: EngineConfig, config, folder: Path, loop=None):
     `folder`/ray. Returns Ray Train's Result. The trainer is train/ray_trainer.py's: Ray Train's, less the actors
     it would start for nothing."""
     from ray.train import FailureConfig, RunConfig, ScalingConfig
-    from ray.train.torch import TorchConfig
 
     from train.failures import FailureRecorder, RestartHealthCheck
     from train.loop import train_loop
@@ -58,7 +57,7 @@ def fit(cfg: EngineConfig, config, folder: Path, loop=None):
         resources["GPU"] = cfg.gpus_per_worker
     trainer = LeanTorchTrainer(
         loop or train_loop, train_loop_config=config,
-        torch_config=TorchConfig(timeout_s=int(cfg.collective_timeout_seconds)),
+        timeout_s=int(cfg.collective_timeout_seconds),
         scaling_config=ScalingConfig(num_workers=workers(cfg), use_gpu=cfg.gpus_per_worker > 0,
                                      resources_per_worker=resources, elastic_resize_monitor_interval_s=NEVER),
         run_config=RunConfig(name="ray", storage_path=str(folder), failure_config=FailureConfig(max_failures=cfg.max_failures),

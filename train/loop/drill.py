@@ -18,11 +18,13 @@ import math
 import os
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from train import records
 from train.config import InjectConfig
-from train.loop.context import Context, incident
-from train.parallel.collectives import barrier
+
+if TYPE_CHECKING:  # a Drill runs in a worker; NodeFaults in Ray Train's controller too, which imports no torch
+    from train.loop.context import Context
 
 
 def before_launch(run_dir, faults: list[InjectConfig]) -> None:
@@ -149,6 +151,9 @@ class Drill:
         os.replace(tmp, self.path)
 
     def _fire(self, step: int, hang_seconds: float) -> Effects:
+        from train.loop.context import incident
+        from train.parallel.collectives import barrier
+
         slow = math.prod(f["factor"] for f in self.faults if f["kind"] == "slow" and step >= f["step"] and self._here(f))
         # (an unhealthy node at step 0 was marked by the stage, before the check that precedes the first start)
         due = [f for f in self.faults if f["step"] == step and f["kind"] != "slow" and (f["kind"], step) != ("unhealthy", 0)]
@@ -208,6 +213,8 @@ class Drill:
         return self.ctx.rank == (self.ctx.world - 1 if fault["rank"] is None else fault["rank"])
 
     def _on_every_rank(self, fault: dict, step: int, effects: Effects) -> None:
+        from train.loop.context import incident
+
         if self.ctx.leader:
             self._record(fault["index"])
             incident(self.ctx, step, f"injected {fault['kind']}" +
