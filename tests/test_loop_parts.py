@@ -106,11 +106,12 @@ def test_the_loop_config_is_typed_derived_from_the_shards_and_travels(shards, tm
 def test_the_driver_imports_no_torch_and_a_worker_imports_deepspeed_without_mlflow():
     """What each process imports, in one fresh process. The pipeline's driver: its stages (pipelines/stages.py) and
     a run's loop config (the train stage's, screen's proxies') import neither torch nor Ray Train, 1.6 s of a
-    corpus-only run's start (`--only dedup`); Ray Train's trainer imports them when a stage trains. Then as a Ray
-    Train worker starts (train/deepspeed_import.py): the loop's module, unpickled first, and what `train_loop`
-    imports before its first call import neither DeepSpeed nor MLflow; `import_deepspeed` (`train_loop`'s first
-    call) imports DeepSpeed, whose autotuner then has no MLflow (0.6 s of each worker's start in a Ray worker); and
-    MLflow still imports afterwards."""
+    corpus-only run's start (`--only dedup`). A process that starts a Ray Train job (a stage's driver, the screen's
+    tasks) imports Ray Train but not torch, which the trainer leaves to the workers (train/ray_trainer.py; its
+    controller's: tests/test_screen.py). Then as a Ray Train worker starts (train/deepspeed_import.py): the loop's
+    module, unpickled first, and what `train_loop` imports before its first call import neither DeepSpeed nor
+    MLflow; `import_deepspeed` (`train_loop`'s first call) imports DeepSpeed, whose autotuner then has no MLflow
+    (0.6 s of each worker's start in a Ray worker); and MLflow still imports afterwards."""
     import subprocess
     import sys
 
@@ -120,6 +121,12 @@ def test_the_driver_imports_no_torch_and_a_worker_imports_deepspeed_without_mlfl
     code = ("import sys, json\n"
             "import pipelines.stages, train.loop.config\n"
             f"seen = {{'driver': sorted(m for m in {heavy} if m in sys.modules)}}\n"
+            "from ray.train import ScalingConfig\n"
+            "import train.stage\n"
+            "from train.loop import train_loop\n"
+            "from train.ray_trainer import LeanTorchTrainer\n"
+            "LeanTorchTrainer(train_loop, timeout_s=60, scaling_config=ScalingConfig(num_workers=1))._get_train_func()\n"
+            "seen['starting a job'] = sorted(m for m in ('torch', 'deepspeed') if m in sys.modules)\n"
             "import train.loop, train.loop.context, train.loop.faults, train.loop.trainer\n"
             "seen['after train.loop'] = sorted(m for m in ('deepspeed', 'mlflow') if m in sys.modules)\n"
             "from train.deepspeed_import import import_deepspeed\n"
@@ -131,8 +138,9 @@ def test_the_driver_imports_no_torch_and_a_worker_imports_deepspeed_without_mlfl
             "seen['mlflow'] = hasattr(mlflow, 'MlflowClient')\n"
             "print(json.dumps(seen))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
-    assert json.loads(out.splitlines()[-1]) == {"driver": [], "after train.loop": [], "after import_deepspeed": ["deepspeed"],
-                                                "has_mlflow": False, "mlflow": True}
+    assert json.loads(out.splitlines()[-1]) == {"driver": [], "starting a job": [], "after train.loop": [],
+                                                "after import_deepspeed": ["deepspeed"], "has_mlflow": False,
+                                                "mlflow": True}
 
 
 def test_an_elastic_run_counts_the_workers_the_reserved_resources_hold_as_ray_train_does(shards, tmp_path, monkeypatch,

@@ -23,9 +23,10 @@ job started.
 And a controller that does not import torch. The controller actor unpickles what the driver hands it, the backend
 config among it; Ray's `TorchConfig` lives in a module that imports torch (2.4 s of a fresh process here), though the
 controller only tells the workers what to run. `ProcessGroupConfig` and its backend live here, in a module without
-torch, and what they run on the workers (Ray Train's own steps: the address, the environment, the process group) is
-imported there. Every job's start waits for its controller, so each saves those seconds (docs/benchmarks.md, "A
-controller without torch"); tests/test_loop_parts.py checks a live controller's memory map for torch.
+torch, and what they run on the workers (Ray Train's own steps: the address, the environment, the process group, the
+CUDA device) is imported there; so neither the controller nor the process that starts the job (the screen's tasks)
+imports torch. Every job's start waits for its controller, so each saves those seconds (docs/benchmarks.md, "A
+controller without torch"); tests/test_screen.py reads a live controller's memory map for torch.
 """
 
 from __future__ import annotations
@@ -91,6 +92,19 @@ def _leave_process_group(destroy: bool) -> None:
     _shutdown_torch(destroy_process_group=destroy)
 
 
+class OnTheWorkersDevice:
+    """Around the training function on each worker: Ray's own context (the worker's CUDA device made current),
+    imported there. The process that wraps the function (the stage's driver, a screen's task) then needs no torch."""
+
+    def __enter__(self) -> None:
+        from ray.train.torch.config import TorchConfigContextManager
+
+        TorchConfigContextManager().__enter__()
+
+    def __exit__(self, *exc) -> bool:
+        return False
+
+
 class ProcessGroupBackend(Backend):
     """What Ray's torch backend does on a job's start and end (ray/train/torch/config.py `_TorchBackend`, for
     `init_method="env"`), asked of the workers from a controller that never imports torch."""
@@ -131,11 +145,7 @@ class ProcessGroupConfig(BackendConfig):
 
     @property
     def train_func_context(self):
-        """Around the training function on each worker: Ray's (it sets the worker's CUDA device). Read by the
-        driver as it wraps the function, where the trainer runs: a driver that trains imports torch anyway."""
-        from ray.train.torch.config import TorchConfigContextManager
-
-        return TorchConfigContextManager
+        return OnTheWorkersDevice
 
     @property
     def framework(self):
