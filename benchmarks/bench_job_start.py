@@ -39,11 +39,15 @@ def start_jobs(lean: bool, jobs: int, folder: Path) -> tuple[float, set[str]]:
 
     def fit(n: int) -> None:
         from ray.train import RunConfig, ScalingConfig
-        from ray.train.torch import TorchTrainer
 
-        from train.ray_trainer import LeanTorchTrainer
+        if lean:  # each imports what it needs, in the task as the screen's: Ray's trainer imports torch, ours not
+            from train.ray_trainer import LeanTorchTrainer
 
-        trainer = (functools.partial(LeanTorchTrainer, timeout_s=1800) if lean else TorchTrainer)(  # 1800: TorchConfig's
+            trainer_class = functools.partial(LeanTorchTrainer, timeout_s=1800)  # TorchConfig's default
+        else:
+            from ray.train.torch import TorchTrainer as trainer_class
+
+        trainer = trainer_class(
             loop, train_loop_config={"entered": str(folder / f"entered-{n}")},
             scaling_config=ScalingConfig(num_workers=1, resources_per_worker={"CPU": 1}),
             run_config=RunConfig(name="ray", storage_path=str(folder / f"job-{n}")))
