@@ -36,7 +36,10 @@ import os
 from dataclasses import dataclass
 
 import ray
+from ray.exceptions import GetTimeoutError
+from ray.train._internal.utils import get_address_and_port
 from ray.train.backend import Backend, BackendConfig
+from ray.train.constants import DEFAULT_TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S, TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S
 from ray.train.v2._internal.execution.scaling_policy.elastic import ElasticScalingPolicy
 from ray.train.v2._internal.util import TrainingFramework
 from ray.train.v2.api.data_parallel_trainer import DataParallelTrainer
@@ -60,13 +63,6 @@ class ReplicaScalingPolicy(ElasticScalingPolicy):
 
     def _count_possible_workers(self, reserved_resources) -> int:
         return super()._count_possible_workers(reserved_resources) // self.replica * self.replica
-
-
-def _address_and_port() -> tuple[str, int]:
-    """On the first worker: its node's address and a free port there, the process group's rendezvous."""
-    from ray.train._internal.utils import get_address_and_port
-
-    return get_address_and_port()
 
 
 def _distributed_env(addr: str, port: int) -> None:
@@ -99,10 +95,11 @@ class OnTheWorkersDevice:
     def __enter__(self) -> None:
         from ray.train.torch.config import TorchConfigContextManager
 
-        TorchConfigContextManager().__enter__()
+        self.ray_context = TorchConfigContextManager()
+        self.ray_context.__enter__()
 
     def __exit__(self, *exc) -> bool:
-        return False
+        return self.ray_context.__exit__(*exc)
 
 
 class ProcessGroupBackend(Backend):
@@ -112,7 +109,7 @@ class ProcessGroupBackend(Backend):
     share_cuda_visible_devices = True  # as Ray's torch backend: a worker sees its node's GPUs, which NCCL needs
 
     def on_start(self, worker_group, backend_config: ProcessGroupConfig) -> None:
-        addr, port = worker_group.execute_single(0, _address_and_port)
+        addr, port = worker_group.execute_single(0, get_address_and_port)  # the rendezvous: rank 0's node, a free port
         worker_group.execute(_distributed_env, addr=addr, port=port)
         size = len(worker_group)
         ray.get([worker_group.execute_single_async(rank, _join_process_group, backend=backend_config.backend,
@@ -120,10 +117,6 @@ class ProcessGroupBackend(Backend):
                  for rank in range(size)])
 
     def on_shutdown(self, worker_group, backend_config: ProcessGroupConfig) -> None:
-        from ray.exceptions import GetTimeoutError
-        from ray.train.constants import (DEFAULT_TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S,
-                                         TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S)
-
         timeout = int(os.environ.get(TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S, DEFAULT_TORCH_PROCESS_GROUP_SHUTDOWN_TIMEOUT_S))
         try:
             ray.get(worker_group.execute_async(_leave_process_group, destroy=len(worker_group) > 1), timeout=timeout)
