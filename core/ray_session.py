@@ -7,6 +7,7 @@ project calls `ray.init`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import sys
@@ -43,7 +44,15 @@ class RayConfig:
 # so no preemption-watcher actor per job (one process start, and an error-level log line of Ray's
 # own about its constructor arguments); and the controller looks at its workers every 0.25 s, not
 # 2 s, so a finished or failed worker group is seen at once (a job's end, and each restart).
+# They reach Ray's processes through the environment the local Ray starts with, not a job runtime env:
+# a worker of a job with a runtime env starts as a second Python (Ray's setup_worker.py, which imports Ray
+# to set the variables, then execs the worker), and Ray prestarts no worker for it. Without one, a local
+# Ray's first two tasks ran in 0.37 s against 1.3 s, six actors started in 1.9 s against 3.3 s
+# (docs/benchmarks.md, issue 62's fourteenth step).
 LOCAL_TRAIN_ENV = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.25"}
+
+# The node label of a Ray that `init_ray` started here: how `started_here` knows it, in the driver and the workers.
+LOCAL_LABELS = {"opt-pipeline/ray": "started-by-the-pipeline"}
 
 # Ray's worker pool for a Ray this process starts: an idle worker is ended after 10 s idle, not Ray's 1 s. Ray keeps
 # idle workers only up to the CPUs that are free, so while a Ray Train worker or a stage's own task held every CPU,
@@ -55,12 +64,12 @@ LOCAL_SYSTEM_CONFIG = {"idle_worker_killing_time_threshold_ms": 10_000}
 
 def started_here() -> bool:
     """True in every process of a Ray that `init_ray` started inside the pipeline's own process (no RAY_ADDRESS),
-    driver and workers alike: its job's runtime env carries LOCAL_TRAIN_ENV. Such a Ray has no dashboard (so no
-    State API), and ends with the driver."""
+    driver and workers alike: its node carries LOCAL_LABELS. Such a Ray has no dashboard (so no State API), and
+    ends with the driver."""
     import ray
 
-    env = (ray.get_runtime_context().runtime_env or {}).get("env_vars") or {}
-    return all(env.get(key) == value for key, value in LOCAL_TRAIN_ENV.items())
+    labels = ray.get_runtime_context().get_node_labels()
+    return all(labels.get(key) == value for key, value in LOCAL_LABELS.items())
 
 
 def init_ray(num_cpus: int | None = None, verbose: bool = False) -> None:
@@ -74,8 +83,24 @@ def init_ray(num_cpus: int | None = None, verbose: bool = False) -> None:
     if os.environ.get("RAY_ADDRESS"):
         ray.init(logging_level=logging.INFO, log_to_driver=verbose)
     else:
-        ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level=logging.INFO, log_to_driver=verbose,
-                 runtime_env={"env_vars": LOCAL_TRAIN_ENV}, _system_config=LOCAL_SYSTEM_CONFIG)
+        with environment(LOCAL_TRAIN_ENV):  # Ray's processes inherit it; this one gets its own back
+            ray.init(num_cpus=num_cpus, include_dashboard=False, logging_level=logging.INFO, log_to_driver=verbose,
+                     labels=LOCAL_LABELS, _system_config=LOCAL_SYSTEM_CONFIG)
+
+
+@contextlib.contextmanager
+def environment(values: dict[str, str]):
+    """os.environ with `values` set, as it was afterwards: for the processes started meanwhile."""
+    before = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def start_ray(config: RayConfig, verbose: bool = False) -> bool:

@@ -280,7 +280,9 @@ def test_a_proxy_run_is_reproducible(sample_run, tmp_path):
     """The planted subset's first proxy run again, from the stage's own mixture, config and seed: the
     same grad-norm curve and score to the last digit (the stage's decisions are a function of these); and the job
     starts none of the actors that Ray Train's own TorchTrainer would start for nothing, and its controller never
-    loads torch (train/ray_trainer.py `ProcessGroupConfig`): its memory map read while the job runs."""
+    loads torch (train/ray_trainer.py `ProcessGroupConfig`): its memory map read while the job runs. The controller
+    has the local Ray's settings (core/ray_session.py `LOCAL_TRAIN_ENV`) in its environment, and a plain task of
+    that Ray runs with no runtime env (so its worker starts as one Python, and may be one Ray prestarted)."""
     import threading
 
     from screen.mixture import subset_shares
@@ -290,6 +292,7 @@ def test_a_proxy_run_is_reproducible(sample_run, tmp_path):
     from screen.proxies import ProxyJob, RunQueue, proxy_loop
     from screen.stage import proxy_train_config, slug
     from train.loop.config import loop_config
+    from core.ray_session import LOCAL_TRAIN_ENV, started_here
     from train.ray_trainer import UNUSED_ACTORS
     from train.stage import fit
 
@@ -306,6 +309,7 @@ def test_a_proxy_run_is_reproducible(sample_run, tmp_path):
     queue = ray.remote(RunQueue).remote()
     ray.get([queue.put.remote([{"key": "again", "config": config}]), queue.close.remote()])
     maps: dict[int, bool] = {}  # the controller's pid -> whether torch's library was ever in its memory map
+    environ: dict[int, set[str]] = {}  # the controller's pid -> its environment's entries
     ended = threading.Event()
 
     def watch() -> None:
@@ -314,6 +318,7 @@ def test_a_proxy_run_is_reproducible(sample_run, tmp_path):
                 if actor["ActorClassName"] == "TrainController" and actor["State"] == "ALIVE":
                     try:
                         lines = Path(f"/proc/{actor['Pid']}/maps").read_text()
+                        environ[actor["Pid"]] = set(Path(f"/proc/{actor['Pid']}/environ").read_text().split("\0"))
                     except OSError:  # it ended between the two reads
                         continue
                     maps[actor["Pid"]] = maps.get(actor["Pid"], False) or "libtorch" in lines
@@ -326,6 +331,8 @@ def test_a_proxy_run_is_reproducible(sample_run, tmp_path):
         ended.set()
         watcher.join()
     assert len(maps) == 1 and not any(maps.values()), maps
+    assert {f"{k}={v}" for k, v in LOCAL_TRAIN_ENV.items()} <= environ[next(iter(maps))]
+    assert ray.get(ray.remote(lambda: (dict(ray.get_runtime_context().runtime_env), started_here())).remote()) == ({}, True)
     assert ray.get(queue.finished.remote()) == {"again"}
     before = spikes.read_run(stage_dir / record["run_dir"])
     batches, norms = spikes.read_run(tmp_path / "again")
