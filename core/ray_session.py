@@ -48,8 +48,11 @@ class RayConfig:
 # a worker of a job with a runtime env starts as a second Python (Ray's setup_worker.py, which imports Ray
 # to set the variables, then execs the worker), and Ray prestarts no worker for it. Without one, a local
 # Ray's first two tasks ran in 0.37 s against 1.3 s, six actors started in 1.9 s against 3.3 s
-# (docs/benchmarks.md, issue 62's fourteenth step).
-LOCAL_TRAIN_ENV = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.25"}
+# (docs/benchmarks.md, issue 62's fourteenth step). The third is the one Ray Train gives every controller a runtime
+# env for, at its own default (ray/train/v2/_internal/constants.py): with it here, a controller on a local Ray needs
+# none (train/ray_trainer.py `LeanTorchTrainer._initialize_and_run_controller`).
+LOCAL_TRAIN_ENV = {"RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0", "RAY_TRAIN_HEALTH_CHECK_INTERVAL_S": "0.25",
+                   "RAY_WARN_BLOCKING_GET_INSIDE_ASYNC": "0"}
 
 # The node label of a Ray that `init_ray` started here: how `started_here` knows it, in the driver and the workers.
 LOCAL_LABELS = {"opt-pipeline/ray": "started-by-the-pipeline"}

@@ -282,7 +282,8 @@ def test_a_proxy_run_is_reproducible(sample_run, tmp_path):
     starts none of the actors that Ray Train's own TorchTrainer would start for nothing, and its controller never
     loads torch (train/ray_trainer.py `ProcessGroupConfig`): its memory map read while the job runs. The controller
     has the local Ray's settings (core/ray_session.py `LOCAL_TRAIN_ENV`) in its environment, and a plain task of
-    that Ray runs with no runtime env (so its worker starts as one Python, and may be one Ray prestarted)."""
+    that Ray runs with no runtime env (so its worker starts as one Python, and may be one Ray prestarted), as does the
+    controller."""
     import threading
 
     from screen.mixture import subset_shares
@@ -293,7 +294,7 @@ def test_a_proxy_run_is_reproducible(sample_run, tmp_path):
     from screen.stage import proxy_train_config, slug
     from train.loop.config import loop_config
     from core.ray_session import LOCAL_TRAIN_ENV, started_here
-    from train.ray_trainer import UNUSED_ACTORS
+    from train.ray_trainer import UNUSED_ACTORS, controller_runtime_env
     from train.stage import fit
 
     _, _, wd = sample_run
@@ -333,6 +334,13 @@ def test_a_proxy_run_is_reproducible(sample_run, tmp_path):
     assert len(maps) == 1 and not any(maps.values()), maps
     assert {f"{k}={v}" for k, v in LOCAL_TRAIN_ENV.items()} <= environ[next(iter(maps))]
     assert ray.get(ray.remote(lambda: (dict(ray.get_runtime_context().runtime_env), started_here())).remote()) == ({}, True)
+    # The controller had no runtime env of Ray Train's: its one setting came with the Ray's environment (above). A
+    # Ray Train setting the driver has and the Ray's processes lack still goes to the controller as Ray Train sends it.
+    assert controller_runtime_env() is None
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S", "30")
+        assert controller_runtime_env() == {"env_vars": {"RAY_WARN_BLOCKING_GET_INSIDE_ASYNC": "0",
+                                                         "RAY_TRAIN_WORKER_GROUP_START_TIMEOUT_S": "30"}}
     assert ray.get(queue.finished.remote()) == {"again"}
     before = spikes.read_run(stage_dir / record["run_dir"])
     batches, norms = spikes.read_run(tmp_path / "again")

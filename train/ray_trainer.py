@@ -27,12 +27,16 @@ torch, and what they run on the workers (Ray Train's own steps: the address, the
 CUDA device) is imported there; so neither the controller nor the process that starts the job (the screen's tasks)
 imports torch. Every job's start waits for its controller, so each saves those seconds (docs/benchmarks.md, "A
 controller without torch"); tests/test_screen.py reads a live controller's memory map for torch.
+
+And on a local Ray, a controller without a runtime env, so that it and its synchronization actor may start in workers
+Ray has prestarted (`controller_runtime_env`).
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 from dataclasses import dataclass
 
 import ray
@@ -148,6 +152,30 @@ class ProcessGroupConfig(BackendConfig):
         return {"backend": self.backend, "init_method": "env", "timeout_s": self.timeout_s}
 
 
+def controller_runtime_env() -> dict | None:
+    """The runtime env Ray Train gives a job's controller: the Ray Train settings set in the driver's environment
+    (`get_env_vars_to_propagate`), and its blocking-get warning at Ray Train's default. None on a Ray this pipeline
+    started whose processes have all of them already (core/ray_session.py `LOCAL_TRAIN_ENV`).
+
+    Why: an actor with a runtime env starts in a worker process of its own, through Ray's setup_worker.py (a Python
+    that imports Ray to set the variables, then execs the worker, which imports Ray again), and never in a worker
+    that Ray has prestarted; the synchronization actor the controller starts inherits its runtime env, and so
+    starts the same way. One-worker jobs on a local Ray of 2 CPUs reached their loop in 4.0 s without it, against
+    4.4-4.8 s (docs/benchmarks.md, issue 62's fifteenth step). A setting the driver has that a local Ray's
+    processes do not (set in its environment after `ray.init`, or at any time on a cluster) still goes as Ray
+    Train sends it."""
+    from ray._common.constants import RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR
+    from ray.train.v2._internal.constants import DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE, get_env_vars_to_propagate
+
+    from core.ray_session import LOCAL_TRAIN_ENV, started_here
+
+    env_vars = {RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR: DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE,
+                **get_env_vars_to_propagate()}
+    if started_here() and env_vars.items() <= LOCAL_TRAIN_ENV.items():
+        return None
+    return {"env_vars": env_vars}
+
+
 class LeanTorchTrainer(DataParallelTrainer):
     replica_workers = 1  # workers per model replica: an elastic group of a split model grows and shrinks by them
 
@@ -157,10 +185,22 @@ class LeanTorchTrainer(DataParallelTrainer):
                          scaling_config=scaling_config, **kwargs)
 
     def _initialize_and_run_controller(self, **controller_init_kwargs):
-        """Ray Train's controller, given `ReplicaScalingPolicy` in place of its elastic policy for a split model."""
+        """Ray Train's controller, given `ReplicaScalingPolicy` in place of its elastic policy for a split model;
+        and on a Ray whose processes already have what Ray Train would hand the controller, started without a
+        runtime env (`controller_runtime_env`), otherwise as Ray Train starts it."""
         if self.replica_workers > 1 and type(controller_init_kwargs.get("scaling_policy")) is ElasticScalingPolicy:
             controller_init_kwargs["scaling_policy"] = ReplicaScalingPolicy(self.scaling_config, self.replica_workers)
-        return super()._initialize_and_run_controller(**controller_init_kwargs)
+        if controller_runtime_env() is not None:
+            return super()._initialize_and_run_controller(**controller_init_kwargs)
+        # Ray Train's own steps (ray/train/v2/api/data_parallel_trainer.py), less the runtime env.
+        from ray.train.v2._internal.execution.controller import TrainController
+
+        controller = ray.remote(num_cpus=0, label_selector={ray._raylet.RAY_NODE_ID_KEY: ray.get_runtime_context().get_node_id()})(
+            TrainController).remote(**controller_init_kwargs)
+        if threading.current_thread() is threading.main_thread():
+            self._register_sigint_handler(controller)
+        ray.get(controller.run.remote())
+        return ray.get(controller.get_result.remote())
 
     def _create_default_callbacks(self) -> list:
         from core.ray_session import started_here
