@@ -161,11 +161,12 @@ def controller_runtime_env() -> dict | None:
     that imports Ray to set the variables, then execs the worker, which imports Ray again), and never in a worker
     that Ray has prestarted; the synchronization actor the controller starts inherits its runtime env, and so
     starts the same way. One-worker jobs on a local Ray of 2 CPUs reached their loop in 4.0 s without it, against
-    4.4-4.8 s (docs/benchmarks.md, issue 62's fifteenth step). A setting the driver has that a local Ray's
-    processes do not (set in its environment after `ray.init`, or at any time on a cluster) still goes as Ray
+    4.5 s (medians of six; docs/benchmarks.md, issue 62's fifteenth step). A setting the driver has that a local
+    Ray's processes do not (set in its environment after `ray.init`, or at any time on a cluster) still goes as Ray
     Train sends it."""
     from ray._common.constants import RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_ENV_VAR
-    from ray.train.v2._internal.constants import DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE, get_env_vars_to_propagate
+    from ray.train.v2._internal.constants import (DEFAULT_RAY_WARN_BLOCKING_GET_INSIDE_ASYNC_VALUE,
+                                                  get_env_vars_to_propagate)
 
     from core.ray_session import LOCAL_TRAIN_ENV, started_here
 
@@ -195,8 +196,8 @@ class LeanTorchTrainer(DataParallelTrainer):
         # Ray Train's own steps (ray/train/v2/api/data_parallel_trainer.py), less the runtime env.
         from ray.train.v2._internal.execution.controller import TrainController
 
-        controller = ray.remote(num_cpus=0, label_selector={ray._raylet.RAY_NODE_ID_KEY: ray.get_runtime_context().get_node_id()})(
-            TrainController).remote(**controller_init_kwargs)
+        node = {ray._raylet.RAY_NODE_ID_KEY: ray.get_runtime_context().get_node_id()}  # the driver's node, as Ray's
+        controller = ray.remote(num_cpus=0, label_selector=node)(TrainController).remote(**controller_init_kwargs)
         if threading.current_thread() is threading.main_thread():
             self._register_sigint_handler(controller)
         ray.get(controller.run.remote())
