@@ -186,18 +186,16 @@ class LeanTorchTrainer(DataParallelTrainer):
                          scaling_config=scaling_config, **kwargs)
 
     def _initialize_and_run_controller(self, **controller_init_kwargs):
-        """Ray Train's controller, given `ReplicaScalingPolicy` in place of its elastic policy for a split model;
-        and on a Ray whose processes already have what Ray Train would hand the controller, started without a
-        runtime env (`controller_runtime_env`), otherwise as Ray Train starts it."""
-        if self.replica_workers > 1 and type(controller_init_kwargs.get("scaling_policy")) is ElasticScalingPolicy:
-            controller_init_kwargs["scaling_policy"] = ReplicaScalingPolicy(self.scaling_config, self.replica_workers)
-        if controller_runtime_env() is not None:
-            return super()._initialize_and_run_controller(**controller_init_kwargs)
-        # Ray Train's own steps (ray/train/v2/api/data_parallel_trainer.py), less the runtime env.
+        """Ray Train's controller, started as Ray Train starts it (ray/train/v2/api/data_parallel_trainer.py), with
+        two changes: `ReplicaScalingPolicy` in place of its elastic policy for a split model, and the runtime env of
+        `controller_runtime_env`, none on a Ray whose processes already have what Ray Train would send."""
         from ray.train.v2._internal.execution.controller import TrainController
 
+        if self.replica_workers > 1 and type(controller_init_kwargs.get("scaling_policy")) is ElasticScalingPolicy:
+            controller_init_kwargs["scaling_policy"] = ReplicaScalingPolicy(self.scaling_config, self.replica_workers)
         node = {ray._raylet.RAY_NODE_ID_KEY: ray.get_runtime_context().get_node_id()}  # the driver's node, as Ray's
-        controller = ray.remote(num_cpus=0, label_selector=node)(TrainController).remote(**controller_init_kwargs)
+        controller = ray.remote(num_cpus=0, label_selector=node, runtime_env=controller_runtime_env())(
+            TrainController).remote(**controller_init_kwargs)
         if threading.current_thread() is threading.main_thread():
             self._register_sigint_handler(controller)
         ray.get(controller.run.remote())
