@@ -274,9 +274,7 @@ def main(argv: list[str] | None = None) -> int:
     shutil.rmtree(out, ignore_errors=True)
     shards = out / "shards"
     learnable_shards(shards, s["batch"] * (s["steps"] + 12), s["seq_len"], s["vocab"])
-    started = not ray.is_initialized()  # a test's Ray session is used as it is
-    if started:
-        init_ray(os.cpu_count())
+    init_ray(os.cpu_count())
     try:
         verdicts = []
         if 1 in args.checks:
@@ -293,8 +291,7 @@ def main(argv: list[str] | None = None) -> int:
         if 4 in args.checks:
             verdicts.append(check_mfu(out, s, device))
     finally:
-        if started:
-            ray.shutdown()
+        ray.shutdown()
 
     name = torch.cuda.get_device_name(0) if device == "cuda" else "the CPU above"
     print(f"{name}{'; dry run' if args.dry_run else ''}")

@@ -1,6 +1,6 @@
 """Shared fixtures: one Ray session for the whole test run (ray.init costs seconds), started as the
-pipeline starts it, and the runs of the whole pipeline on the sample corpus that the stage tests read, made in
-the background while the other tests run (PipelineRuns)."""
+pipeline starts it, and the long runs that tests read (the whole pipeline on the sample corpus, the GPU check's dry
+run, a two-node cluster), made in the background while the other tests run (BackgroundRuns)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import threading
+import traceback
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,30 +23,32 @@ pytest_plugins = ["pytester"]  # tests/test_any_cpu.py runs conftest's console s
 sys.path.insert(0, str(Path(__file__).parent))
 
 
-PIPELINE = ("default_run", "sample_run", "comments_run")  # the pipeline's runs (PipelineRuns): once per worker that asks
+PIPELINE = ("default_run", "sample_run", "comments_run")  # the pipeline's runs: once per worker that asks
+CLUSTER = "cluster_run"  # tests/test_job_submit.py's two-node cluster (tests/cluster_run.py)
+BACKGROUND = (*PIPELINE, "gpu_check_run", CLUSTER)  # every run BackgroundRuns makes, in the order it makes them
 
 
-def pipeline_modules(root: Path) -> set[str]:
-    """The test modules (as node ids start: tests/test_x.py) whose source names a PIPELINE fixture: theirs or a
+def modules_reading(root: Path, fixtures: tuple[str, ...] = BACKGROUND) -> set[str]:
+    """The test modules (as node ids start: tests/test_x.py) whose source names one of `fixtures`: theirs or a
     fixture of theirs that asks for it (test_train.py's `baseline`)."""
-    return {f"tests/{p.name}" for p in (root / "tests").glob("test_*.py") if any(f in p.read_text() for f in PIPELINE)}
+    return {f"tests/{p.name}" for p in (root / "tests").glob("test_*.py") if any(f in p.read_text() for f in fixtures)}
 
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
     """Where `make test WORKERS=2`'s pytest-xdist workers run what: a module's tests all on one worker, in file
-    order (its module fixtures made once; a test may read what an earlier one left), and every module that reads the
-    README run's pipeline on the same one, first, so that it runs once. The other worker takes the other modules
-    meanwhile, on the core that the pipeline's single-threaded parts leave idle. (xdist's own `loadgroup` marks
+    order (its module fixtures made once; a test may read what an earlier one left), and every module that reads a
+    background run (BACKGROUND) on the same one, first, so that each runs once. The other worker takes the other
+    modules meanwhile, on the core that the runs' single-threaded parts leave idle. (xdist's own `loadgroup` marks
     no longer reach its scheduler under pytest 9: it renames node ids, which pytest 9 derives.)"""
     from xdist.scheduler import LoadScopeScheduling
 
-    pipeline = pipeline_modules(config.rootpath)
+    background = modules_reading(config.rootpath)
 
     class ByModule(LoadScopeScheduling):
         def _split_scope(self, nodeid: str) -> str:
             module = nodeid.split("::", 1)[0]
-            return "pipeline" if module in pipeline else module
+            return "background" if module in background else module
 
     return ByModule(config, log)
 
@@ -192,39 +195,48 @@ def made_once_per_suite(tmp_path_factory, what: str) -> None:
 
 
 def pytest_collection_modifyitems(config, items):
-    """In one process (`make test`), the modules that read the pipeline's runs go last, each whole and in file
-    order: the runs are made in the background from the first test on (pipeline_runs), while the other modules
-    run. (pytest-xdist's workers keep the collected order: its scheduler gives the pipeline's modules to one
-    worker, first.)"""
+    """In one process (`make test`), the modules that read the background runs go last, each whole and in file
+    order, and the cluster's after the pipeline's: the pipeline's runs are made in the background from the first
+    test on (background_runs), while the other modules run, and the cluster's once the tests read them, beside the
+    modules that read them. (pytest-xdist's workers keep the collected order: its scheduler gives these modules to
+    one worker, first.)"""
     if os.environ.get("PYTEST_XDIST_WORKER"):
         return
-    pipeline = pipeline_modules(config.rootpath)
-    items.sort(key=lambda item: item.nodeid.split("::", 1)[0] in pipeline)  # stable: file order within each part
+    background, cluster = modules_reading(config.rootpath), modules_reading(config.rootpath, (CLUSTER,))
+    module = lambda item: item.nodeid.split("::", 1)[0]  # noqa: E731
+    items.sort(key=lambda item: (module(item) in background, module(item) in cluster))  # stable: file order within
 
 
 class RunFailed(Exception):
-    """A pipeline run that exited non-zero, with what it printed."""
+    """A background run's step that exited non-zero, with what it printed."""
 
 
-class PipelineRuns:
-    """The pipeline's runs that the tests read (PIPELINE), made one after the other in a thread, each a
-    subprocess with its own Ray, as a user runs them: the README run (`python pipelines/full.py` from a fresh
-    directory, then again), the tests' sample run (`--config sample.yaml` in its workdir) and the Reddit-comments
-    screen (`--config comments.yaml`), each when a collected test reads it. In one process the thread starts with
-    the session's first test: the README run keeps about 1.6 of the 2 cores busy and the other tests about 1.2, so
-    the runs take what the tests before the pipeline's modules leave idle. The tests read a run only once all
-    have ended: nothing else writes in the README run's workdir meanwhile."""
+class BackgroundRuns:
+    """The runs that the tests read (BACKGROUND), each when a collected test reads it, made one after the other in a
+    thread, each step a subprocess, as a user runs them:
+    - the pipeline's, each with its own Ray: the README run (`python pipelines/full.py` from a fresh directory, then
+      again), the tests' sample run (`--config sample.yaml` in its workdir) and the Reddit-comments screen
+      (`--config comments.yaml`). In one process the thread starts with the session's first test: the README run
+      keeps about 1.6 of the 2 cores busy and the other tests about 1.2, so the runs take what the tests before the
+      modules that read them leave idle. The tests read a pipeline run only once all have ended: nothing else
+      writes in the README run's workdir meanwhile;
+    - `benchmarks/gpu_check.py --dry-run`, as the docs give it, right after them;
+    - the two-node cluster's (tests/cluster_run.py), once a test first reads a run: it waits on processes most of
+      its minute, and the modules that read the runs, last in the session, leave a core idle for a third of theirs.
+    Each run's own folder: none writes where another does."""
 
     def __init__(self, tmp_path_factory, wanted: set[str]):
         self.tmp_path_factory = tmp_path_factory
-        self.wanted = wanted  # the PIPELINE fixtures a collected test reads
+        self.wanted = wanted  # the BACKGROUND fixtures a collected test reads
         self.env = {k: v for k, v in os.environ.items() if k not in ("MLFLOW_TRACKING_URI", "RAY_ADDRESS")}
         self.thread: threading.Thread | None = None
-        self.lock = threading.Lock()  # a run starts, or the session stops them: never both at once
+        self.lock = threading.Lock()  # a step starts, or the session stops them: never both at once
         self.current: subprocess.Popen | None = None
         self.stopped = False
-        self.made: dict[str, object] = {}  # PIPELINE fixture -> what its run left (a DefaultRun, a workdir)
-        self.failed: dict[str, str] = {}  # PIPELINE fixture -> why its run did not pass
+        self.ended = {name: threading.Event() for name in BACKGROUND}  # made, failed, or not wanted
+        self.reading = threading.Event()  # a test has asked for a run: the cluster's may start
+        self.made: dict[str, object] = {}  # BACKGROUND fixture -> what its run left (a DefaultRun, a folder, ...)
+        self.failed: dict[str, str] = {}  # BACKGROUND fixture -> why its run did not pass
 
     def start(self) -> None:
         """In the test process's thread (the folders), before any test changes the environment (copied above). The
@@ -233,16 +245,18 @@ class PipelineRuns:
         (their session's, which Linux weighs against the tests' session as a whole) saved no more
         (docs/benchmarks.md)."""
         if self.thread is None:
-            self.where = self.tmp_path_factory.mktemp("fresh")
-            if "comments_run" in self.wanted:
-                self.comments = self.tmp_path_factory.mktemp("comments")
-            self.thread = threading.Thread(target=self._make, name="pipeline-runs", daemon=True)
+            self.folders = {name: self.tmp_path_factory.mktemp(name.removesuffix("_run")) for name in BACKGROUND}
+            self.where = self.folders["default_run"]
+            self.thread = threading.Thread(target=self._make, name="background-runs", daemon=True)
             self.thread.start()
 
     def result(self, name: str):
-        """What the run behind fixture `name` left, once every run has ended; its failure fails the test."""
+        """What the run behind fixture `name` left, once it has ended (a pipeline run: once all of them have);
+        its failure fails the test."""
         self.start()
-        self.thread.join()
+        self.reading.set()
+        for run in PIPELINE if name in PIPELINE else (name,):
+            self.ended[run].wait()
         if name not in self.made:
             pytest.fail(self.failed.get(name, f"{name} was not made"), pytrace=False)
         return self.made[name]
@@ -253,15 +267,17 @@ class PipelineRuns:
             self.stopped = True
             if self.current is not None and self.current.poll() is None:
                 os.killpg(self.current.pid, signal.SIGKILL)
+        self.reading.set()  # a cluster run still waiting to start sees `stopped` and does not
         if self.thread is not None:
             self.thread.join(timeout=30)
 
-    def _call(self, args: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
-        cmd = [sys.executable, str(ROOT / "pipelines" / "full.py"), *args]
+    def _run(self, cmd: list[str], cwd: Path, env: dict, timeout: float) -> subprocess.CompletedProcess:
+        """One step, in a session of its own (so that stop() ends it and what it started); exits non-zero:
+        RunFailed with what it printed."""
         with self.lock:
             if self.stopped:
                 raise RunFailed("the session ended before this run started")
-            self.current = subprocess.Popen(cmd, cwd=cwd, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            self.current = subprocess.Popen(cmd, cwd=cwd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                             text=True, start_new_session=True)
         with self.current as proc:
             try:
@@ -274,6 +290,9 @@ class PipelineRuns:
                             f"{' (stopped)' if self.stopped else ''}:\n{out[-3000:]}{err[-3000:]}")
         return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
+    def _call(self, args: list[str], cwd: Path, timeout: float) -> subprocess.CompletedProcess:
+        return self._run([sys.executable, str(ROOT / "pipelines" / "full.py"), *args], cwd, self.env, timeout)
+
     def _default_run(self) -> DefaultRun:
         first = self._call([], self.where, timeout=900)
         manifests = {s: manifest(self.where / "work", s) for s in STAGES}
@@ -285,21 +304,42 @@ class PipelineRuns:
         return self.where / "work"
 
     def _comments_run(self) -> Path:
-        self._call(["--config", str(comments_config(self.where, self.comments)), "--only", "ingest,normalize,dedup,screen"],
-                   self.comments, timeout=900)
-        return self.comments / "work"
+        folder = self.folders["comments_run"]
+        self._call(["--config", str(comments_config(self.where, folder)), "--only", "ingest,normalize,dedup,screen"],
+                   folder, timeout=900)
+        return folder / "work"
+
+    def _gpu_check_run(self) -> Path:
+        out = self.folders["gpu_check_run"] / "check"
+        self._run([sys.executable, str(ROOT / "benchmarks" / "gpu_check.py"), "--dry-run", "--out", str(out)], ROOT,
+                  self.env, timeout=900)
+        return out
+
+    def _cluster_run(self):
+        import cluster_run
+
+        return cluster_run.make(self.folders[CLUSTER], self._run)
 
     def _make(self) -> None:
-        for name in PIPELINE:  # the README run first: the others read its sample
-            if name != "default_run" and name not in self.wanted:
-                continue
-            if "default_run" in self.failed:
-                self.failed[name] = f"the README run failed first: {self.failed['default_run']}"
-                continue
+        for name in BACKGROUND:
+            try:
+                if name == CLUSTER and name in self.wanted:
+                    self.reading.wait()  # beside the modules that read the runs
+                if name in self.wanted or (name == "default_run" and self.wanted & set(PIPELINE)):  # the others read
+                    self._make_one(name)  # its sample
+            finally:
+                self.ended[name].set()
+
+    def _make_one(self, name: str) -> None:
+        if self.stopped:
+            self.failed[name] = "the session ended before this run started"
+        elif name in PIPELINE and "default_run" in self.failed:
+            self.failed[name] = f"the README run failed first: {self.failed['default_run']}"
+        else:
             try:
                 self.made[name] = getattr(self, f"_{name}")()
             except Exception as exc:  # said by the fixture that reads it, not lost in the thread
-                self.failed[name] = str(exc) if isinstance(exc, RunFailed) else f"{type(exc).__name__}: {exc}"
+                self.failed[name] = str(exc) if isinstance(exc, RunFailed) else traceback.format_exc()
 
 
 def sample_config(where: Path) -> Path:
@@ -327,11 +367,11 @@ def comments_config(where: Path, folder: Path) -> Path:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def pipeline_runs(request, tmp_path_factory) -> PipelineRuns:
-    """Started here, with the session's first test, when a collected test reads a pipeline run and the suite runs
-    in one process; under pytest-xdist, by the first test that reads one, on the worker that runs them all."""
-    wanted = {name for item in request.session.items for name in PIPELINE if name in item.fixturenames}
-    runs = PipelineRuns(tmp_path_factory, wanted)
+def background_runs(request, tmp_path_factory) -> BackgroundRuns:
+    """Started here, with the session's first test, when a collected test reads a background run and the suite
+    runs in one process; under pytest-xdist, by the first test that reads one, on the worker that runs them all."""
+    wanted = {name for item in request.session.items for name in BACKGROUND if name in item.fixturenames}
+    runs = BackgroundRuns(tmp_path_factory, wanted)
     if wanted and not os.environ.get("PYTEST_XDIST_WORKER"):
         runs.start()
     yield runs
@@ -339,21 +379,21 @@ def pipeline_runs(request, tmp_path_factory) -> PipelineRuns:
 
 
 @pytest.fixture(scope="session")
-def default_run(pipeline_runs, tmp_path_factory) -> DefaultRun:
+def default_run(background_runs, tmp_path_factory) -> DefaultRun:
     """The README's first command, `python pipelines/full.py` with no arguments, run from a fresh directory,
     then again. sample_run adds its own run to the same workdir, so what the tests of this run read of the
     workdir's state as this run left it is read right after it (manifests, summary)."""
     made_once_per_suite(tmp_path_factory, "default_run")
-    return pipeline_runs.result("default_run")
+    return background_runs.result("default_run")
 
 
 @pytest.fixture(scope="session")
-def sample_run(default_run, pipeline_runs, ray_session):
+def sample_run(default_run, background_runs, ray_session):
     """(sample folder, what the sample planted, workdir): the README command's run (its sample has HackerNews
     planted spiky, which the screen drops), then `full.py --config sample.yaml` in the same workdir (made by
-    pipeline_runs). The screen, the costliest stage, runs once for both. The tests that read it go on in this
+    background_runs). The screen, the costliest stage, runs once for both. The tests that read it go on in this
     process's Ray (ray_session): a proxy run again, the ablation's rerun."""
-    work = pipeline_runs.result("sample_run")
+    work = background_runs.result("sample_run")
     rerun = [s for s in STAGES[:4] if manifest(work, s)["fingerprint"] != default_run.manifests[s]["fingerprint"]]
     assert not rerun, f"sample.yaml's corpus stages and screen should be the README run's, but these ran again: {rerun}"
     sample = default_run.where / "data" / "sample"
@@ -361,7 +401,22 @@ def sample_run(default_run, pipeline_runs, ray_session):
 
 
 @pytest.fixture(scope="session")
-def comments_run(pipeline_runs) -> Path:
+def comments_run(background_runs) -> Path:
     """The workdir of `full.py --config comments.yaml --only ingest,normalize,dedup,screen` (comments_config), made
-    by pipeline_runs after the README run, whose sample it reads."""
-    return pipeline_runs.result("comments_run")
+    by background_runs after the README run, whose sample it reads."""
+    return background_runs.result("comments_run")
+
+
+@pytest.fixture(scope="session")
+def cluster_run(background_runs, tmp_path_factory):
+    """What the two-node cluster's run left (tests/cluster_run.py's ClusterRun), made by background_runs once the
+    tests first read a run."""
+    made_once_per_suite(tmp_path_factory, CLUSTER)
+    return background_runs.result(CLUSTER)
+
+
+@pytest.fixture(scope="session")
+def gpu_check_run(background_runs, tmp_path_factory) -> Path:
+    """The folder of `benchmarks/gpu_check.py --dry-run --out <folder>`, run by background_runs."""
+    made_once_per_suite(tmp_path_factory, "gpu_check_run")
+    return background_runs.result("gpu_check_run")
