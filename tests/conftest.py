@@ -321,12 +321,14 @@ class BackgroundRuns:
         return cluster_run.make(self.folders[CLUSTER], self._run)
 
     def _make(self) -> None:
+        """Each wanted run, in BACKGROUND's order: the README run whenever a pipeline run is wanted (the others
+        read its sample), and the cluster's once a test has read a run (beside the modules that read them)."""
         for name in BACKGROUND:
             try:
                 if name == CLUSTER and name in self.wanted:
-                    self.reading.wait()  # beside the modules that read the runs
-                if name in self.wanted or (name == "default_run" and self.wanted & set(PIPELINE)):  # the others read
-                    self._make_one(name)  # its sample
+                    self.reading.wait()
+                if name in self.wanted or (name == "default_run" and self.wanted & set(PIPELINE)):
+                    self._make_one(name)
             finally:
                 self.ended[name].set()
 
