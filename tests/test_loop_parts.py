@@ -111,14 +111,16 @@ def test_the_driver_imports_no_torch_and_a_worker_imports_deepspeed_without_mlfl
     controller's: tests/test_screen.py). Then as a Ray Train worker starts (train/deepspeed_import.py): the loop's
     module, unpickled first, and what `train_loop` imports before its first call import neither DeepSpeed nor
     MLflow; `import_deepspeed` (`train_loop`'s first call) imports DeepSpeed, whose autotuner then has no MLflow
-    (0.6 s of each worker's start in a Ray worker); and MLflow still imports afterwards."""
+    (0.6 s of each worker's start in a Ray worker), and its Muon optimizer's kernels stay eager (torch.compile off
+    for that import: no inductor, 0.8 s of each ZeRO worker's start), while a later torch.compile compiles; and MLflow
+    still imports afterwards."""
     import subprocess
     import sys
 
     from conftest import ROOT
 
     heavy = "('torch', 'ray.train', 'deepspeed', 'mlflow')"
-    code = ("import sys, json\n"
+    code = ("import os, sys, json\n"
             "import pipelines.stages, train.loop.config\n"
             f"seen = {{'driver': sorted(m for m in {heavy} if m in sys.modules)}}\n"
             "from ray.train import ScalingConfig\n"
@@ -134,12 +136,20 @@ def test_the_driver_imports_no_torch_and_a_worker_imports_deepspeed_without_mlfl
             "from deepspeed.autotuning import autotuner\n"
             "seen['after import_deepspeed'] = sorted(m for m in ('deepspeed', 'mlflow') if m in sys.modules)\n"
             "seen['has_mlflow'] = autotuner.has_mlflow\n"
+            "from deepspeed.runtime.zero.muon import original_muon\n"
+            "seen['muon compiled'] = hasattr(original_muon.muon_update, '_torchdynamo_orig_callable')\n"
+            "seen['dynamo off'] = 'TORCHDYNAMO_DISABLE' in os.environ\n"
+            "import torch\n"
+            "from torch._dynamo.utils import counters\n"
+            "torch.compile(lambda x: x * 2, backend='eager')(torch.ones(2))\n"
+            "seen['compiled after'] = counters['stats']['unique_graphs']\n"
             "import mlflow\n"
             "seen['mlflow'] = hasattr(mlflow, 'MlflowClient')\n"
             "print(json.dumps(seen))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert json.loads(out.splitlines()[-1]) == {"driver": [], "starting a job": [], "after train.loop": [],
                                                 "after import_deepspeed": ["deepspeed"], "has_mlflow": False,
+                                                "muon compiled": False, "dynamo off": False, "compiled after": 1,
                                                 "mlflow": True}
 
 
