@@ -20,7 +20,8 @@ import sys
 def import_deepspeed() -> None:
     """Import DeepSpeed with `import mlflow` failing for that import only: the autotuner then takes itself to have
     no MLflow (`has_mlflow = False`), the one place DeepSpeed reads it. A later `import mlflow` in this process
-    works as ever. Where MLflow or DeepSpeed is already imported (the driver, a test's process), nothing changes."""
+    works as ever. Then its Muon module, eager (import_muon_eager). Where MLflow or DeepSpeed is already imported (the
+    driver, a test's process), nothing changes."""
     if "deepspeed" in sys.modules or "mlflow" in sys.modules:
         return
     sys.modules["mlflow"] = None  # the import system's mark for "not importable": ImportError
