@@ -1,5 +1,5 @@
 """The two-node cluster run that tests/test_job_submit.py reads, made in the background by tests/conftest.py's
-PipelineRuns as the pipeline's runs are: it waits on processes most of its minute (`ray start`, job submits, the
+BackgroundRuns as the pipeline's runs are: it waits on processes most of its minute (`ray start`, job submits, the
 MLflow server), so it runs beside the tests that leave a core idle, and the test checks what it left.
 
 A head (1 CPU, resource `head_node`) and a second node (1 CPU, resource `worker_node`) started with `ray start`,
@@ -38,9 +38,10 @@ CORPUS_STAGES = ("ingest", "normalize", "dedup")
 # it once the failed group is down): the second node turned unhealthy without failing (marked as the chaos drill
 # marks one) while the attempt failed on the head. The two nodes share this machine's two cores with the tests that
 # run meanwhile, so their probes' rates are not comparable: a node is judged slow only under a twentieth of the
-# other's (`min_fraction`; the verdicts on rates: tests/test_health.py). It prints one JSON line: the nodes drained, the worker node's id,
-# whether a task pinned to each node then ran, and the node (head or worker) of every task the stages ran, from the
-# State API of the cluster's dashboard (corpus.parts.run_tasks names each Map after its task: Map(read_task)).
+# other's (`min_fraction`; the verdicts on rates: tests/test_health.py). It prints one JSON line: the nodes drained,
+# the worker node's id, whether a task pinned to each node then ran, and the node (head or worker) of every task the
+# stages ran, from the State API of the cluster's dashboard (corpus.parts.run_tasks names each Map after its task:
+# Map(read_task)).
 HEALTH_CHECK = """
 import dataclasses, json, sys, ray
 from pathlib import Path
@@ -63,7 +64,8 @@ mark_unhealthy(run, worker)
 crash = Failure(attempt=1, rank=0, kind='hardware', type='ActorDiedError', message='died', step=3, node=head_id)
 records.append(run, records.FAILURE, dataclasses.asdict(crash))
 drill = NodeFaults.for_run(run, [InjectConfig(kind='unhealthy', step=3, node=worker)])
-RestartHealthCheck(str(run), HealthConfig(min_fraction=0.05), worker=(1, 0), drill=drill).before_worker_group_start(None)
+check = RestartHealthCheck(str(run), HealthConfig(min_fraction=0.05), worker=(1, 0), drill=drill)
+check.before_worker_group_start(None)
 rows = [json.loads(line) for line in (run / 'health.jsonl').read_text().splitlines()]
 excluded = [r['node'] for r in rows if r['drained']]
 pinned = ray.remote(num_cpus=0, resources={'worker_node': 0.01})(lambda: 1).remote()
@@ -89,7 +91,7 @@ class ClusterRun:
     leftover: list[int]  # the cluster's processes still there after it was stopped
 
 
-Call = Callable[..., subprocess.CompletedProcess]  # PipelineRuns._run: (cmd, cwd, env, timeout), raises RunFailed
+Call = Callable[..., subprocess.CompletedProcess]  # BackgroundRuns._run: (cmd, cwd, env, timeout), raises RunFailed
 
 
 def free_ports(count: int) -> list[int]:

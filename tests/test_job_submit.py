@@ -1,7 +1,7 @@
 """The cluster path: `ray job submit` of pipelines/full.py to a real two-node Ray cluster on this machine,
 and of the placement probe (train/parallel/placement.py) for a tensor-parallel layout over both nodes, and a
 restart's health check there. The cluster's run (tests/cluster_run.py says what it starts and runs) is made in the
-background once the tests first read a run (tests/conftest.py's PipelineRuns); this test checks what it left.
+background once the tests first read a run (tests/conftest.py's BackgroundRuns); this test checks what it left.
 """
 
 from __future__ import annotations
