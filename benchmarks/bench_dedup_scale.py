@@ -34,7 +34,8 @@ worker holds what its last task left). Reports the largest worker per phase, thi
 --driver: the driver over ingest, normalize and dedup in one run (`--only ingest,normalize,dedup --force`), at each
 of --driver-docs (no hot cluster), the sizes in turn `--repeats` times: its private memory (RssAnon) at each stage's
 end and its peak while each stage ran, sampled inside it every 0.05 s; glibc's bytes in use and free (held) at the
-end; and the growth of each from the smallest size to each larger one, per document. This commit only.
+end; and the growth of each from the smallest size to each larger one, per document, with each round's growth of
+the peak over the three stages (the issue's measure) and their spread. This commit only.
 """
 
 from __future__ import annotations
@@ -371,6 +372,16 @@ def driver(sizes: list[int], repeats: int, root: Path) -> None:
     print(f"Each run's peak over its own before the first stage: "
           f"{' -> '.join('/'.join(f'{v / MB:+,.0f}' for v in own[n]) for n in sizes)} MB; bytes per document from "
           f"{rows[small]:,}: " + ", ".join(f"{per_document(own, n):+.1f} to {rows[n]:,}" for n in larger))
+    # The issue's measure: the peak while ingest, normalize and dedup ran (the summary and MLflow after them set the
+    # run's peak, the same at every size). Each round's own figure too: the sizes ran in turn, so a round's runs
+    # share the host's hour, and the rounds' spread is the figure's noise.
+    stages = {n: [max(r[s]["peak"] for s in ("ingest", "normalize", "dedup")) for r in runs[n]] for n in sizes}
+    for n in larger:
+        rounds = [(b - a) / (rows[n] - rows[small]) for a, b in zip(stages[small], stages[n])]
+        print(f"The peak over the three stages, {rows[small]:,} to {rows[n]:,} documents: "
+              f"{'/'.join(f'{v / MB:,.0f}' for v in stages[small])} -> {'/'.join(f'{v / MB:,.0f}' for v in stages[n])} MB; "
+              f"bytes per document, each round: {', '.join(f'{v:+.1f}' for v in rounds)}; "
+              f"mean {statistics.mean(rounds):+.1f}" + (f", sd {statistics.stdev(rounds):.1f}" if len(rounds) > 1 else ""))
 
 
 def parser() -> argparse.ArgumentParser:

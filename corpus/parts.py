@@ -32,6 +32,11 @@ DROPPED_SCHEMA = DOCUMENT_SCHEMA.append(pa.field("reason", pa.string()))  # a do
 GROUP_ROWS = 2048  # rows per Parquet row group at most (also what a reader holds at once) ...
 GROUP_BYTES = 32 << 20  # ... and about this many bytes of strings at most (books are megabytes each)
 PART_BYTES = 256 << 20  # a part is closed after about this many bytes of strings
+# Columns of free text, kilobytes a value: their footers keep no min/max statistics. A row group's text min and
+# max are two documents' first kilobytes (Arrow keeps values up to 4 KB): most of a part's footer, which nothing
+# reads and every footer read parses in the driver (each stage's checks and task planning, the commit's
+# files.json, the run summary), so its memory there grew with the corpus (issue #61).
+FREE_TEXT = frozenset({"text", "meta", "head", "body", "title"})
 
 
 class Parts:
@@ -63,7 +68,8 @@ class Parts:
         if self._writer is None:
             self.folder.mkdir(parents=True, exist_ok=True)
             path = self.folder / f"{self.stem}-{self._part:04d}.parquet"
-            self._writer = pq.ParquetWriter(path, self.schema, compression="zstd")
+            stated = [name for name in self.schema.names if name not in FREE_TEXT]
+            self._writer = pq.ParquetWriter(path, self.schema, compression="zstd", write_statistics=stated)
         self._writer.write_table(pa.Table.from_pylist(self._buffer, schema=self.schema), row_group_size=len(self._buffer))
         self._buffer, self._buffer_bytes = [], 0
 
