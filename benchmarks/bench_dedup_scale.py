@@ -62,6 +62,11 @@ from bench_dedup import baseline_tree, edit, generate, run_pipeline  # noqa: E40
 PROBE = textwrap.dedent('''
     import atexit, ctypes, json, os, sys, threading, time
     if sys.argv and sys.argv[0].endswith("full.py") and os.environ.get("DRIVER_PROBE_OUT"):
+        # The driver's one glibc arena (core/heap.py) before this probe's thread first allocates. Started first, the
+        # thread got an arena of its own, which the driver's later threads then shared at random: up to 10 MB of
+        # the driver's memory in a second arena, from run to run, that the driver without the probe never has.
+        if "MALLOC_ARENA_MAX" not in os.environ:
+            ctypes.CDLL(None).mallopt(-8, 1)  # M_ARENA_MAX
         _peak, _lock, _stopped = {"rss": 0, "memory_store": 0, "stages": {}}, threading.Lock(), []
         _now = ["start"]
 
