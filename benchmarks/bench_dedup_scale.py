@@ -65,8 +65,12 @@ PROBE = textwrap.dedent('''
         # The driver's one glibc arena (core/heap.py) before this probe's thread first allocates. Started first, the
         # thread got an arena of its own, which the driver's later threads then shared at random: up to 10 MB of
         # the driver's memory in a second arena, from run to run, that the driver without the probe never has.
-        if "MALLOC_ARENA_MAX" not in os.environ:
-            ctypes.CDLL(None).mallopt(-8, 1)  # M_ARENA_MAX
+        try:
+            from core.heap import one_arena
+        except ImportError:  # a tree from before it (--baseline): its driver keeps glibc's arenas, as it did
+            pass
+        else:
+            one_arena()
         _peak, _lock, _stopped = {"rss": 0, "memory_store": 0, "stages": {}}, threading.Lock(), []
         _now = ["start"]
 
