@@ -27,7 +27,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from core.ray_session import largest
+from core.ray_session import collect, largest
 from corpus.parts import Parts, parquet_files, rows_in_folder
 from dedup.components import components_in_one_task, components_on_ray
 from dedup.heavy import firsts, lookup
@@ -265,7 +265,7 @@ def assemble_on_ray(graph, labels, shuffles: Shuffles, priority: dict[str, int],
     parts = nodes.map_batches(component_rows, batch_format="pyarrow", fn_kwargs={"partitions": p}) \
         .map_batches(components_reduced, batch_format="pyarrow")
     components = shuffles(parts, "components").map_groups(components_reduced, batch_format="pyarrow").materialize()
-    big = components.map_batches(lambda b: b.filter(pc.greater(b["size"], task_documents)), batch_format="pyarrow").take_all()
+    big = collect(components.map_batches(lambda b: b.filter(pc.greater(b["size"], task_documents)), batch_format="pyarrow")).to_pylist()
     kw = dict(zip(("roots", "salts"), _salts(pa.Table.from_pylist(big, COMPONENT_SCHEMA), task_documents)), partitions=p)
     joined = nodes.map_batches(salted, batch_format="pyarrow", fn_kwargs={**kw, "copies": False}) \
         .map_batches(joined_rows, batch_format="pyarrow", fn_kwargs={"copies": False}) \
@@ -276,8 +276,8 @@ def assemble_on_ray(graph, labels, shuffles: Shuffles, priority: dict[str, int],
         gone.select_columns(DUPLICATE_SCHEMA.names).write_parquet(folder)
         shuffles(gone.map_batches(keys_by_part, batch_format="pyarrow"), "components").map_groups(
             write_by_part, batch_format="pyarrow", fn_kwargs={"folder": removed}).materialize()
-    tallies = gone.map_batches(tally_removed, batch_format="pyarrow").take_all() \
-        + components.map_batches(tally_sizes, batch_format="pyarrow").take_all()
+    tallies = collect(gone.map_batches(tally_removed, batch_format="pyarrow")).to_pylist() \
+        + collect(components.map_batches(tally_sizes, batch_format="pyarrow")).to_pylist()
     return tallies, largest(gone, "held")
 
 

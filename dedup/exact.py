@@ -16,9 +16,9 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from core.ray_session import largest
+from core.ray_session import collect, largest
 from corpus.parts import parquet_files, run_tasks
-from dedup.heavy import collect, firsts_mask, heavy_keys, heavy_rows, run_lengths
+from dedup.heavy import firsts_mask, heavy_keys, heavy_rows, run_lengths
 from dedup.keys import Inputs, PartTask, Shuffles, kept_groups, keys_by_part, write_by_part
 
 

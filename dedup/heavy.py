@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 import pyarrow as pa
 
+from core.ray_session import collect, collect_tables
 from dedup.keys import Shuffles, part_of, partitions_for
 
 
@@ -109,18 +110,6 @@ def heavy_keys(ds, rows_of, bound: int, shuffles: Shuffles, phase: str, **kw) ->
     counts = collect_tables(ray.get([ray.remote(count_block).remote(ref, rows_of, kw, keys) for ref in refs]))
     v, n, m = _tally(counts["value"].to_numpy(), counts["n"].to_numpy(), counts["least"].to_numpy())
     return v[n > bound], m[n > bound]
-
-
-def collect(ds) -> pa.Table:
-    """A small dataset's rows, on the driver, as one table (no columns where it has no rows)."""
-    import ray
-
-    return collect_tables(ray.get(ds.to_arrow_refs()))
-
-
-def collect_tables(tables: list[pa.Table]) -> pa.Table:
-    tables = [t for t in tables if t.num_rows]
-    return pa.concat_tables(tables) if tables else pa.table({})
 
 
 def lookup(keys: np.ndarray, values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

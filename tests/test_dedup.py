@@ -6,6 +6,7 @@ import json
 import random
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -255,7 +256,7 @@ def test_components_on_ray_data_are_the_one_task_components(ray_session):
 def test_a_global_aggregate_runs_on_the_sort_shuffle_with_the_same_values(ray_session):
     """core/ray_session.py `over_all`: the dataset's own context asks for the hash shuffle (as a dataset made by
     a large groupby does), yet the sum and max run without its aggregator actors (no HashAggregate in the plan
-    Ray Data logs), with Ray Data's own values."""
+    Ray Data logs), with Ray Data's own values, and leave no thread behind."""
     import logging
 
     import pyarrow as pa
@@ -284,7 +285,10 @@ def test_a_global_aggregate_runs_on_the_sort_shuffle_with_the_same_values(ray_se
     try:
         ours, theirs = dataset(), dataset()
         plans.seen.clear()
+        threads = set(threading.enumerate())
         assert over_all(ours, Sum("held"), Max("held")) == {"sum(held)": sum(range(300)), "max(held)": 299}
+        # No thread left behind holding blocks (dataset.aggregate's take(1) leaves its iterator's: issue #61)
+        assert not set(threading.enumerate()) - threads, set(threading.enumerate()) - threads
         assert plans.seen and not any("HashAggregate" in p for p in plans.seen), plans.seen
         plans.seen.clear()
         assert theirs.max("held") == 299 and any("HashAggregate" in p for p in plans.seen), plans.seen  # what it avoids
