@@ -53,7 +53,7 @@ from corpus import tokenizer as tokenizers
 from corpus.parts import aside_parts, check_read, input_parts, parquet_bytes, row_group_ranges, run_tasks, task_bytes
 from corpus.config import TokenizeConfig, TokenizerConfig
 from core.dag import StageContext, StageResult
-from core.ray_session import groupby
+from core.ray_session import collect, groupby
 
 INDEX = "index.json"
 FORMAT = "opt-pipeline token shards v1"  # index.json's "format"; train.loader reads this one
@@ -412,7 +412,7 @@ def encode_streams(ctx: StageContext, parts: list[str], tok_path: str, seed: int
     grouped = groupby(keys, "group", keys.size_bytes(), ctx.config.ray, num_partitions=buckets).map_groups(
         write_stream, batch_format="pyarrow",
         fn_kwargs={"scratch": str(scratch), "streams": str(streams), "dtype": dtype, "block_tokens": block})
-    return sorted((json.loads(r["summary"]) for r in grouped.take_all()), key=lambda s: s["group"]), buckets
+    return sorted((json.loads(r["summary"]) for r in collect(grouped).to_pylist()), key=lambda s: s["group"]), buckets
 
 
 def stage_metrics(train_split: dict, evaluation: dict, vocab_size: int, buckets: int, seconds: dict) -> dict:
